@@ -1,0 +1,35 @@
+# Two entry points do everything on a fresh machine: `make demo` and `make test`.
+# torch is installed first from the pinned CPU build so pip never pulls a CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install model demo full test test-fast clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(VENV)/bin/turborlhf fetch-model smollm2-135m-instruct
+
+demo: model
+	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/demo.yaml
+
+full: model
+	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/full.yaml
+
+test: model
+	$(VENV)/bin/pytest -q tests
+
+test-fast: install
+	$(VENV)/bin/pytest -q tests -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
