@@ -1,0 +1,43 @@
+"""Data-layer errors and the per-line problem record shared by the converter and the loaders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DataError(ValueError):
+    """Malformed input data (raised in ``strict`` mode); the message lists kinds and line numbers."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad input line: 1-based ``line`` number, a short ``kind`` and a human ``detail``."""
+
+    line: int
+    kind: str
+    detail: str = ""
+
+
+def group_problems(problems: list[Problem]) -> dict[str, list[int]]:
+    """``{kind: [line, ...]}`` in first-seen kind order, lines sorted ascending."""
+    out: dict[str, list[int]] = {}
+    for p in problems:
+        out.setdefault(p.kind, []).append(p.line)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def format_problems(problems: list[Problem], max_lines: int = 50) -> str:
+    """``"prompt_mismatch at lines 1255, 1689; empty_response at lines 87"`` (long lists elided)."""
+    parts = []
+    for kind, lines in group_problems(problems).items():
+        shown = ", ".join(str(n) for n in lines[:max_lines])
+        if len(lines) > max_lines:
+            shown += f", ... ({len(lines) - max_lines} more)"
+        parts.append(f"{kind} ({len(lines)}) at line{'s' if len(lines) > 1 else ''} {shown}")
+    return "; ".join(parts)
+
+
+def raise_if_problems(problems: list[Problem], source: str) -> None:
+    """Raise ``DataError`` naming every problem kind and its line numbers, if there are any."""
+    if problems:
+        raise DataError(f"{source}: {len(problems)} bad line(s): {format_problems(problems)}")

@@ -1,0 +1,97 @@
+"""JSON-lines reading and atomic writing (``.jsonl`` and gzip-compressed ``.jsonl.gz``)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonLineError:
+    """A line that is not valid JSON: ``message`` from the decoder and the raw ``text``."""
+
+    __slots__ = ("message", "text")
+
+    def __init__(self, message: str, text: str):
+        self.message = message
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"JsonLineError({self.message!r})"
+
+
+def _open_text(path: Path, mode: str, gz: bool) -> io.TextIOBase:
+    if gz:
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return open(path, mode, encoding="utf-8")
+
+
+def _publish(tmp: str, path: Path) -> None:
+    """Give the temp file normal permissions (mkstemp makes it 0600), then move it into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_no, obj)`` for each non-blank line of a ``.jsonl`` / ``.jsonl.gz`` file.
+
+    ``line_no`` is 1-based and counts blank lines too, so it matches ``sed -n Np``. A line that is
+    not valid JSON yields ``(line_no, JsonLineError)`` instead of raising, so callers can report
+    it. Raises ``FileNotFoundError`` if ``path`` does not exist.
+    """
+    path = Path(path)
+    with _open_text(path, "r", path.name.endswith(".gz")) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield line_no, JsonLineError(str(e), line.rstrip("\n"))
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> int:
+    """Write ``rows`` one JSON object per line, atomically; return the number of rows written.
+
+    Writes to a temporary file in the same directory, then ``os.replace``s it onto ``path``, so a
+    reader never sees a half-written file. Gzip-compresses when ``path`` ends in ``.gz``.
+    Non-ASCII text is written as UTF-8, not escaped.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    n = 0
+    try:
+        with _open_text(Path(tmp), "w", path.name.endswith(".gz")) as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                n += 1
+        _publish(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return n
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: temp file in the same directory, then replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        _publish(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

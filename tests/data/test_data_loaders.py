@@ -1,0 +1,123 @@
+import json
+
+import pytest
+
+from turborlhf.data import DataError, DataWarning, load_kto, load_pairs, load_prompts, load_sft
+
+USER = [{"role": "user", "content": "Hi"}]
+RENDERED = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+HH = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello", "rejected": "\n\nHuman: Hi\n\nAssistant: Bye"}
+
+
+def write(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_load_pairs_all_formats(tok, tmp_path):
+    rows = [
+        {"prompt": RENDERED, "chosen": "Hello", "rejected": "Bye"},
+        {"prompt": USER, "chosen": "Hello", "rejected": "Bye", "margin": 2},
+        {"prompt": USER, "chosen": [{"role": "assistant", "content": "Hello"}],
+         "rejected": [{"role": "assistant", "content": "Bye"}]},
+        {"chosen": USER + [{"role": "assistant", "content": "Hello"}],
+         "rejected": USER + [{"role": "assistant", "content": "Bye"}]},
+        HH,
+    ]
+    got = load_pairs(write(tmp_path / "p.jsonl", rows), tok)
+    assert len(got) == 5 and got.problems == []
+    for r in got:
+        assert (r["prompt"], r["chosen"], r["rejected"]) == (RENDERED, "Hello", "Bye")
+    assert [r["margin"] for r in got] == [None, 2.0, None, None, None]
+
+
+def test_load_pairs_bad_lines(tok, tmp_path):
+    rows = [
+        HH,  # 1
+        "{oops",  # 2
+        {"prompt": RENDERED, "chosen": "x"},  # 3 missing rejected
+        {"prompt": RENDERED, "chosen": "x", "rejected": ""},  # 4 empty
+        {"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: B\n\nAssistant: y"},  # 5
+        {"prompt": RENDERED, "chosen": "x", "rejected": "y", "margin": "big"},  # 6
+        {"prompt": 3, "chosen": "x", "rejected": "y"},  # 7
+    ]
+    path = write(tmp_path / "p.jsonl", rows)
+    with pytest.warns(DataWarning, match="skipped 6 bad line"):
+        got = load_pairs(path, tok)
+    assert len(got) == 1
+    assert [(p.line, p.kind) for p in got.problems] == [
+        (2, "bad_json"), (3, "missing_key"), (4, "empty_response"), (5, "prompt_mismatch"),
+        (6, "bad_value"), (7, "bad_value")]
+    with pytest.raises(DataError, match=r"prompt_mismatch \(1\) at line 5"):
+        load_pairs(path, tok, strict=True)
+    with pytest.raises(DataError, match="no usable record"):
+        load_pairs(write(tmp_path / "bad.jsonl", ["{oops"]), tok)
+
+
+def test_load_prompts_formats_and_dedupe(tok, tmp_path):
+    rows = [
+        {"prompt": RENDERED},
+        {"prompt": USER},
+        {"text": RENDERED},
+        HH,
+        {"messages": USER + [{"role": "assistant", "content": "x"}]},
+        {"prompt": [{"role": "user", "content": "Other"}]},
+        {"text": 5},  # bad
+        {"chosen": "\n\nHuman: Third\n\nAssistant: ", "rejected": "x"},  # empty response: prompt ok
+        {"chosen": [{"role": "user", "content": "Hi"}]},
+    ]
+    with pytest.warns(DataWarning):
+        got = load_prompts(write(tmp_path / "p.jsonl", rows), tok)
+    assert list(got) == [RENDERED, "<|im_start|>user\nOther<|im_end|>\n<|im_start|>assistant\n",
+                         "<|im_start|>user\nThird<|im_end|>\n<|im_start|>assistant\n"]
+    assert [(p.line, p.kind) for p in got.problems] == [(7, "bad_value")]
+
+
+def test_load_sft_formats(tok, tmp_path):
+    rows = [
+        {"prompt": RENDERED, "response": "Hello"},
+        {"prompt": USER, "completion": "Hello"},
+        {"messages": USER + [{"role": "assistant", "content": "Hello"}]},
+        {"prompt": RENDERED, "chosen": "Hello", "rejected": "Bye"},
+        HH,
+        {"chosen": USER + [{"role": "assistant", "content": "Hello"}], "rejected": USER},
+    ]
+    got = load_sft(write(tmp_path / "s.jsonl", rows), tok)
+    assert list(got) == [{"prompt": RENDERED, "response": "Hello"}] * 6
+
+
+def test_load_kto_formats(tok, tmp_path):
+    rows = [
+        {"prompt": RENDERED, "completion": "Hello", "label": True},
+        {"prompt": USER, "completion": "Bye", "label": 0},
+        HH,
+        {"prompt": RENDERED, "completion": "x", "label": "yes"},  # bad label
+        {"prompt": RENDERED, "completion": "x"},  # missing label
+    ]
+    with pytest.warns(DataWarning):
+        got = load_kto(write(tmp_path / "k.jsonl", rows), tok)
+    assert list(got) == [
+        {"prompt": RENDERED, "completion": "Hello", "label": True},
+        {"prompt": RENDERED, "completion": "Bye", "label": False},
+        {"prompt": RENDERED, "completion": "Hello", "label": True},
+        {"prompt": RENDERED, "completion": "Bye", "label": False},
+    ]
+    assert [(p.line, p.kind) for p in got.problems] == [(4, "bad_value"), (5, "missing_key")]
+
+
+def test_loaders_read_prepare_outputs(tok, tmp_path):
+    from pathlib import Path
+
+    from turborlhf.data import prepare_hh
+
+    real = Path(__file__).parents[2] / "data/hh-rlhf/harmless-base-1800.jsonl.gz"
+    rep = prepare_hh(real, tmp_path, tok)
+    pairs = load_pairs(tmp_path / "test_pairs.jsonl", tok, strict=True)
+    assert len(pairs) == rep["pairs_written"]["test"]
+    assert len(load_prompts(tmp_path / "test_prompts.jsonl", tok, strict=True)) == rep["prompts_written"]["test"]
+    assert len(load_kto(tmp_path / "test_kto.jsonl", tok, strict=True)) == 2 * len(pairs)
+    assert len(load_sft(tmp_path / "test_pairs.jsonl", tok, strict=True)) == len(pairs)
+    # the raw file through load_pairs skips exactly the converter's 6 problems
+    with pytest.warns(DataWarning):
+        raw = load_pairs(real, tok)
+    assert len(raw) == 1794 and [p.line for p in raw.problems] == [87, 517, 926, 1104, 1255, 1689]

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from turborlhf.data import encode_prompt, encode_prompt_response, length_grouped_batches, pad_batch, pad_masks
+
+PROMPT = "<|im_start|>user\nTell me a long story about a dog and a cat<|im_end|>\n<|im_start|>assistant\n"
+RESP = "Once upon a time there was a dog who liked a cat very much."
+
+
+def ids(tok, s):
+    return tok(s, add_special_tokens=False)["input_ids"]
+
+
+def test_no_truncation(tok):
+    p, r = ids(tok, PROMPT), ids(tok, RESP)
+    e = encode_prompt_response(tok, PROMPT, RESP, max_len=1000)
+    assert e["input_ids"] == p + r + [tok.eos_token_id]
+    assert e["loss_mask"] == [0] * len(p) + [1] * (len(r) + 1)
+    assert e["prompt_len"] == len(p)
+    assert not e["prompt_truncated"] and not e["response_truncated"]
+    e2 = encode_prompt_response(tok, PROMPT, RESP, max_len=1000, add_eos=False)
+    assert e2["input_ids"] == p + r and sum(e2["loss_mask"]) == len(r)
+
+
+def test_prompt_cut_from_left_first(tok):
+    p, r = ids(tok, PROMPT), ids(tok, RESP) + [tok.eos_token_id]
+    L = len(r) + 5  # whole response fits if it may take len(r); prompt keeps its last 5 tokens
+    e = encode_prompt_response(tok, PROMPT, RESP, max_len=L, min_response_tokens=len(r))
+    assert len(e["input_ids"]) == L
+    assert e["input_ids"] == p[-5:] + r
+    assert e["prompt_len"] == 5 and e["prompt_truncated"] and not e["response_truncated"]
+    assert e["input_ids"][-1] == tok.eos_token_id
+
+
+def test_response_cut_from_right_keeps_min(tok):
+    p, r = ids(tok, PROMPT), ids(tok, RESP) + [tok.eos_token_id]
+    e = encode_prompt_response(tok, PROMPT, RESP, max_len=10, min_response_tokens=4)
+    assert e["input_ids"] == p[-6:] + r[:4]
+    assert e["loss_mask"] == [0] * 6 + [1] * 4
+    assert e["response_truncated"] and e["input_ids"][-1] != tok.eos_token_id
+    # default minimum is max_len // 2
+    e = encode_prompt_response(tok, PROMPT, RESP, max_len=10)
+    assert e["prompt_len"] == 5 and e["input_ids"] == p[-5:] + r[:5]
+    # short prompt, long response: prompt whole, response fills the rest
+    short = ids(tok, "<|im_start|>assistant\n")
+    e = encode_prompt_response(tok, "<|im_start|>assistant\n", RESP * 5, max_len=20)
+    assert e["input_ids"][: len(short)] == short and e["prompt_len"] == len(short)
+    assert len(e["input_ids"]) == 20 and e["response_truncated"]
+    # prompt a bit too long, short response: prompt cut only as much as needed
+    e = encode_prompt_response(tok, PROMPT, "Ok", max_len=len(p))
+    r_ok = ids(tok, "Ok") + [tok.eos_token_id]
+    assert e["input_ids"] == p[len(r_ok):] + r_ok
+
+
+def test_encode_prompt_left_truncates(tok):
+    p = ids(tok, PROMPT)
+    assert encode_prompt(tok, PROMPT, 1000) == p
+    assert encode_prompt(tok, PROMPT, 4) == p[-4:]
+
+
+def test_pad_batch_right_and_left():
+    seqs = [[5, 6, 7], [8], []]
+    ids_BT, mask_BT = pad_batch(seqs, pad_id=0)
+    assert ids_BT.dtype == torch.long and ids_BT.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0]]
+    assert mask_BT.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    ids_BT, mask_BT = pad_batch(seqs, pad_id=9, side="left")
+    assert ids_BT.tolist() == [[5, 6, 7], [9, 9, 8], [9, 9, 9]]
+    assert mask_BT.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert pad_masks([[0, 1], [1]], side="left").tolist() == [[0, 1], [0, 1]]
+    assert pad_batch([[1, 2, 3]], 0, pad_to_multiple_of=4)[0].tolist() == [[1, 2, 3, 0]]
+    with pytest.raises(ValueError):
+        pad_batch([], 0)
+    with pytest.raises(ValueError):
+        pad_batch([[1]], 0, side="middle")
+
+
+def test_length_grouped_batches():
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 500) for _ in range(1000)]
+    b1 = length_grouped_batches(lengths, 8, seed=3, megabatch_mult=10)
+    assert b1 == length_grouped_batches(lengths, 8, seed=3, megabatch_mult=10)
+    assert b1 != length_grouped_batches(lengths, 8, seed=4, megabatch_mult=10)
+    assert sorted(i for b in b1 for i in b) == list(range(1000))
+    assert all(len(b) == 8 for b in b1)
+
+    def padding(batches):
+        return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in batches)
+
+    naive = [list(range(i, i + 8)) for i in range(0, 1000, 8)]
+    assert padding(b1) < 0.3 * padding(naive)
+    b = length_grouped_batches([3, 1, 2, 5, 4], 2, seed=0, shuffle=False)
+    assert b == [[3, 4], [0, 2], [1]]
+    assert length_grouped_batches([3, 1, 2, 5, 4], 2, seed=0, shuffle=False, drop_last=True) == [[3, 4], [0, 2]]

@@ -1,0 +1,46 @@
+import gzip
+import json
+import os
+
+from turborlhf.data.jsonl import JsonLineError, read_jsonl, write_jsonl
+
+
+def test_read_plain_and_gz_with_line_numbers(tmp_path):
+    text = '{"a": 1}\n\n{bad json\n  \n["x"]\n{"b": "ü"}'  # no trailing newline
+    plain = tmp_path / "x.jsonl"
+    plain.write_text(text, encoding="utf-8")
+    gz = tmp_path / "x.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write(text)
+    for p in (plain, gz):
+        rows = list(read_jsonl(p))
+        assert [n for n, _ in rows] == [1, 3, 5, 6]
+        assert rows[0][1] == {"a": 1}
+        assert isinstance(rows[1][1], JsonLineError) and rows[1][1].text == "{bad json"
+        assert rows[2][1] == ["x"] and rows[3][1] == {"b": "ü"}
+
+
+def test_write_atomic_round_trip(tmp_path):
+    rows = [{"i": i, "t": "é"} for i in range(5)]
+    for name in ("out.jsonl", "out.jsonl.gz"):
+        p = tmp_path / "sub" / name
+        assert write_jsonl(p, rows) == 5
+        assert [o for _, o in read_jsonl(p)] == rows
+    assert sorted(os.listdir(tmp_path / "sub")) == ["out.jsonl", "out.jsonl.gz"]  # no temp left
+    assert json.loads((tmp_path / "sub/out.jsonl").read_text().splitlines()[0])["t"] == "é"
+
+
+def test_write_failure_keeps_old_file(tmp_path):
+    p = tmp_path / "f.jsonl"
+    write_jsonl(p, [{"old": True}])
+
+    def rows():
+        yield {"new": 1}
+        raise RuntimeError("boom")
+
+    try:
+        write_jsonl(p, rows())
+    except RuntimeError:
+        pass
+    assert [o for _, o in read_jsonl(p)] == [{"old": True}]
+    assert os.listdir(tmp_path) == ["f.jsonl"]
