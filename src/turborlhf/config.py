@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
@@ -319,17 +319,19 @@ def config_to_dict(cfg: Cfg) -> dict:
     return cfg.model_dump(mode="json")
 
 
-def config_help(cls: type[Cfg], prefix: str = "") -> list[str]:
-    """One line per leaf field: ``--a.b  TYPE  default=X  help``."""
+def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None) -> list[str]:
+    """One line per leaf field: ``--a.b  TYPE  default=X  help`` (defaults as the parent sets them)."""
     lines = []
     for name, f in cls.model_fields.items():
         key = f"{prefix}{name}"
         ann = f.annotation
         sub = _cfg_class(ann)
+        value = getattr(defaults, name) if defaults is not None else (
+            None if f.is_required() else f.get_default(call_default_factory=True))
         if sub is not None:
-            lines.extend(config_help(sub, prefix=key + "."))
+            lines.extend(config_help(sub, prefix=key + ".", defaults=value if isinstance(value, Cfg) else None))
             continue
-        default = "required" if f.is_required() else f"default={_short(f.get_default(call_default_factory=True))}"
+        default = "required" if (f.is_required() and defaults is None) else f"default={_short(value)}"
         tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         lines.append(f"  --{key:<36} {tname:<14} {default:<22} {f.description or ''}")
     return lines

@@ -1,0 +1,5 @@
+import sys
+
+from turborlhf.cli import main
+
+sys.exit(main())

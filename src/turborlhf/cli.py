@@ -1,0 +1,138 @@
+"""Command line: ``turborlhf <command> ...``.
+
+Training commands take ``--config FILE.yaml`` plus dotted overrides in either form
+``--optim.lr 1e-5`` or ``optim.lr=1e-5``; ``turborlhf <command> --help`` lists every field.
+Heavy modules (torch, transformers, Ray, vLLM) are imported only inside the chosen command.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+# command → (module, function, config class name in turborlhf.config or None, one-line help)
+TRAIN_COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "sft": ("turborlhf.trainers.sft", "train", "SFTConfig", "supervised fine-tuning on response tokens"),
+    "rm": ("turborlhf.trainers.reward_model", "train", "RMConfig", "pairwise (Bradley-Terry) reward model"),
+    "ppo": ("turborlhf.trainers.ppo", "train", "PPOConfig", "PPO with actor, critic, reward and reference models"),
+    "pipeline": ("turborlhf.pipeline", "run", "PipelineConfig", "prepare data → SFT → RM → PPO → evaluation"),
+}
+
+OTHER_COMMANDS: dict[str, str] = {
+    "fetch-model": "download and convert a named model into the cache",
+    "prepare-data": "convert a preference dataset (hh-rlhf) into train/test files",
+    "eval-rm": "reward-model accuracy on preference pairs",
+    "eval-policy": "generate for prompts and score with a reward model",
+}
+
+
+def _split_overrides(rest: list[str]) -> list[str]:
+    """``['--a.b', '3', 'c.d=4', '--e=5']`` → ``['a.b=3', 'c.d=4', 'e=5']``."""
+    out, i = [], 0
+    while i < len(rest):
+        tok = rest[i]
+        if tok.startswith("--"):
+            key = tok[2:]
+            if "=" in key:
+                out.append(key)
+            elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                out.append(f"{key}={rest[i + 1]}")
+                i += 1
+            else:
+                out.append(f"{key}=true")
+        elif "=" in tok:
+            out.append(tok)
+        else:
+            raise SystemExit(f"error: unexpected argument '{tok}' (overrides look like key.sub=value)")
+        i += 1
+    return out
+
+
+def _run_train_command(name: str, argv: list[str]) -> int:
+    from turborlhf import config as C
+
+    module, func, cls_name, help_text = TRAIN_COMMANDS[name]
+    cls = getattr(C, cls_name)
+    p = argparse.ArgumentParser(prog=f"turborlhf {name}", description=f"{help_text}. {cls.__doc__ or ''}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="config fields (override with --field value or field=value):\n"
+                                       + "\n".join(C.config_help(cls)))
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    args, rest = p.parse_known_args(argv)
+    try:
+        cfg = C.load_config(cls, args.config, _split_overrides(rest))
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    fn: Callable = getattr(importlib.import_module(module), func)
+    fn(cfg, resume=args.resume)
+    return 0
+
+
+def _fetch_model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="turborlhf fetch-model", description=OTHER_COMMANDS["fetch-model"])
+    p.add_argument("name", help="zoo name, e.g. smollm2-135m-instruct")
+    p.add_argument("--force", action="store_true", help="download and convert again")
+    a = p.parse_args(argv)
+    from turborlhf.models.zoo import fetch_model
+
+    print(fetch_model(a.name, force=a.force))
+    return 0
+
+
+def _prepare_data(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="turborlhf prepare-data", description=OTHER_COMMANDS["prepare-data"])
+    p.add_argument("dataset", choices=["hh-rlhf"], help="dataset format")
+    p.add_argument("--input", required=True, help="raw .jsonl/.jsonl.gz file or hub id (Anthropic/hh-rlhf)")
+    p.add_argument("--output-dir", required=True, help="where the converted files go")
+    p.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer whose chat template renders dialogues")
+    p.add_argument("--test-fraction", type=float, default=0.1, help="share of prompts held out (stable hash split)")
+    p.add_argument("--strict", action="store_true", help="any malformed line is an error")
+    a = p.parse_args(argv)
+    from turborlhf.data.hh_rlhf import run_prepare_data
+    from turborlhf.models.zoo import resolve_model_path
+
+    a.tokenizer = resolve_model_path(a.tokenizer)
+    run_prepare_data(a)
+    return 0
+
+
+def _eval(name: str, argv: list[str]) -> int:
+    from turborlhf import evaluate
+
+    return evaluate.main(name, argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = ["usage: turborlhf <command> [options]", "", "commands:"]
+        for k, v in TRAIN_COMMANDS.items():
+            lines.append(f"  {k:<14} {v[3]}")
+        for k, v in OTHER_COMMANDS.items():
+            lines.append(f"  {k:<14} {v}")
+        lines += ["", "`turborlhf <command> --help` shows the command's options and config fields."]
+        print("\n".join(lines))
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from turborlhf import __version__
+
+        print(__version__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd in TRAIN_COMMANDS:
+        return _run_train_command(cmd, rest)
+    if cmd == "fetch-model":
+        return _fetch_model(rest)
+    if cmd == "prepare-data":
+        return _prepare_data(rest)
+    if cmd in ("eval-rm", "eval-policy"):
+        return _eval(cmd, rest)
+    print(f"error: unknown command '{cmd}' (see turborlhf --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

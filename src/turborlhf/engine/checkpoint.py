@@ -1,0 +1,117 @@
+"""Checkpoints that survive crashes: every directory is written to a temporary sibling and then
+renamed into place, so a crash mid-save leaves the previous checkpoint intact.
+
+Layout of a run directory::
+
+    <output_dir>/
+      checkpoints/step-000040/      resumable: one HF dir per model + trainer_state.pt
+          actor/  critic/ ...       save_pretrained layout + tokenizer
+          trainer_state.pt          optimizers, schedulers, RNG, step, data position, extra
+      checkpoints/latest            text file: name of the newest complete checkpoint
+      final/ (or the trainer's own name)  the exported model (HF dir)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from turborlhf.models.load import merge_lora_for_save
+
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text"]
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _replace_dir(staged: Path, final: Path) -> None:
+    """Move `staged` to `final`; an existing `final` is renamed aside first and removed after."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(staged, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None) -> None:
+    plain = merge_lora_for_save(model)
+    if extra_config:
+        for k, v in extra_config.items():
+            setattr(plain.config, k, v)
+    plain.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def save_hf_dir(model, tokenizer, out_dir: str | Path, extra_config: Optional[dict] = None) -> Path:
+    """Atomically write a Hugging Face directory (weights, config, tokenizer)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        _write_hf(model, tokenizer, staged, extra_config)
+        _replace_dir(staged, out)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return out
+
+
+def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], tokenizer,
+                    state: dict[str, Any], keep: int = 1) -> Path:
+    """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
+
+    Args:
+        models: name → model, each saved as an HF dir (LoRA merged).
+        state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
+        keep: number of complete checkpoints to keep.
+    """
+    root = Path(output_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    staged = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
+    try:
+        for mname, model in models.items():
+            _write_hf(model, tokenizer, staged / mname)
+        torch.save(state, staged / "trainer_state.pt")
+        _replace_dir(staged, root / name)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    atomic_write_text(root / "latest", name)
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return root / name
+
+
+def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint directory, or None."""
+    root = Path(output_dir) / "checkpoints"
+    marker = root / "latest"
+    if marker.exists():
+        p = root / marker.read_text().strip()
+        if (p / "trainer_state.pt").exists():
+            return p
+    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.pt").exists()) if root.exists() else []
+    return done[-1] if done else None
+
+
+def load_trainer_state(ckpt_dir: str | Path) -> dict:
+    return torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)

@@ -1,0 +1,121 @@
+"""One rank's training mechanics: precision, optimizer, schedule, seeding, gradient steps.
+
+Precision: parameters and optimizer states stay fp32; forward/backward run under bf16 autocast
+(``dtype: bf16``), which is ~4× faster for matmuls on AVX-512-bf16 CPUs and on GPUs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "make_scheduler",
+           "clip_and_step", "trainable_parameters", "rng_state", "set_rng_state", "count_parameters"]
+
+
+def autocast(dtype: str):
+    """Context manager for the configured compute dtype (``bf16`` or ``fp32``)."""
+    if dtype == "bf16":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def set_threads(n: int = 0) -> int:
+    """Set torch intra-op threads (0 = all cores, or $TURBORLHF_THREADS)."""
+    n = n or int(os.environ.get("TURBORLHF_THREADS", "0")) or (os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return n
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def make_optimizer(model: nn.Module, cfg, lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over trainable parameters; no weight decay on biases, norms and embeddings."""
+    decay, no_decay = [], []
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.ndim < 2 or "norm" in name or "embed" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr if lr is not None else cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             foreach=True)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    """Linear warm-up then constant / cosine / linear decay to ``min_lr_ratio · lr``."""
+    warm = cfg.warmup_steps
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        if cfg.schedule == "cosine":
+            shape = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            shape = 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip gradients by global norm (if > 0), step optimizer and schedule, zero grads.
+
+    Returns the pre-clip gradient norm. A non-finite norm skips the update (and says so by
+    returning nan) rather than corrupting the weights.
+    """
+    params = trainable_parameters(model)
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
+    norm = float(norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,155 @@
+"""`turborlhf eval-rm` and `turborlhf eval-policy`: machine-readable evaluation.
+
+    turborlhf eval-rm --model runs/demo/rm --data pairs.jsonl.gz --json
+    → {"accuracy": 0.63, "n": 180, "loss": ..., "margin": ..., ...}
+
+    turborlhf eval-policy --policy runs/demo/ppo --reward-model runs/demo/rm --prompts prompts.jsonl --json
+    → {"reward_mean": ..., "reward_std": ..., "n": 64, "response_length_mean": ..., ...}
+
+With ``--json`` stdout carries exactly one JSON object (its last line); logs go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Optional
+
+__all__ = ["main", "eval_rm", "eval_policy"]
+
+
+def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8, limit: int = 0,
+            dtype: str = "bf16") -> dict:
+    """Accuracy (strict >) of a reward model on preference pairs (raw HH or pair format)."""
+    from turborlhf.data.loaders import load_pairs
+    from turborlhf.engine.train import set_threads
+    from turborlhf.models.load import load_scalar_model, load_tokenizer
+    from turborlhf.rewards.model import encode_pairs
+    from turborlhf.trainers.reward_model import evaluate_pairs
+
+    set_threads()
+    t0 = time.perf_counter()
+    tok = load_tokenizer(model_dir)
+    model = load_scalar_model(model_dir, tok)
+    pairs = load_pairs(data, tok)
+    if limit:
+        pairs = pairs[:limit]
+    res = evaluate_pairs(model, tok, encode_pairs(tok, pairs, max_len), dtype, batch_size)
+    res.update({"model": model_dir, "data": data, "seconds": round(time.perf_counter() - t0, 2)})
+    return res
+
+
+def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+                       seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32) -> tuple:
+    """Seeded generation for text prompts → (prompt_ids, response_ids, finished)."""
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.rollout import make_engine
+    from turborlhf.rollout.base import SamplingParams
+
+    eng = make_engine(engine, policy, dtype="bf16", max_batch_size=batch_size)
+    ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_token_ids=(tok.eos_token_id,), seed=seed)
+    resp, fin = [], []
+    for s in range(0, len(ids), batch_size):
+        out = eng.generate(ids[s:s + batch_size], params)
+        resp += out.response_ids
+        fin += out.finished
+    return ids, resp, fin
+
+
+def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,
+                temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
+                reference_dir: Optional[str] = None, samples_out: Optional[str] = None) -> dict:
+    """Generate for the first `n` prompts and score with the reward model.
+
+    Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
+    fraction, and with `reference_dir` the k1 KL estimate Σ_t (log π − log π_ref) averaged over
+    the sampled responses.
+    """
+    import torch
+
+    from turborlhf.data.loaders import load_prompts
+    from turborlhf.engine.train import autocast, set_threads
+    from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
+    from turborlhf.rewards.model import score_token_ids
+
+    set_threads()
+    t0 = time.perf_counter()
+    tok = load_tokenizer(policy_dir)
+    policy = load_causal_lm(policy_dir, tok)
+    prompts = load_prompts(prompts_file, tok)[:n]
+    p_ids, r_ids, fin = generate_responses(policy, tok, prompts, max_new_tokens, temperature, top_p, seed, engine)
+    t_gen = time.perf_counter() - t0
+    rm_tok = load_tokenizer(reward_model_dir)
+    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
+    texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
+    from turborlhf.data.tokenize import encode_prompt_response
+
+    seqs = [encode_prompt_response(rm_tok, p, t, 4096)["input_ids"] for p, t in zip(prompts, texts)]
+    scores = score_token_ids(rm, rm_tok.pad_token_id, seqs, "bf16")
+    lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
+    res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+           "n": len(prompts), "response_length_mean": float(lens.mean()),
+           "eos_fraction": float(torch.tensor(fin, dtype=torch.float32).mean())}
+    if reference_dir:
+        from turborlhf.models.forward import response_logprobs
+        from turborlhf.trainers.ppo import assemble
+
+        ref = load_causal_lm(reference_dir, tok, dtype=torch.bfloat16)
+        kls = []
+        with torch.no_grad(), autocast("bf16"):
+            for s in range(0, len(p_ids), 8):
+                ids, attn, P, mask = assemble(p_ids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
+                target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
+                lp = response_logprobs(policy, ids, attn, target)[0][:, P:]
+                lr = response_logprobs(ref, ids, attn, target)[0][:, P:]
+                kls.append(((lp - lr) * mask).sum(-1))
+        res["kl_to_reference"] = float(torch.cat(kls).mean())
+    res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
+                "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
+                "seconds": round(time.perf_counter() - t0, 2)})
+    if samples_out:
+        with open(samples_out, "w") as f:
+            for p, t, s in zip(prompts, texts, scores.tolist()):
+                f.write(json.dumps({"prompt": p, "response": t, "score": s}) + "\n")
+    return res
+
+
+def main(name: str, argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog=f"turborlhf {name}")
+    if name == "eval-rm":
+        p.add_argument("--model", required=True, help="reward model directory")
+        p.add_argument("--data", required=True, help="pairs: raw HH lines or {prompt,chosen,rejected} (.jsonl[.gz])")
+        p.add_argument("--max-len", type=int, default=1024, help="tokens per sequence (prompt cut from the left)")
+        p.add_argument("--batch-size", type=int, default=8, help="pairs per forward pass")
+        p.add_argument("--limit", type=int, default=0, help="evaluate only the first N pairs")
+    else:
+        p.add_argument("--policy", required=True, help="policy directory (causal LM)")
+        p.add_argument("--reward-model", required=True, help="reward model directory")
+        p.add_argument("--prompts", required=True, help="{prompt} lines, pair-format or raw HH lines")
+        p.add_argument("--reference", help="reference policy: also report KL to it")
+        p.add_argument("--n", type=int, default=64, help="number of prompts")
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=0.9)
+        p.add_argument("--seed", type=int, default=1234)
+        p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
+        p.add_argument("--samples-out", help="write prompts, responses and scores here (JSONL)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    a = p.parse_args(argv)
+    # everything but the final JSON goes to stderr so stdout stays machine-readable
+    with contextlib.redirect_stdout(sys.stderr):
+        if name == "eval-rm":
+            res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit)
+        else:
+            res = eval_policy(a.policy, a.reward_model, a.prompts, a.n, a.max_new_tokens, a.temperature, a.top_p,
+                              a.seed, a.engine, a.reference, a.samples_out)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>22}: {v}")
+    return 0

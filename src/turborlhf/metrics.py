@@ -1,0 +1,126 @@
+"""Metrics: one logger writes each step to stdout (a compact progress line), JSONL and TensorBoard.
+
+Canonical metric names are defined here once and used by every trainer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["MetricsLogger", "M", "format_duration"]
+
+
+class M:
+    """Canonical metric names (TensorBoard tags / JSONL keys)."""
+
+    LOSS = "train/loss"
+    LR = "train/lr"
+    GRAD_NORM = "train/grad_norm"
+    TOKENS_PER_S = "train/tokens_per_s"
+    RM_ACC = "train/accuracy"
+    RM_MARGIN = "train/margin"
+    EVAL_LOSS = "eval/loss"
+    EVAL_ACC = "eval/accuracy"
+    REWARD_MEAN = "rollout/reward_mean"
+    REWARD_STD = "rollout/reward_std"
+    SCORE_MEAN = "rollout/score_mean"
+    RESPONSE_LEN = "rollout/response_length"
+    EOS_FRAC = "rollout/eos_fraction"
+    KL = "policy/kl"
+    KL_COEF = "policy/kl_coef"
+    ENTROPY = "policy/entropy"
+    CLIPFRAC = "policy/clipfrac"
+    APPROX_KL = "policy/approx_kl"
+    POLICY_LOSS = "policy/loss"
+    VALUE_LOSS = "value/loss"
+    VALUE_CLIPFRAC = "value/clipfrac"
+    EXPLAINED_VAR = "value/explained_variance"
+    ADV_MEAN = "advantage/mean"
+    RETURN_MEAN = "value/return_mean"
+    T_GENERATE = "timing/generate"
+    T_EXPERIENCE = "timing/experience"
+    T_TRAIN = "timing/train"
+    T_STEP = "timing/step"
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+class MetricsLogger:
+    """Write metrics to ``<output_dir>/metrics.jsonl``, TensorBoard (``<output_dir>/tb``) and stdout.
+
+    Args:
+        output_dir: run directory.
+        name: short stage name shown in the progress line (``sft``, ``rm``, ``ppo``).
+        total_steps: for the progress percentage and the time-left estimate.
+        show: keys shown in the progress line (others only go to files).
+        resume: append to an existing metrics file instead of starting it anew.
+    """
+
+    def __init__(self, output_dir: str | Path, name: str, total_steps: int, show: tuple[str, ...] = (),
+                 tensorboard: bool = True, progress: bool = True, resume: bool = False, start_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name, self.total, self.show, self.progress = name, total_steps, show, progress
+        path = self.dir / "metrics.jsonl"
+        if resume and path.exists():  # drop rows past the checkpoint we resume from
+            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= start_step]
+            path.write_text("".join(l + "\n" for l in keep))
+        self._jsonl = open(path, "a" if resume else "w")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tb"))
+            except Exception as e:  # tensorboard missing or broken: keep going with JSONL
+                print(f"[{name}] TensorBoard disabled: {e}", file=sys.stderr)
+        self._t0 = time.perf_counter()
+        self._start_step = start_step
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
+                                for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self.progress:
+            print(self.progress_line(step, row), flush=True)
+
+    def progress_line(self, step: int, row: dict) -> str:
+        elapsed = time.perf_counter() - self._t0
+        done = max(step - self._start_step, 1)
+        rate = elapsed / done
+        left = rate * max(self.total - step, 0)
+        parts = [f"[{self.name}] {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%)"]
+        for k in self.show:
+            if k in row:
+                parts.append(f"{k.split('/')[-1]} {_fmt(row[k])}")
+        parts.append(f"| {rate:.2f} s/step, {format_duration(left)} left")
+        return " ".join(parts)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

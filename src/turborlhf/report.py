@@ -1,0 +1,98 @@
+"""The pipeline's evaluation stage: held-out RM accuracy, SFT vs PPO policy reward on the same test
+prompts (same seed, same sampling settings, same reward model), a plot of the PPO run, sample
+responses, and ``summary.json``."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["evaluate_pipeline", "plot_ppo"]
+
+
+def plot_ppo(metrics_file: Path, out_png: Path) -> bool:
+    """Reward, KL and response length per PPO step → PNG. Returns False if there is nothing to plot."""
+    rows = [json.loads(l) for l in metrics_file.read_text().splitlines() if l.strip()] if metrics_file.exists() else []
+    rows = [r for r in rows if "rollout/reward_mean" in r]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, title in zip(axes, ("rollout/reward_mean", "policy/kl", "rollout/response_length"),
+                              ("reward (RM score, mean)", "KL to reference (per sequence)", "response length (tokens)")):
+        ax.plot(steps, [r.get(key, math.nan) for r in rows], marker="o", ms=3)
+        ax.set_title(title)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict) -> dict:
+    from turborlhf.evaluate import eval_policy, eval_rm
+
+    E = cfg.eval
+    rm_dir, ppo_dir, ev_dir = str(run_dir / "rm"), str(run_dir / "ppo"), run_dir / "eval"
+    ev_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"model": cfg.model, "run_dir": str(run_dir)}
+    rm_res = eval_rm(rm_dir, str(data / "test_pairs.jsonl"))
+    summary["rm_test_accuracy"] = rm_res["accuracy"]
+    summary["rm_test_pairs"] = rm_res["n"]
+    R = E.rollout
+    common = dict(n=E.n_prompts, max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
+                  seed=E.seed, engine=R.engine)
+    prompts = str(data / "test_prompts.jsonl")
+    sft_res = eval_policy(sft_dir, rm_dir, prompts, samples_out=str(ev_dir / "sft_samples.jsonl"), **common)
+    ppo_res = eval_policy(ppo_dir, rm_dir, prompts, reference_dir=sft_dir,
+                          samples_out=str(ev_dir / "ppo_samples.jsonl"), **common)
+    std = sft_res["reward_std"] or 1.0
+    summary["sft_policy"] = {k: sft_res[k] for k in ("reward_mean", "reward_std", "n", "response_length_mean",
+                                                    "eos_fraction")}
+    summary["ppo_policy"] = {k: ppo_res[k] for k in ("reward_mean", "reward_std", "n", "response_length_mean",
+                                                    "eos_fraction", "kl_to_reference")}
+    summary["ppo_minus_sft_reward_in_sft_std"] = (ppo_res["reward_mean"] - sft_res["reward_mean"]) / std
+    summary["eval_settings"] = {k: v for k, v in common.items()}
+    if plot_ppo(run_dir / "ppo" / "metrics.jsonl", run_dir / "ppo_curves.png"):
+        summary["plot"] = str(run_dir / "ppo_curves.png")
+    samples = []
+    sft_s = [json.loads(l) for l in (ev_dir / "sft_samples.jsonl").read_text().splitlines()]
+    ppo_s = [json.loads(l) for l in (ev_dir / "ppo_samples.jsonl").read_text().splitlines()]
+    for a, b in list(zip(sft_s, ppo_s))[:E.n_samples_shown]:
+        samples.append({"prompt": a["prompt"], "sft": a["response"], "sft_score": a["score"],
+                        "ppo": b["response"], "ppo_score": b["score"]})
+    summary["samples"] = samples
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary)
+    return summary
+
+
+def _last_user_turn(prompt: str) -> str:
+    for marker in ("<|im_start|>user\n", "Human: "):
+        if marker in prompt:
+            return prompt.rsplit(marker, 1)[1].split("<|im_end|>")[0].strip()
+    return prompt[-200:]
+
+
+def print_summary(s: dict) -> None:
+    print("\n================ turborlhf summary ================")
+    print(f"reward model: test accuracy {s['rm_test_accuracy']:.3f} on {s['rm_test_pairs']} held-out pairs")
+    a, b = s["sft_policy"], s["ppo_policy"]
+    print(f"SFT policy:   reward {a['reward_mean']:+.3f} ± {a['reward_std']:.3f}, "
+          f"length {a['response_length_mean']:.1f} tokens ({a['n']} test prompts)")
+    print(f"PPO policy:   reward {b['reward_mean']:+.3f} ± {b['reward_std']:.3f}, "
+          f"length {b['response_length_mean']:.1f} tokens, KL to SFT {b['kl_to_reference']:.2f}")
+    print(f"PPO − SFT:    {s['ppo_minus_sft_reward_in_sft_std']:+.2f} SFT reward std")
+    for i, x in enumerate(s.get("samples", []), 1):
+        print(f"\n--- sample {i}: {_last_user_turn(x['prompt'])[:160]!r}")
+        print(f"  SFT ({x['sft_score']:+.2f}): {x['sft'][:240]!r}")
+        print(f"  PPO ({x['ppo_score']:+.2f}): {x['ppo'][:240]!r}")
+    if s.get("plot"):
+        print(f"\nplot: {s['plot']}")
+    print("===================================================")

@@ -1,0 +1,61 @@
+"""Scoring with a reward model: preference pairs (accuracy) and prompt/response texts.
+
+A reward model is an `AutoModelForSequenceClassification(num_labels=1)`; the score of a sequence
+is the head at its last attended token (the EOS), see `turborlhf.models.forward.last_token_scores`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from turborlhf.data.tokenize import encode_prompt_response, pad_batch
+from turborlhf.engine.train import autocast
+from turborlhf.models.forward import last_token_scores
+
+__all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts"]
+
+
+def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
+    """Each pair → ``{"chosen": ids, "rejected": ids, "margin": float}`` (EOS appended)."""
+    out = []
+    for p in pairs:
+        c = encode_prompt_response(tokenizer, p["prompt"], p["chosen"], max_len)["input_ids"]
+        r = encode_prompt_response(tokenizer, p["prompt"], p["rejected"], max_len)["input_ids"]
+        out.append({"chosen": c, "rejected": r, "margin": float(p.get("margin") or 0.0)})
+    return out
+
+
+def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``(chosen_B, rejected_B)`` of encoded pairs in one forward pass (grad enabled if
+    the caller enables it). Chosen and rejected go through the model as one batch of 2B rows."""
+    seqs = [e["chosen"] for e in encoded] + [e["rejected"] for e in encoded]
+    ids, attn = pad_batch(seqs, tokenizer.pad_token_id)
+    with autocast(dtype):
+        scores = last_token_scores(model, ids, attn)
+    B = len(encoded)
+    return scores[:B], scores[B:]
+
+
+@torch.no_grad()
+def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: str = "bf16",
+                    batch_size: int = 16) -> torch.Tensor:
+    """Scores ``B`` of full token sequences, batched by similar length (order preserved)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = torch.empty(len(seqs))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        ids, attn = pad_batch([list(seqs[i]) for i in idx], pad_id)
+        with autocast(dtype):
+            out[idx] = last_token_scores(model, ids, attn).float()
+    model.train(was_training)
+    return out
+
+
+def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int = 1024,
+                dtype: str = "bf16", batch_size: int = 16) -> torch.Tensor:
+    """Scores of (prompt, response) texts; EOS appended to each response."""
+    seqs = [encode_prompt_response(tokenizer, p, r, max_len)["input_ids"] for p, r in zip(prompts, responses)]
+    return score_token_ids(model, tokenizer.pad_token_id, seqs, dtype, batch_size)

@@ -1,0 +1,142 @@
+"""`turborlhf rm`: pairwise Bradley-Terry reward model (Ouyang et al. 2022, Eq. 1).
+
+    loss = mean_pairs[-log σ(r_chosen - r_rejected - margin)]   (+ c·mean((r_c + r_r)^2), TRL)
+
+The model is a causal-LM backbone with a scalar head (`AutoModelForSequenceClassification`,
+num_labels=1) read at the EOS token. Chosen and rejected sequences of a micro-batch go through
+one forward pass; the LM head is never computed. The exported directory loads with
+``AutoModelForSequenceClassification.from_pretrained``.
+
+    turborlhf rm --config configs/tiny/rm.yaml
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from turborlhf.algo import pairwise_rm_loss
+from turborlhf.config import RMConfig
+from turborlhf.data.loaders import load_pairs
+from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler, rng_state,
+                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.metrics import M, MetricsLogger
+from turborlhf.models.load import apply_lora, backbone_of, load_scalar_model, load_tokenizer
+from turborlhf.rewards.model import encode_pairs, pair_scores
+
+__all__ = ["train", "evaluate_pairs"]
+
+
+@torch.no_grad()
+def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> dict:
+    """Accuracy (strict >, ties wrong), mean loss and margin, and score mean/std over pairs."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["chosen"]) + len(encoded[i]["rejected"]))
+    ch, rj = torch.empty(len(encoded)), torch.empty(len(encoded))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        c, r = pair_scores(model, tokenizer, [encoded[i] for i in idx], dtype)
+        ch[idx], rj[idx] = c.float(), r.float()
+    model.train(was_training)
+    loss, stats = pairwise_rm_loss(ch, rj)
+    both = torch.cat([ch, rj])
+    return {"accuracy": float((ch > rj).float().mean()), "loss": float(loss.mean()),
+            "margin": float((ch - rj).mean()), "score_mean": float(both.mean()), "score_std": float(both.std()),
+            "n": len(encoded)}
+
+
+def train(cfg: RMConfig, resume: bool = False) -> Path:
+    # 1. run directory, threads, seed
+    out = setup_run(cfg, cfg.output_dir)
+    set_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    T = cfg.train
+
+    # 2. tokenizer and scalar model (new head on a causal LM, or a saved RM to continue)
+    tok = load_tokenizer(cfg.model.name_or_path)
+    ckpt = latest_checkpoint(out) if resume else None
+    model = load_scalar_model(str(ckpt / "reward_model") if ckpt else cfg.model.name_or_path, tok,
+                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if T.freeze_embeddings:
+        backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
+    model = apply_lora(model, cfg.model.lora)
+    model.train()
+
+    # 3. pairs → token ids; deterministic plan of optimizer steps
+    pairs = load_pairs(cfg.data.train_file, tok)
+    if cfg.data.max_samples:
+        pairs = pairs[:cfg.data.max_samples]
+    train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
+    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], T.pairs_per_step, T.epochs,
+                      T.max_steps, T.seed)
+    print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", T.pairs_per_step),
+                             ("micro_batch_size (pairs)", T.micro_batch_size), ("optimizer_steps", len(plan)),
+                             ("trainable_params", count_parameters(model, trainable_only=True))])
+
+    # 4. optimizer, schedule, resume state
+    optim = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(optim, cfg.optim, len(plan))
+    start = 0
+    if ckpt:
+        state = load_trainer_state(ckpt)
+        optim.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"[rm] resumed from {ckpt} at step {start}", flush=True)
+    log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), tensorboard=cfg.log.tensorboard,
+                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(out, step, {"reward_model": model}, tok, {
+            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
+            keep=T.keep_checkpoints)
+
+    # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
+    for step in range(start, len(plan)):
+        t0 = time.perf_counter()
+        batch = [train_enc[i] for i in plan[step]]
+        n_pairs = len(batch)
+        loss_sum, correct, margin_sum = 0.0, 0.0, 0.0
+        for s in range(0, n_pairs, T.micro_batch_size):
+            mb = batch[s:s + T.micro_batch_size]
+            ch, rj = pair_scores(model, tok, mb, cfg.model.dtype)
+            margin = torch.tensor([e["margin"] for e in mb]) if T.margin else None
+            loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=T.center_rewards_coef)
+            (loss_B.sum() / n_pairs).backward()
+            loss_sum += float(loss_B.sum())
+            correct += float((ch > rj).float().sum())
+            margin_sum += float((ch - rj).sum())
+        lr = sched.get_last_lr()[0]
+        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+        dt = time.perf_counter() - t0
+        n_tok = sum(len(e["chosen"]) + len(e["rejected"]) for e in batch)
+        metrics = {M.LOSS: loss_sum / n_pairs, M.RM_ACC: correct / n_pairs, M.RM_MARGIN: margin_sum / n_pairs,
+                   M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+        done = step + 1
+        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+            ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * T.micro_batch_size)
+            metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
+        if done % cfg.log.every == 0 or done == len(plan):
+            log.log(done, metrics)
+        if T.save_every and done % T.save_every == 0 and done < len(plan):
+            checkpoint(done)
+
+    # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
+    extra = {}
+    if test_enc:
+        ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * T.micro_batch_size)
+        log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
+        extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
+        (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
+        print(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs", flush=True)
+    checkpoint(len(plan))
+    export_model(model, tok, out, extra_config=extra)
+    log.close()
+    print(f"[rm] saved reward model to {out}", flush=True)
+    return out

@@ -1,0 +1,134 @@
+"""`turborlhf sft`: supervised fine-tuning with the next-token loss on response tokens only.
+
+Loss: token mean over all response tokens of the optimizer step (a global denominator shared by
+the micro-batches, so micro-batching never changes the gradient), as TRL's SFTTrainer with
+`completion_only_loss` and OpenRLHF's SFT trainer do.
+
+    turborlhf sft --config configs/tiny/sft.yaml --train.max_steps 10
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from turborlhf.algo import reduce_loss, sft_nll_loss
+from turborlhf.config import SFTConfig
+from turborlhf.data.loaders import load_sft
+from turborlhf.data.tokenize import encode_prompt_response, pad_batch
+from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, rng_state,
+                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.metrics import M, MetricsLogger
+from turborlhf.models.forward import response_logprobs
+from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
+
+__all__ = ["train", "encode_examples", "sft_loss_on_batch"]
+
+
+def encode_examples(tokenizer, rows: list[dict], max_len: int) -> list[dict]:
+    return [encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len) for r in rows]
+
+
+def sft_loss_on_batch(model, tokenizer, encoded: list[dict], num_tokens: int, dtype: str) -> tuple[torch.Tensor, int]:
+    """Summed NLL of the batch's response tokens divided by the step's global `num_tokens`."""
+    ids, attn = pad_batch([e["input_ids"] for e in encoded], tokenizer.pad_token_id)
+    mask, _ = pad_batch([e["loss_mask"] for e in encoded], 0)
+    with autocast(dtype):
+        logp, _ = response_logprobs(model, ids, attn, mask)
+    loss = reduce_loss(sft_nll_loss(logp, mask.float()), mask.float(), "token_mean", num_tokens=num_tokens)
+    return loss, int(mask.sum())
+
+
+@torch.no_grad()
+def evaluate_nll(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(encoded), batch_size):
+        chunk = encoded[s:s + batch_size]
+        n = sum(sum(e["loss_mask"]) for e in chunk)
+        loss, _ = sft_loss_on_batch(model, tokenizer, chunk, n, dtype)
+        total += float(loss) * n
+        count += n
+    model.train()
+    return total / max(count, 1)
+
+
+def train(cfg: SFTConfig, resume: bool = False) -> Path:
+    # 1. run directory, threads, seed
+    out = setup_run(cfg, cfg.output_dir)
+    set_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+
+    # 2. tokenizer and model (fp32 master weights; bf16 autocast compute)
+    tok = load_tokenizer(cfg.model.name_or_path)
+    ckpt = latest_checkpoint(out) if resume else None
+    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
+                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = apply_lora(model, cfg.model.lora)
+    model.train()
+
+    # 3. data → token ids + response masks; a deterministic plan of optimizer steps
+    rows = load_sft(cfg.data.train_file, tok)
+    if cfg.data.max_samples:
+        rows = rows[:cfg.data.max_samples]
+    train_enc = encode_examples(tok, rows, cfg.data.max_len)
+    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    T = cfg.train
+    plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
+    print_batch_table("sft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
+                              ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
+
+    # 4. optimizer, schedule, resume state
+    optim = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(optim, cfg.optim, len(plan))
+    start = 0
+    if ckpt:
+        state = load_trainer_state(ckpt)
+        optim.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"[sft] resumed from {ckpt} at step {start}", flush=True)
+    log = MetricsLogger(out, "sft", len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
+                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(out, step, {"policy": model}, tok, {
+            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
+            keep=T.keep_checkpoints)
+
+    # 5. training loop: micro-batches share the step's token count as denominator
+    for step in range(start, len(plan)):
+        t0 = time.perf_counter()
+        batch = [train_enc[i] for i in plan[step]]
+        num_tokens = sum(sum(e["loss_mask"]) for e in batch)
+        step_loss = 0.0
+        for s in range(0, len(batch), T.micro_batch_size):
+            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
+            loss.backward()
+            step_loss += float(loss.detach())
+        lr = sched.get_last_lr()[0]
+        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+        dt = time.perf_counter() - t0
+        n_tok = sum(len(e["input_ids"]) for e in batch)
+        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+        done = step + 1
+        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+            metrics[M.EVAL_LOSS] = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
+        if done % cfg.log.every == 0 or done == len(plan):
+            log.log(done, metrics)
+        if T.save_every and done % T.save_every == 0 and done < len(plan):
+            checkpoint(done)
+
+    # 6. final evaluation, resumable checkpoint, exported HF model
+    if test_enc:
+        final_loss = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
+        log.log(len(plan), {M.EVAL_LOSS: final_loss})
+    checkpoint(len(plan))
+    export_model(model, tok, out)
+    log.close()
+    print(f"[sft] saved policy to {out}", flush=True)
+    return out

@@ -1,0 +1,36 @@
+import subprocess
+import sys
+
+import pytest
+
+from turborlhf.cli import main
+from turborlhf.config import ConfigError, SFTConfig, load_config
+
+
+def test_import_and_help_stay_light():
+    code = ("import sys, turborlhf, turborlhf.cli, turborlhf.config\n"
+            "from turborlhf.cli import main\n"
+            "import contextlib, io\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['--help'])\n"
+            "heavy = [m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_config_names_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        load_config(SFTConfig, None, ["data.train_file=x", "optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"train\.no_such_field"):
+        load_config(SFTConfig, None, ["data.train_file=x", "train.no_such_field=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(SFTConfig, bad)
+    assert main(["sft", "data.train_file=x", "--optim.lr", "abc"]) == 2
+
+
+def test_overrides_take_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 0.1}\n")
+    cfg = load_config(SFTConfig, f, ["optim.lr=0.5", "train.max_steps=7"])
+    assert cfg.optim.lr == 0.5 and cfg.train.max_steps == 7 and cfg.data.train_file == "a.jsonl"

@@ -1,0 +1,48 @@
+import json
+import math
+
+import torch
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
+
+
+def _rm(tiny_model, tiny_data, out, *extra):
+    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"data.test_file={tiny_data / 'test_pairs.jsonl'}",
+            "data.max_samples=64", f"output_dir={out}", "train.keep_checkpoints=3", *extra)
+
+
+def test_rm_trains_saves_and_resumes(tiny_model, tiny_data, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "rm"
+    _rm(tiny_model, tiny_data, out)
+    rows = metrics(out)
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    ev = json.loads((out / "eval.json").read_text())
+    assert 0.0 <= ev["accuracy"] <= 1.0 and ev["n"] > 0
+    # loads with the stock HF class, and HF's own pooling scores the same token as our trainer
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.pad_token_id != tok.eos_token_id and model.config.pad_token_id == tok.pad_token_id
+    from turborlhf.models.forward import last_token_scores
+
+    texts = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello there<|im_end|>",
+             "<|im_start|>user\nhow are you<|im_end|>\n<|im_start|>assistant\nfine<|im_end|>"]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        hf = model(**batch).logits.squeeze(-1)
+        ours = last_token_scores(model, batch["input_ids"], batch["attention_mask"])
+    assert torch.allclose(hf, ours, atol=1e-5)
+    # trained weights differ from the base; resume reproduces the uninterrupted run
+    final = weights(out)
+    rewind_to(out, 2)
+    _rm(tiny_model, tiny_data, out, "--resume")
+    assert max_weight_diff(final, weights(out)) < 1e-6
+
+
+def test_rm_margin_and_centering_options_run(tiny_model, tiny_data, tmp_path):
+    _rm(tiny_model, tiny_data, tmp_path / "rm2", "train.max_steps=2", "train.center_rewards_coef=0.01",
+        "train.freeze_embeddings=true")
+    assert len(metrics(tmp_path / "rm2")) >= 2
