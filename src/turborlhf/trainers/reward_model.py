@@ -109,9 +109,9 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
             margin = torch.tensor([e["margin"] for e in mb]) if T.margin else None
             loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=T.center_rewards_coef)
             (loss_B.sum() / n_pairs).backward()
-            loss_sum += float(loss_B.sum())
-            correct += float((ch > rj).float().sum())
-            margin_sum += float((ch - rj).sum())
+            loss_sum += float(loss_B.detach().sum())
+            correct += float((ch > rj).float().sum().detach())
+            margin_sum += float((ch - rj).detach().sum())
         lr = sched.get_last_lr()[0]
         gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
         dt = time.perf_counter() - t0
