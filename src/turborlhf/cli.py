@@ -16,6 +16,12 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "sft": ("turborlhf.trainers.sft", "train", "SFTConfig", "supervised fine-tuning on response tokens"),
     "rm": ("turborlhf.trainers.reward_model", "train", "RMConfig", "pairwise (Bradley-Terry) reward model"),
     "ppo": ("turborlhf.trainers.ppo", "train", "PPOConfig", "PPO with actor, critic, reward and reference models"),
+    "dpo": ("turborlhf.trainers.dpo", "train", "DPOConfig", "DPO / IPO / cDPO / reference-free preference optimisation"),
+    "kto": ("turborlhf.trainers.kto", "train", "KTOConfig", "KTO on unpaired desirable/undesirable examples"),
+    "rejection-sampling": ("turborlhf.trainers.rejection_sampling", "train", "RejectionSamplingConfig",
+                           "best-of-n sampling scored by a reward model, then SFT on the best, for N rounds"),
+    "conditional-sft": ("turborlhf.trainers.conditional_sft", "train", "ConditionalSFTConfig",
+                        "reward-conditioned SFT (score tags in the prompt, generate with the best tag)"),
     "pipeline": ("turborlhf.pipeline", "run", "PipelineConfig", "prepare data → SFT → RM → PPO → evaluation"),
 }
 
@@ -24,6 +30,8 @@ OTHER_COMMANDS: dict[str, str] = {
     "prepare-data": "convert a preference dataset (hh-rlhf) into train/test files",
     "eval-rm": "reward-model accuracy on preference pairs",
     "eval-policy": "generate for prompts and score with a reward model",
+    "eval-dpo": "implicit-reward accuracy and margin of a DPO policy on preference pairs",
+    "serve-rm": "serve a reward model over HTTP with request batching",
 }
 
 
@@ -130,6 +138,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _prepare_data(rest)
     if cmd in ("eval-rm", "eval-policy"):
         return _eval(cmd, rest)
+    if cmd == "eval-dpo":
+        from turborlhf.trainers.dpo import eval_dpo_main
+
+        return eval_dpo_main(rest)
+    if cmd == "serve-rm":
+        from turborlhf.rewards.server import main as serve_main
+
+        return serve_main(rest)
     print(f"error: unknown command '{cmd}' (see turborlhf --help)", file=sys.stderr)
     return 2
 

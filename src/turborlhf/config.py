@@ -201,6 +201,19 @@ class PPOConfig(Cfg):
     output_dir: str = Field("runs/ppo", description="where checkpoints, metrics and the final actor go")
 
 
+# ----------------------------------------------------------------------------------------------
+# DPO / KTO configs (owned by the DPO/KTO trainers)
+# ----------------------------------------------------------------------------------------------
+# >>> dpo-kto configs
+# <<< dpo-kto configs
+
+# ----------------------------------------------------------------------------------------------
+# Rejection sampling / conditional SFT configs
+# ----------------------------------------------------------------------------------------------
+# >>> rs-csft configs
+# <<< rs-csft configs
+
+
 class PrepareCfg(Cfg):
     input: str = Field("data/hh-rlhf/harmless-base-1800.jsonl.gz", description="raw HH-RLHF lines")
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of prompts held out (hash split)")

@@ -1,0 +1,53 @@
+"""Rollout engines behind one interface (`base.RolloutEngine`): `FastEngine` (embedded decode loop
+for Llama-family models), `HFEngine` (transformers `generate`, any causal LM) and, later, vLLM.
+
+Heavy modules are imported lazily so `import turborlhf.rollout` stays cheap.
+"""
+from __future__ import annotations
+
+from .base import RolloutEngine, RolloutOutput, SamplingParams
+
+__all__ = ["RolloutEngine", "RolloutOutput", "SamplingParams", "make_engine"]
+
+_KINDS = ("auto", "hf", "fast", "vllm")
+
+
+def _config_of(model_or_path):
+    if hasattr(model_or_path, "config"):
+        return model_or_path.config
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_or_path)
+
+
+def make_engine(kind: str, model_or_path, dtype: str = "bf16", **kw) -> RolloutEngine:
+    """Build a rollout engine.
+
+    kind: 'auto' | 'fast' → FastEngine when the architecture is supported, else HFEngine
+          (on CPU; 'fast' with an unsupported model also falls back, with a warning);
+          'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily).
+    model_or_path: a loaded transformers causal LM (weights copied) or an HF directory.
+    dtype: 'bf16' | 'fp32' | 'fp16'. kw: passed to the engine constructor.
+    Raises ValueError for an unknown kind, NotImplementedError if the vLLM backend is absent.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown rollout engine kind {kind!r}; choose one of {_KINDS}")
+    if kind == "vllm":
+        try:
+            from .vllm import VLLMEngine  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise NotImplementedError(
+                "the vLLM rollout backend (turborlhf.rollout.vllm) is not available: "
+                f"{e}. Use kind='auto' (embedded FastEngine/HFEngine) instead.") from e
+        return VLLMEngine(model_or_path, dtype=dtype, **kw)
+    if kind == "hf":
+        from .hf import HFEngine
+        return HFEngine(model_or_path, dtype=dtype, **kw)
+    from .fast import FastEngine, is_supported
+    if is_supported(_config_of(model_or_path)):
+        return FastEngine(model_or_path, dtype=dtype, **kw)
+    if kind == "fast":
+        import warnings
+        warnings.warn("FastEngine does not support this architecture; falling back to HFEngine")
+    from .hf import HFEngine
+    hf_kw = {k: v for k, v in kw.items() if k in ("max_batch_size",)}
+    return HFEngine(model_or_path, dtype=dtype, **hf_kw)

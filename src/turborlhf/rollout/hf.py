@@ -1,0 +1,123 @@
+"""HFEngine: the reference rollout engine, `transformers` `generate` on the engine's own copy of
+the model (any causal LM). Slow (dynamic cache, `torch.multinomial`), but simple and general: it
+is the fallback for architectures `FastEngine` does not support, and the oracle in its tests.
+
+    eng = HFEngine("/path/to/hf_dir", dtype="bf16")
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, stop_token_ids=(2,)))
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from ._util import check_prompts, cut_at_stop, resolve_dtype, strip_wrapper_prefixes
+from .base import RolloutOutput, SamplingParams
+
+__all__ = ["HFEngine"]
+
+
+class HFEngine:
+    """Rollout engine over `model.generate` with left padding.
+
+    model_or_path: a loaded `transformers` causal LM (its weights are copied, never shared) or an
+        HF model directory / hub id.
+    dtype: 'bf16' | 'fp16' | 'fp32' of the engine's copy.
+    max_batch_size: sequences per `generate` call (larger requests are split).
+    """
+
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 64):
+        self.dtype = resolve_dtype(dtype)
+        if isinstance(model_or_path, torch.nn.Module):
+            model = copy.deepcopy(model_or_path)
+        else:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=self.dtype)
+        self.model = model.to(dtype=self.dtype).eval().requires_grad_(False)
+        self.config = self.model.config
+        self.max_batch_size = max_batch_size
+        self.pad_id = 0
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        """See `RolloutEngine.generate`. Raises ValueError on empty prompts."""
+        from transformers import GenerationConfig
+
+        prompts = check_prompts(prompts, self.config.vocab_size)
+        t0 = time.perf_counter()
+        greedy = params.temperature == 0
+        stop = list(params.stop_token_ids)
+        gcfg = GenerationConfig(
+            max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_k=None if greedy else params.top_k, top_p=None if greedy else params.top_p,
+            eos_token_id=stop if stop else None, pad_token_id=self.pad_id, use_cache=True,
+            num_return_sequences=1, output_scores=params.return_logprobs,
+            return_dict_in_generate=True, bos_token_id=None,
+        )
+        reqs = [p for p in prompts for _ in range(params.n)]  # samples of a prompt consecutive
+        resp, fin, lps = [], [], []
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for s in range(0, len(reqs), self.max_batch_size):
+                chunk = reqs[s: s + self.max_batch_size]
+                L = max(len(p) for p in chunk)
+                ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg)
+                new = out.sequences[:, L:]
+                if params.return_logprobs:
+                    scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # B×T×V
+                    lp = scores.gather(-1, new[:, :, None]).squeeze(-1)
+                for i in range(new.shape[0]):
+                    toks, done = cut_at_stop(new[i].tolist(), set(stop), params.min_new_tokens)
+                    resp.append(toks)
+                    fin.append(done)
+                    if params.return_logprobs:
+                        lps.append(lp[i, : len(toks)].tolist())
+        return RolloutOutput(resp, fin, lps if params.return_logprobs else None,
+                             timings={"generate_s": time.perf_counter() - t0})
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the engine's model in place. Raises KeyError on an
+        unknown name and ValueError on a shape mismatch."""
+        with torch.no_grad():
+            for name, t in named_tensors:
+                name = strip_wrapper_prefixes(name)
+                if name not in self._params:
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise KeyError(f"unknown parameter {name!r}")
+                p = self._params[name]
+                if tuple(p.shape) != tuple(t.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(p.shape)}")
+                p.copy_(t.detach())
+
+    # ------------------------------------------------------------------ scoring
+    def score_logprobs(self, prompts: Sequence[Sequence[int]],
+                       responses: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Temperature-1 log-probs of each response token given its prompt (right padding)."""
+        prompts = check_prompts(prompts, self.config.vocab_size)
+        if len(prompts) != len(responses):
+            raise ValueError("prompts and responses differ in length")
+        out: list[list[float]] = []
+        with torch.inference_mode():
+            for s in range(0, len(prompts), self.max_batch_size):
+                ps, rs = prompts[s: s + self.max_batch_size], responses[s: s + self.max_batch_size]
+                seqs = [p + list(r) for p, r in zip(ps, rs)]
+                L = max(len(x) for x in seqs)
+                ids = torch.tensor([x + [self.pad_id] * (L - len(x)) for x in seqs])
+                mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs])
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
+                for i, (p, r) in enumerate(zip(ps, rs)):
+                    if len(r) == 0:
+                        out.append([])
+                        continue
+                    lg = logits[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
+                    out.append(lg.gather(-1, torch.tensor(list(r))[:, None]).squeeze(-1).tolist())
+        return out
