@@ -20,13 +20,20 @@ from torch import nn
 from turborlhf.algo.losses import entropy_from_logits
 from turborlhf.models.load import backbone_of
 
-__all__ = ["hidden_states", "response_logprobs", "last_token_scores", "token_values", "last_index"]
+__all__ = ["hidden_states", "response_logprobs", "last_token_scores", "token_values", "last_index",
+           "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
 
-def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-    """Final-layer hidden states ``B×T×H`` of the decoder stack (no LM head, no cache)."""
-    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
-    out = backbone_of(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids,
+def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                  position_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Final-layer hidden states ``B×T×H`` of the decoder stack (no LM head, no cache).
+
+    `attention_mask_BT` is a 2-D padding mask, or a 4-D boolean ``B×1×T×T`` mask (True = may
+    attend) used as is, in which case `position_ids_BT` must be given.
+    """
+    if position_ids_BT is None:
+        position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    out = backbone_of(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
                              use_cache=False)
     return out.last_hidden_state
 
@@ -102,3 +109,73 @@ def _score_head(model: nn.Module) -> nn.Module:
     head = base.score
     # peft's modules_to_save wrapper forwards to the active copy
     return head
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared-prefix packing for pairs (RM, DPO): the prompt is computed once for both responses
+# ----------------------------------------------------------------------------------------------
+
+class SharedPrefixBatch:
+    """Row i = ``[prefix_i | a_i | b_i | pad]``; `a` and `b` both attend to the prefix (and causally
+    to themselves) but never to each other, and both continue the prefix's positions. One forward
+    pass then gives exactly the hidden states of the two separate sequences ``prefix+a`` and
+    ``prefix+b`` while computing the prefix once (~40% fewer tokens on HH pairs).
+
+    Fields: ids_BL, pos_BL, mask_B1LL (bool, True = may attend), a_last_B / b_last_B (index of
+    the last token of each continuation), and per-row segment starts for log-prob targets.
+    """
+
+    def __init__(self, ids, pos, mask, prefix_len, a_len, b_len):
+        self.ids_BL, self.pos_BL, self.mask_B1LL = ids, pos, mask
+        self.prefix_len, self.a_len, self.b_len = prefix_len, a_len, b_len
+        self.a_last_B = torch.tensor([p + a - 1 for p, a in zip(prefix_len, a_len)])
+        self.b_last_B = torch.tensor([p + a + b - 1 for p, a, b in zip(prefix_len, a_len, b_len)])
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def pack_shared_prefix(seqs_a: list[list[int]], seqs_b: list[list[int]], pad_id: int) -> SharedPrefixBatch:
+    """Pack pairs of full sequences that share a prefix (their longest common token prefix, kept
+    at least one token short of each so both continuations are non-empty)."""
+    rows, P, A, Bl = [], [], [], []
+    for a, b in zip(seqs_a, seqs_b):
+        p = min(_common_prefix_len(a, b), len(a) - 1, len(b) - 1)
+        p = max(p, 0)
+        rows.append(a[:p] + a[p:] + b[p:])
+        P.append(p)
+        A.append(len(a) - p)
+        Bl.append(len(b) - p)
+    L = max(len(r) for r in rows)
+    n = len(rows)
+    ids = torch.full((n, L), pad_id, dtype=torch.long)
+    pos = torch.zeros((n, L), dtype=torch.long)
+    mask = torch.zeros((n, 1, L, L), dtype=torch.bool)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    for i, (r, p, a, b) in enumerate(zip(rows, P, A, Bl)):
+        ids[i, :len(r)] = torch.tensor(r)
+        pos[i, :p + a] = torch.arange(p + a)
+        pos[i, p + a:p + a + b] = torch.arange(p, p + b)
+        m = mask[i, 0]
+        m[:p + a, :p + a] = causal[:p + a, :p + a]                       # prefix + a: causal
+        m[p + a:p + a + b, :p] = True                                    # b sees the prefix
+        m[p + a:p + a + b, p + a:p + a + b] = causal[:b, :b]             # b: causal within itself
+        if len(r) < L:                                                   # padding: see itself only
+            idx = torch.arange(len(r), L)
+            m[idx, idx] = True
+    return SharedPrefixBatch(ids, pos, mask, P, A, Bl)
+
+
+def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward-model scores ``(a_B, b_B)`` (fp32) of packed pairs: the scalar head at each
+    continuation's last token. Equal to `last_token_scores` on the two sequences separately."""
+    hidden = hidden_states(model, batch.ids_BL, batch.mask_B1LL, batch.pos_BL)
+    rows = torch.arange(hidden.shape[0])
+    head = _score_head(model)
+    return (head(hidden[rows, batch.a_last_B]).squeeze(-1).float(),
+            head(hidden[rows, batch.b_last_B]).squeeze(-1).float())

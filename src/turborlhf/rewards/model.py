@@ -11,7 +11,7 @@ import torch
 
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
 from turborlhf.engine.train import autocast
-from turborlhf.models.forward import last_token_scores
+from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
 
 __all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts"]
 
@@ -26,14 +26,24 @@ def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
     return out
 
 
-def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "bf16",
+                shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores ``(chosen_B, rejected_B)`` of encoded pairs in one forward pass (grad enabled if
-    the caller enables it). Chosen and rejected go through the model as one batch of 2B rows."""
-    seqs = [e["chosen"] for e in encoded] + [e["rejected"] for e in encoded]
-    ids, attn = pad_batch(seqs, tokenizer.pad_token_id)
-    with autocast(dtype):
-        scores = last_token_scores(model, ids, attn)
+    the caller enables it).
+
+    With `shared_prefix` (default) each pair is one packed row ``[prompt | chosen | rejected]``
+    whose attention mask keeps the two responses apart (`pack_shared_prefix`), so the prompt is
+    computed once; the scores equal those of separate sequences. Otherwise chosen and rejected
+    go through the model as 2B padded rows.
+    """
     B = len(encoded)
+    with autocast(dtype):
+        if shared_prefix:
+            batch = pack_shared_prefix([e["chosen"] for e in encoded], [e["rejected"] for e in encoded],
+                                       tokenizer.pad_token_id)
+            return shared_prefix_scores(model, batch)
+        ids, attn = pad_batch([e["chosen"] for e in encoded] + [e["rejected"] for e in encoded], tokenizer.pad_token_id)
+        scores = last_token_scores(model, ids, attn)
     return scores[:B], scores[B:]
 
 
