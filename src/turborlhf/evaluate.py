@@ -53,10 +53,15 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
     resp, fin = [], []
+    t0 = time.perf_counter()
     for s in range(0, len(ids), batch_size):
         out = eng.generate(ids[s:s + batch_size], params)
         resp += out.response_ids
         fin += out.finished
+        done = min(s + batch_size, len(ids))
+        rate = sum(len(r) for r in resp) / max(time.perf_counter() - t0, 1e-9)
+        left = (time.perf_counter() - t0) / done * (len(ids) - done)
+        print(f"[generate] {done}/{len(ids)} prompts, {rate:.0f} tok/s, {left:.0f}s left", flush=True)
     return ids, resp, fin
 
 

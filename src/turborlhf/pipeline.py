@@ -92,6 +92,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     summary.setdefault("stage_seconds", {}).update(timings)
     summary["total_seconds"] = round(total, 1)
     summary_path.write_text(json.dumps(summary, indent=2))
+    from turborlhf.report import print_summary
+
+    print_summary(summary)
     print(f"[pipeline] finished in {format_duration(total)}; summary: {summary_path}", flush=True)
     return summary
 

@@ -69,7 +69,6 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
                         "ppo": b["response"], "ppo_score": b["score"]})
     summary["samples"] = samples
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print_summary(summary)
     return summary
 
 
@@ -81,6 +80,8 @@ def _last_user_turn(prompt: str) -> str:
 
 
 def print_summary(s: dict) -> None:
+    if "rm_test_accuracy" not in s:
+        return
     print("\n================ turborlhf summary ================")
     print(f"reward model: test accuracy {s['rm_test_accuracy']:.3f} on {s['rm_test_pairs']} held-out pairs")
     a, b = s["sft_policy"], s["ppo_policy"]
@@ -95,4 +96,9 @@ def print_summary(s: dict) -> None:
         print(f"  PPO ({x['ppo_score']:+.2f}): {x['ppo'][:240]!r}")
     if s.get("plot"):
         print(f"\nplot: {s['plot']}")
+    if s.get("stage_seconds"):
+        from turborlhf.metrics import format_duration
+
+        print("stage times: " + ", ".join(f"{k} {format_duration(v)}" for k, v in s["stage_seconds"].items())
+              + f"; total {format_duration(s.get('total_seconds', 0))}")
     print("===================================================")
