@@ -5,8 +5,8 @@ Supported: `LlamaForCausalLM` (RMSNorm, RoPE of any `rope_type` transformers kno
 lm_head), `Qwen2ForCausalLM` (q/k/v biases) and `MistralForCausalLM` without a sliding window.
 Anything else → use `HFEngine` (see `turborlhf.rollout.make_engine`).
 
-What makes it fast on a CPU, compared with `transformers` `generate` (measured, see the report in
-benchmarks/generate_probe.py):
+What makes it fast on a CPU, compared with `transformers` `generate` (benchmarks/generate_probe.py
+measures both in one process):
 - the engine owns a converted copy of the weights (bf16 by default) with q/k/v fused into one
   matrix and gate/up fused into one, refreshed in place by `load_weights` (no disk);
 - a static KV cache `K_LBKTD` allocated once per call; prompts are left-padded into columns
@@ -18,8 +18,12 @@ benchmarks/generate_probe.py):
 - sampling by inverse CDF (see `sampling.py`), ~20× faster than `torch.multinomial`;
 - finished rows are dropped: when half the rows are done the batch is compacted (cache rows
   gathered), and the loop stops when all rows are done;
-- optional `torch.compile` of the decode step (`compile=True`): the step then attends over the
-  whole (bucketed) cache with a mask so its shapes repeat: (batch bucket, cache-length bucket).
+- optional `torch.compile` of the decode step (`compile=True`, off by default): the step then
+  attends over the whole (bucketed) cache with a mask so its shapes repeat: (batch bucket,
+  cache-length bucket). Inductor freezing is deliberately not used: it bakes the weights into the
+  compiled code, so every `load_weights` would need a recompile. As measured so far the compiled
+  step is slower than eager at batch 8/32 (cold compile 85-450 s per shape on a loaded machine);
+  keep it off until that is understood.
 
 Notation: L layers, B rows, S prompt positions, T cache length, H query heads, KV key/value
 heads, G = H / KV, D head dim, E hidden size, I MLP size, V vocabulary.
@@ -283,8 +287,8 @@ class FastEngine:
         for l, ly in enumerate(self.layers):
             h = _rms(x, ly.ln1, self.eps)
             qkv = self._linear(h, ly.wqkv, ly.bqkv)                 # B×(H+2KV)D
-            q = _rope(qkv[:, : H * D].view(B, H, D), cos, sin)
-            k = _rope(qkv[:, H * D:(H + KV) * D].view(B, KV, D), cos, sin)
+            qk = _rope(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sin)  # q and k at once
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KV) * D:].view(B, KV, D)
             Kl, Vl = K_LBKTD[l], V_LBKTD[l]                          # B×KV×Tmax×D
             Kl.index_copy_(2, col_1, k[:, :, None, :])
@@ -328,16 +332,11 @@ class FastEngine:
             return n
         return next((b for b in self.batch_buckets if b >= n), n)
 
-    def _generate_chunk(self, reqs: list[list[int]], params: SamplingParams, gen: torch.Generator,
-                        timings: dict):
-        tp = time.perf_counter()
+    def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int):
+        """Prefill the distinct prompts of `reqs` (left-padded to P), then copy their cache rows to
+        every request (plus Bc - N filler rows). Returns (K_LBKTD, V_LBKTD, logits_BV float32 of
+        the next token, additive mask_BT, position of the next token pos_B)."""
         N = len(reqs)
-        new = params.max_new_tokens
-        P = max(len(p) for p in reqs)
-        if P + new > self.max_positions:
-            raise ValueError(f"prompt ({P}) + max_new_tokens ({new}) > max_position_embeddings "
-                             f"({self.max_positions})")
-        T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
         L, KV, D = self.n_layers, self.n_kv, self.head_dim
         # ---- prefill the distinct prompts, then copy cache rows to every request
         if self.dedupe_prompts:
@@ -355,7 +354,6 @@ class FastEngine:
         pos_US = (ar_S[None, :] - pad_U[:, None]).clamp(min=0)
         allow_USS = torch.tril(torch.ones(P, P, dtype=torch.bool))[None] & valid_US[:, None, :]
         allow_USS |= torch.eye(P, dtype=torch.bool)[None]         # padded queries see themselves
-        Bc = self._bucket_batch(N)
         Kp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         Vp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp, Vp)[:, -1]
@@ -370,6 +368,20 @@ class FastEngine:
         maskadd_BT = torch.full((Bc, T), float("-inf"))
         maskadd_BT[:, :P] = torch.where(valid_US, 0.0, float("-inf")).index_select(0, src_t)
         pos_B = lens_U.index_select(0, src_t).clone()              # position of the next token
+        return K, V, logits_BV, maskadd_BT, pos_B
+
+    def _generate_chunk(self, reqs: list[list[int]], params: SamplingParams, gen: torch.Generator,
+                        timings: dict):
+        tp = time.perf_counter()
+        N = len(reqs)
+        new = params.max_new_tokens
+        P = max(len(p) for p in reqs)
+        if P + new > self.max_positions:
+            raise ValueError(f"prompt ({P}) + max_new_tokens ({new}) > max_position_embeddings "
+                             f"({self.max_positions})")
+        T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
+        Bc = self._bucket_batch(N)
+        K, V, logits_BV, maskadd_BT, pos_B = self._prefill(reqs, P, T, Bc)
         rows_B = torch.arange(Bc)                                  # request index of each row
         rows_B[N:] = -1
         done_B = rows_B < 0

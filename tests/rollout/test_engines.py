@@ -1,0 +1,232 @@
+"""FastEngine (and HFEngine) on tiny random models: exactness against transformers in fp32 and
+the token-level contract of `RolloutEngine`."""
+import pytest
+import torch
+
+from rollout_helpers import tiny_llama
+from turborlhf.rollout import RolloutEngine, SamplingParams, make_engine
+from turborlhf.rollout.fast import FastEngine, is_supported
+from turborlhf.rollout.hf import HFEngine
+
+
+def hf_greedy(model, prompt, n_new):
+    """Reference: transformers generate, one unpadded prompt, greedy, no stop."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                             min_new_tokens=n_new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt, resp):
+    ids = torch.tensor([prompt + resp])
+    with torch.inference_mode():
+        lp = model(ids).logits[0].float().log_softmax(-1)
+    return lp[len(prompt) - 1: -1].gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def fast(model):
+    return FastEngine(model, dtype="fp32")
+
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+def test_protocol(fast, model):
+    assert isinstance(fast, RolloutEngine)
+    assert isinstance(HFEngine(model, dtype="fp32"), RolloutEngine)
+
+
+def test_greedy_matches_hf_generate(fast, model, prompts):
+    out = fast.generate(prompts, GREEDY)
+    for p, r in zip(prompts, out.response_ids):
+        assert r == hf_greedy(model, p, 16)
+    assert out.finished == [False] * len(prompts)
+
+
+def test_greedy_untied_and_qwen2(prompts):
+    m = tiny_llama(1, tie=False)
+    out = FastEngine(m, dtype="fp32").generate(prompts, GREEDY)
+    assert out.response_ids == [hf_greedy(m, p, 16) for p in prompts]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(2)
+    q = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=512, initializer_range=0.2,
+                                     tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        for n, p in q.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    assert is_supported(q.config)
+    out = FastEngine(q, dtype="fp32").generate(prompts, GREEDY)
+    assert out.response_ids == [hf_greedy(q, p, 16) for p in prompts]
+
+
+def test_hf_engine_greedy_matches(model, prompts):
+    out = HFEngine(model, dtype="fp32").generate(prompts, GREEDY)
+    assert out.response_ids == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_score_logprobs_matches_hf_forward(fast, model, prompts):
+    g = torch.Generator().manual_seed(0)
+    resps = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 7, 1, 0, 10)]
+    got = fast.score_logprobs(prompts, resps)
+    hf = HFEngine(model, dtype="fp32").score_logprobs(prompts, resps)
+    for p, r, a, b in zip(prompts, resps, got, hf):
+        assert len(a) == len(r) == len(b)
+        if r:
+            ref = hf_logprobs(model, p, r)
+            assert torch.allclose(torch.tensor(a), ref, atol=1e-4)
+            assert torch.allclose(torch.tensor(b), ref, atol=1e-4)
+
+
+def test_sampled_logprobs_match_scoring(fast, prompts):
+    out = fast.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3,
+                                                return_logprobs=True))
+    scored = fast.score_logprobs(prompts, out.response_ids)
+    for a, b in zip(out.logprobs, scored):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+def test_load_weights_matches_new_model(model, prompts):
+    eng = FastEngine(model, dtype="fp32")
+    other = tiny_llama(7)
+    before = eng.generate(prompts, GREEDY).response_ids
+    # names as a DDP/compiled trainer would hand them over
+    eng.load_weights((f"module.{n}", p) for n, p in other.named_parameters())
+    after = eng.generate(prompts, GREEDY).response_ids
+    assert after != before
+    assert after == [hf_greedy(other, p, 16) for p in prompts]
+    with pytest.raises(KeyError):
+        eng.load_weights([("model.nonexistent.weight", torch.zeros(1))])
+    with pytest.raises(ValueError):
+        eng.load_weights([("model.norm.weight", torch.zeros(3))])
+    h = HFEngine(model, dtype="fp32")
+    h.load_weights(other.named_parameters())
+    assert h.generate(prompts, GREEDY).response_ids == after
+
+
+def test_weights_are_copied_not_shared(model, prompts):
+    m = tiny_llama(3)
+    eng = FastEngine(m, dtype="fp32")
+    before = eng.generate(prompts, GREEDY).response_ids
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)
+    assert eng.generate(prompts, GREEDY).response_ids == before
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_stop_semantics(kind, model, prompts):
+    eng = FastEngine(model, dtype="fp32") if kind == "fast" else HFEngine(model, dtype="fp32")
+    free = eng.generate(prompts, GREEDY).response_ids
+    stop = free[0][4]
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=(stop,)))
+    for r_free, r, f in zip(free, out.response_ids, out.finished):
+        if stop in r_free:
+            j = r_free.index(stop)
+            assert r == r_free[: j + 1] and f  # stop token included, finished
+        else:
+            assert r == r_free and not f      # cut at max_new_tokens
+    assert out.finished[0]
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_min_new_tokens(kind, model, prompts):
+    eng = FastEngine(model, dtype="fp32") if kind == "fast" else HFEngine(model, dtype="fp32")
+    stops = tuple(range(0, 512, 2))  # half the vocabulary stops
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=12, min_new_tokens=6, temperature=1.0,
+                                               stop_token_ids=stops, seed=0))
+    for r, f in zip(out.response_ids, out.finished):
+        assert len(r) >= 6
+        assert not set(r[:5]) & set(stops)
+        assert f == (r[-1] in stops)
+        assert all(t not in stops for t in r[:-1])
+    assert any(out.finished)
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_n_samples_consecutive(kind, model, prompts):
+    eng = FastEngine(model, dtype="fp32") if kind == "fast" else HFEngine(model, dtype="fp32")
+    out = eng.generate(prompts[:3], SamplingParams(max_new_tokens=8, temperature=0, n=3))
+    base = eng.generate(prompts[:3], GREEDY.__class__(max_new_tokens=8, temperature=0)).response_ids
+    assert out.response_ids == [r for r in base for _ in range(3)]
+    # sampling: n=2 over [a, b] is the same request list as [a, a, b, b]
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=11)
+    a = eng.generate(prompts[:2], sp).response_ids
+    b = eng.generate([prompts[0]] * 2 + [prompts[1]] * 2,
+                     SamplingParams(max_new_tokens=8, temperature=1.0, seed=11)).response_ids
+    assert a == b and len(a) == 4 and a[0] != a[1]
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_seed_reproducible(kind, model, prompts):
+    eng = FastEngine(model, dtype="fp32") if kind == "fast" else HFEngine(model, dtype="fp32")
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=5)
+    a, b = eng.generate(prompts, sp), eng.generate(prompts, sp)
+    c = eng.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=6))
+    assert a.response_ids == b.response_ids != c.response_ids
+
+
+def test_first_token_distribution(fast, model):
+    p, N, T = [7, 8, 9], 4000, 0.7
+    out = fast.generate([p], SamplingParams(max_new_tokens=1, temperature=T, n=N, seed=0))
+    with torch.inference_mode():
+        probs = torch.softmax(model(torch.tensor([p])).logits[0, -1] / T, -1)
+    f = torch.bincount(torch.tensor([r[0] for r in out.response_ids]), minlength=512).float() / N
+    top = probs > 0.01  # compare where the expected count is large enough
+    chi2 = (N * (f[top] - probs[top]) ** 2 / probs[top]).sum().item()
+    assert chi2 < 3 * int(top.sum()) + 30
+    assert f[~top].sum() < probs[~top].sum() + 0.02
+
+
+def test_compaction_and_chunking_keep_greedy_outputs(model, prompts):
+    ref = FastEngine(model, dtype="fp32", compact=False, dedupe_prompts=False).generate(prompts, GREEDY)
+    stop = ref.response_ids[1][2]
+    sp = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=(stop,))
+    a = FastEngine(model, dtype="fp32", compact=False).generate(prompts * 3, sp)
+    b = FastEngine(model, dtype="fp32", compact=True).generate(prompts * 3, sp)
+    c = FastEngine(model, dtype="fp32", max_batch_size=2).generate(prompts * 3, sp)
+    assert a.response_ids == b.response_ids == c.response_ids
+    assert a.finished == b.finished == c.finished
+
+
+def test_bf16_close_to_fp32(model, prompts):
+    resps = FastEngine(model, dtype="fp32").generate(prompts, GREEDY).response_ids
+    a = FastEngine(model, dtype="fp32").score_logprobs(prompts, resps)
+    b = FastEngine(model, dtype="bf16").score_logprobs(prompts, resps)
+    d = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    assert d < 0.25
+    out = FastEngine(model, dtype="bf16").generate(prompts, GREEDY)
+    assert len(out.response_ids) == len(prompts)
+
+
+def test_errors(fast):
+    with pytest.raises(ValueError):
+        fast.generate([[1, 2], []], GREEDY)
+    with pytest.raises(ValueError):
+        fast.generate([[1] * 500], SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError):
+        fast.score_logprobs([[1]], [[2], [3]])
+
+
+def test_make_engine(model):
+    assert isinstance(make_engine("auto", model, dtype="fp32"), FastEngine)
+    assert isinstance(make_engine("hf", model, dtype="fp32"), HFEngine)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    g = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert not is_supported(g.config)
+    assert isinstance(make_engine("auto", g, dtype="fp32"), HFEngine)
+    with pytest.raises(ValueError):
+        make_engine("nope", model)
+    with pytest.raises((NotImplementedError, ImportError)):
+        make_engine("vllm", model)
+
+
+def test_fast_engine_from_directory(model, prompts, tmp_path):
+    model.save_pretrained(tmp_path)
+    eng = make_engine("auto", str(tmp_path), dtype="fp32")
+    assert isinstance(eng, FastEngine)
+    assert eng.generate(prompts, GREEDY).response_ids == [hf_greedy(model, p, 16) for p in prompts]
