@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
     "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg",
-    "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg",
+    "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
+    "default_tree",
 ]
 
 
@@ -159,38 +160,97 @@ class PPODataCfg(Cfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
     max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
+    ptx_file: Optional[str] = Field(None, description="PPO-ptx: SFT data ({prompt, response}, messages or pair "
+                                                      "format: trains on chosen) mixed into the actor loss")
+    ptx_max_len: int = Field(512, ge=8, description="PPO-ptx: tokens per SFT sequence (prompt cut from the left)")
+
+
+class RewardSourceCfg(Cfg):
+    """One reward source; the PPO score is Σ weight · score over all sources."""
+
+    kind: Literal["model", "function", "remote"] = Field(
+        ..., description="model = reward-model directory, function = Python rule, remote = `turborlhf serve-rm` URL")
+    path: str = Field(..., description="RM directory | path/to/module.py:function | http://host:port")
+    weight: float = Field(1.0, description="weight of this source in the combined score")
+    name: Optional[str] = Field(None, description="metric name (reward/<name>); default <kind><index>")
+    timeout_s: float = Field(60.0, gt=0, description="remote: seconds to wait for one answer")
+    retries: int = Field(2, ge=0, description="remote: further tries after a failed one (exponential backoff)")
+
+
+# advantage estimators that need no critic, and those that need several samples per prompt
+CRITIC_FREE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 class PPOAlgoCfg(Cfg):
     prompts_per_step: int = Field(8, ge=1, description="prompts per rollout batch (one PPO step)")
-    n_samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt")
+    n_samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (> 1 for group estimators)")
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "gae", description="gae (needs a critic) or a critic-free estimator: grpo, dr_grpo, rloo, reinforce_pp, "
+                           "reinforce_pp_baseline (docs/algorithms/critic_free.md)")
+    loss_reduction: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] = Field(
+        "token_mean", description="policy-loss reduction over a mini-batch: token_mean (OpenRLHF), "
+                                  "seq_mean_token_mean (GRPO paper), token_sum_norm (Dr. GRPO: / (seqs·max_new_tokens))")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
     eps_clip: float = Field(0.2, gt=0, description="policy ratio clip ε (low side)")
     eps_clip_high: Optional[float] = Field(None, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
     dual_clip: Optional[float] = Field(None, description="dual-clip constant c > 1 for negative advantages")
     value_clip: Optional[float] = Field(0.2, description="value clip ε_v; None disables value clipping")
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount γ")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount γ (GAE, reinforce_pp); group estimators need 1")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
-    kl_coef: float = Field(0.05, ge=0, description="initial KL penalty coefficient β")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator (Schulman)")
+    kl_coef: float = Field(0.05, ge=0, description="initial KL coefficient β; 0 (and no kl_target) = no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator (Schulman); "
+                                                                      "k1 for the reward, k3 typical for kl_use_loss")
+    kl_use_loss: bool = Field(False, description="KL(actor‖ref) as a loss term β·reduce(kl) with the current "
+                                                 "log-probs (GRPO) instead of a per-token reward penalty")
     kl_target: Optional[float] = Field(None, description="adaptive KL (Ziegler et al.) target; None = fixed β")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL horizon (samples)")
-    reward_clip: float = Field(10.0, gt=0, description="clip RM scores to [-c, c]")
-    normalize_reward: bool = Field(False, description="scale scores by running mean/std of the RM")
+    reward_clip: float = Field(10.0, gt=0, description="clip combined scores to [-c, c] (before any group baseline)")
+    normalize_reward: bool = Field(False, description="scale scores by running mean/std of the combined score")
     missing_eos_penalty: Optional[float] = Field(1.0, description="subtracted from the score of responses without EOS")
-    whiten_advantages: bool = Field(True, description="whiten advantages over the rollout batch")
+    whiten_advantages: bool = Field(True, description="gae only: whiten advantages over the rollout batch "
+                                                      "(reinforce_pp* always whiten, grpo/dr_grpo/rloo never)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    ptx_coef: float = Field(0.0, ge=0, description="PPO-ptx (InstructGPT): weight of the SFT loss on data.ptx_file, "
+                                                   "one micro-batch per actor optimizer step")
+    ema_beta: Optional[float] = Field(None, gt=0, lt=1, description="EMA of the actor, ema = β·ema + (1-β)·θ after "
+                                                                    "each actor step, exported to <output_dir>/ema")
     critic_lr: float = Field(1e-5, gt=0, description="critic learning rate (actor uses optim.lr)")
     critic_warmup_steps: int = Field(0, ge=0, description="PPO steps that train only the critic")
 
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.kl_target is not None
+
+    def model_post_init(self, context: Any) -> None:
+        est = self.advantage_estimator
+        if est in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+            raise ValueError(f"advantage_estimator={est} needs a group: set n_samples_per_prompt > 1 "
+                             f"(got {self.n_samples_per_prompt})")
+        if est in GROUP_ESTIMATORS and self.gamma != 1.0:
+            raise ValueError(f"advantage_estimator={est} needs gamma=1 (the baseline is on the whole-response "
+                             f"score); got gamma={self.gamma}")
+        if not self.needs_critic and self.critic_warmup_steps:
+            raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps} but advantage_estimator={est} "
+                             "trains no critic")
+
 
 class PPOConfig(Cfg):
-    """`turborlhf ppo`: actor, critic, reward model and reference model."""
+    """`turborlhf ppo`: actor, critic, reward model(s) and reference model; critic-free estimators
+    (GRPO, Dr. GRPO, RLOO, REINFORCE++) via `algo.advantage_estimator`."""
 
     actor: ModelCfg = Field(default_factory=ModelCfg, description="policy to optimise (usually the SFT model)")
-    critic: Optional[ModelCfg] = Field(None, description="value model; default = initialised from the reward model")
-    reward_model: str = Field(..., description="directory of the reward model (AutoModelForSequenceClassification)")
+    critic: Optional[ModelCfg] = Field(None, description="value model (gae only); default = initialised from the "
+                                                         "reward model (or the first `kind: model` reward source)")
+    reward_model: Optional[str] = Field(None, description="directory of a reward model "
+                                                          "(AutoModelForSequenceClassification), weight 1")
+    rewards: list[RewardSourceCfg] = Field(default_factory=list, description="further reward sources "
+                                           "(model/function/remote); the score is Σ weight·score")
     reference: Optional[str] = Field(None, description="reference policy; default = the actor's initial weights")
     data: PPODataCfg
     rollout: RolloutCfg = Field(default_factory=RolloutCfg)
@@ -200,17 +260,213 @@ class PPOConfig(Cfg):
     log: LogCfg = Field(default_factory=LogCfg)
     output_dir: str = Field("runs/ppo", description="where checkpoints, metrics and the final actor go")
 
+    @property
+    def critic_init(self) -> Optional[str]:
+        """Where the critic starts: `critic.name_or_path`, else the reward model, else the first model source."""
+        if self.critic is not None:
+            return self.critic.name_or_path
+        if self.reward_model:
+            return self.reward_model
+        return next((r.path for r in self.rewards if r.kind == "model"), None)
+
+    def model_post_init(self, context: Any) -> None:
+        if not self.reward_model and not self.rewards:
+            raise ValueError("no reward: set reward_model or rewards (a list of {kind, path, weight})")
+        est = self.algo.advantage_estimator
+        if self.algo.needs_critic and self.critic_init is None:
+            raise ValueError("advantage_estimator=gae needs a critic: set critic.name_or_path (no model reward "
+                             "source to initialise it from)")
+        if not self.algo.needs_critic and self.critic is not None:
+            raise ValueError(f"critic is set but advantage_estimator={est} trains no critic")
+        if self.algo.ptx_coef > 0 and not self.data.ptx_file:
+            raise ValueError("algo.ptx_coef > 0 needs data.ptx_file (SFT-format or pair-format data)")
+
 
 # ----------------------------------------------------------------------------------------------
 # DPO / KTO configs (owned by the DPO/KTO trainers)
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
+from pydantic import model_validator  # noqa: E402  (kept inside this block: the block is edited on its own)
+
+
+class DPODataCfg(Cfg):
+    train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
+    test_file: Optional[str] = Field(None, description="held-out pairs in the same formats (eval/* metrics)")
+    max_len: int = Field(512, ge=8, description="tokens per sequence; chosen and rejected keep the same "
+                                                "(left-cut) prompt")
+    max_samples: int = Field(0, ge=0, description="use at most this many training pairs (0 = all)")
+    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test pairs (0 = all)")
+
+
+class DPOAlgoCfg(Cfg):
+    loss: Literal["dpo", "ipo", "cdpo", "robust"] = Field(
+        "dpo", description="dpo: -logσ(βh); cdpo: -(1-ε)logσ(βh)-ε·logσ(-βh); robust: Chowdhury et al. "
+                           "(unbiased, ε<0.5); ipo: (h-1/(2β))²  [h = policy minus reference log-ratio margin]")
+    beta: float = Field(0.1, gt=0, description="β: strength of the implicit KL to the reference (τ for IPO)")
+    label_smoothing: float = Field(0.0, ge=0, le=0.5, description="ε: assumed label-noise rate for cdpo/robust "
+                                                                  "(also turns dpo into cdpo, as in OpenRLHF)")
+    reference_free: bool = Field(False, description="drop the reference log-ratio (h = π_c - π_r); no reference "
+                                                    "model is loaded and rewards/* are β·logπ")
+    ipo_normalize_by_length: bool = Field(
+        False, description="ipo only: divide each log-ratio by its response length (TRL); default summed "
+                           "log-probs (IPO author code, OpenRLHF)")
+    nll_coef: float = Field(0.0, ge=0, description="add coef · NLL of the chosen response (per-pair token mean, "
+                                                   "averaged over pairs; OpenRLHF nll_loss_coef / RPO)")
+
+    @model_validator(mode="after")
+    def _check_variant(self):
+        if self.loss == "ipo" and self.label_smoothing:
+            raise ValueError("label_smoothing is not defined for loss=ipo")
+        if self.loss == "robust" and self.label_smoothing >= 0.5:
+            raise ValueError("loss=robust needs label_smoothing < 0.5")
+        if self.ipo_normalize_by_length and self.loss != "ipo":
+            raise ValueError("ipo_normalize_by_length needs loss=ipo")
+        return self
+
+
+class DPOTrainCfg(TrainLoopCfg):
+    pairs_per_step: int = Field(8, ge=1, description="preference pairs per optimizer step (global batch); "
+                                                     "micro_batch_size counts pairs (2 sequences each)")
+
+
+class DPOConfig(Cfg):
+    """`turborlhf dpo`: direct preference optimisation (DPO, cDPO, robust DPO, IPO, reference-free)."""
+
+    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
+                                                       "(its log-probs are computed once, then cached)")
+    data: DPODataCfg
+    algo: DPOAlgoCfg = Field(default_factory=DPOAlgoCfg)
+    optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
+    train: DPOTrainCfg = Field(default_factory=DPOTrainCfg)
+    log: LogCfg = Field(default_factory=LogCfg)
+    output_dir: str = Field("runs/dpo", description="where checkpoints, metrics, cached reference log-probs "
+                                                    "and the final policy go")
+
+    @model_validator(mode="after")
+    def _check_reference(self):
+        if self.algo.reference_free and self.reference is not None:
+            raise ValueError("reference is unused with algo.reference_free=true; drop one of them")
+        return self
+
+
+class KTODataCfg(Cfg):
+    train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
+                                             "(each pair = 1 desirable + 1 undesirable example)")
+    test_file: Optional[str] = Field(None, description="held-out examples in the same formats (eval/* metrics)")
+    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
+    max_samples: int = Field(0, ge=0, description="use at most this many training examples (0 = all)")
+    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test examples (0 = all)")
+
+
+class KTOAlgoCfg(Cfg):
+    beta: float = Field(0.1, gt=0, description="β of KTO (TRL/HALOs 0.1; OpenRLHF used 0.01)")
+    desirable_weight: float = Field(1.0, gt=0, description="λ_D, weight of desirable examples")
+    undesirable_weight: float = Field(1.0, gt=0, description="λ_U, weight of undesirable examples; keep "
+                                                             "λ_D·N_D/(λ_U·N_U) in [1, 4/3] (paper, TRL)")
+
+
+class KTOTrainCfg(TrainLoopCfg):
+    examples_per_step: int = Field(16, ge=2, description="examples per optimizer step (global batch); the KL "
+                                                         "reference point z0 is estimated over these")
+
+
+class KTOConfig(Cfg):
+    """`turborlhf kto`: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
+
+    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
+                                                       "(its log-probs are computed once, then cached)")
+    data: KTODataCfg
+    algo: KTOAlgoCfg = Field(default_factory=KTOAlgoCfg)
+    optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
+    train: KTOTrainCfg = Field(default_factory=KTOTrainCfg)
+    log: LogCfg = Field(default_factory=LogCfg)
+    output_dir: str = Field("runs/kto", description="where checkpoints, metrics, cached reference log-probs "
+                                                    "and the final policy go")
 # <<< dpo-kto configs
 
 # ----------------------------------------------------------------------------------------------
 # Rejection sampling / conditional SFT configs
 # ----------------------------------------------------------------------------------------------
 # >>> rs-csft configs
+class RSDataCfg(Cfg):
+    prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
+    max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
+    max_len: int = Field(512, ge=8, description="tokens per SFT sequence (prompt cut from the left)")
+
+
+class RSAlgoCfg(Cfg):
+    rounds: int = Field(3, ge=1, description="sample → score → select → SFT iterations")
+    prompts_per_round: int = Field(
+        128, ge=1, description="prompts per round; round k takes the next slice of a seeded shuffle (wrapping)")
+    n_samples_per_prompt: int = Field(4, ge=1, description="responses sampled per prompt (the n of best-of-n)")
+    min_score: Optional[float] = Field(
+        None, description="keep a prompt's best response only if its selection score is > this; None keeps all")
+    missing_eos_penalty: Optional[float] = Field(
+        None, description="subtracted from the selection score of responses cut at max_new_tokens; None = no penalty")
+    accumulate: bool = Field(
+        False, description="SFT each round on the best responses of all rounds so far (Llama 2), not only this one's")
+    score_truncated_with_eos: bool = Field(
+        True, description="score a response cut at max_new_tokens with an EOS appended, as `eval-policy` does; "
+                          "false scores the sampled tokens as they are, as `ppo` does")
+    score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass")
+
+
+class RejectionSamplingConfig(Cfg):
+    """`turborlhf rejection-sampling`: iterative best-of-n; train.* (epochs, max_steps, ...) apply per round."""
+
+    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to improve (sampled from and trained)")
+    reward_model: str = Field(..., description="directory of the reward model (AutoModelForSequenceClassification)")
+    data: RSDataCfg
+    rollout: RolloutCfg = Field(default_factory=lambda: RolloutCfg(temperature=0.9),
+                                description="sampling of the candidates")
+    algo: RSAlgoCfg = Field(default_factory=RSAlgoCfg, description="rounds, best-of-n and selection")
+    optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-5, schedule="constant"),
+                            description="AdamW, re-created at the start of every round")
+    train: SFTTrainCfg = Field(default_factory=lambda: SFTTrainCfg(epochs=1.0),
+                               description="the SFT phase of each round")
+    log: LogCfg = Field(default_factory=LogCfg, description="metrics output")
+    output_dir: str = Field("runs/rejection_sampling", description="where rounds, checkpoints and the final model go")
+
+
+class CSFTDataCfg(Cfg):
+    train_file: str = Field(..., description="pair-format JSONL or raw HH (chosen AND rejected are used), "
+                                             "or SFT JSONL ({prompt, response})")
+    test_file: Optional[str] = Field(None, description="held-out file in the same format (tagged NLL at the end)")
+    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
+    max_samples: int = Field(0, ge=0, description="use at most this many lines' records (pairs or examples; 0 = all)")
+    score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass when scoring")
+    policy_samples_per_prompt: int = Field(
+        0, ge=0, description="also sample this many responses per training prompt from the starting policy "
+                             "(settings rollout.*) and train on them, tagged like the rest; 0 = data only")
+
+
+class CSFTTagCfg(Cfg):
+    n_bins: int = Field(5, ge=2, description="number of score bins (tags 0 … n_bins-1; higher = better)")
+    binning: Literal["quantile", "uniform"] = Field(
+        "quantile", description="bin edges: score quantiles (equal counts) or equal-width over [min, max]")
+    format: str = Field("<rm_score>={k}", description="tag text; {k} is replaced by the bin index")
+    position: Literal["last_user", "system", "prefix"] = Field(
+        "last_user", description="where the tag goes: end of the last user message, start of the system "
+                                 "message, or before the whole prompt text")
+    separator: str = Field(" ", description="text between the tag and the message content")
+    generation_bin: Optional[int] = Field(None, ge=0, description="bin used at generation; None = the best (n_bins-1)")
+
+
+class ConditionalSFTConfig(Cfg):
+    """`turborlhf conditional-sft`: SFT on prompts tagged with the RM score bin of their response."""
+
+    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to fine-tune")
+    reward_model: str = Field(..., description="directory of the reward model that scores the training responses")
+    data: CSFTDataCfg
+    tags: CSFTTagCfg = Field(default_factory=CSFTTagCfg, description="score → tag mapping and its placement")
+    rollout: RolloutCfg = Field(default_factory=lambda: RolloutCfg(temperature=0.8, top_p=0.95),
+                                description="sampling of the policy's own responses (data.policy_samples_per_prompt)")
+    optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=2e-5), description="AdamW and its schedule")
+    train: SFTTrainCfg = Field(default_factory=SFTTrainCfg, description="the SFT loop")
+    log: LogCfg = Field(default_factory=LogCfg, description="metrics output")
+    output_dir: str = Field("runs/conditional_sft", description="where scores, tags, checkpoints and the model go")
 # <<< rs-csft configs
 
 
@@ -278,19 +534,36 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _format_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
         lines.append(f"{prefix}{loc}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def default_tree(cls: type[Cfg]) -> dict:
+    """The defaults of `cls` as a nested dict, as the command sets them (a section's
+    ``default_factory`` wins over the section class's own defaults), so that overriding one field
+    of a section keeps the command's other defaults. Required fields are left out."""
+    tree: dict = {}
+    for name, f in cls.model_fields.items():
+        if f.is_required():
+            sub = _cfg_class(f.annotation)
+            if sub is not None:
+                tree[name] = default_tree(sub)
+            continue
+        value = f.get_default(call_default_factory=True)
+        tree[name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else json.loads(json.dumps(value))
+    return tree
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = (),
                 base: dict | None = None) -> C:
     """Build `cls` from a YAML file (optional), a base dict, then ``key.sub=value`` overrides.
 
-    Order of precedence: overrides > YAML file > base > class defaults.
+    Order of precedence: overrides > YAML file > base > the command's defaults.
     Raises `ConfigError` naming the file or the dotted field.
     """
-    tree: dict = json.loads(json.dumps(base)) if base else {}
+    tree: dict = default_tree(cls)
+    _deep_update(tree, json.loads(json.dumps(base)) if base else {})
     if path is not None:
         p = Path(path)
         if not p.exists():
@@ -321,9 +594,11 @@ def _deep_update(dst: dict, src: dict) -> dict:
 
 
 def validate_section(cls: type[C], tree: dict, section: str) -> C:
-    """Validate a dict (e.g. a pipeline stage section) and prefix error paths with `section`."""
+    """Validate a dict (e.g. a pipeline stage section) on top of the command's defaults and
+    prefix error paths with `section`."""
+    full = _deep_update(default_tree(cls), json.loads(json.dumps(tree)))
     try:
-        return cls.model_validate(tree)
+        return cls.model_validate(full)
     except ValidationError as e:
         raise ConfigError(_format_error(e, prefix=f"{section}.")) from None
 

@@ -34,3 +34,12 @@ def test_overrides_take_precedence(tmp_path):
     f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 0.1}\n")
     cfg = load_config(SFTConfig, f, ["optim.lr=0.5", "train.max_steps=7"])
     assert cfg.optim.lr == 0.5 and cfg.train.max_steps == 7 and cfg.data.train_file == "a.jsonl"
+
+
+def test_partial_section_override_keeps_command_defaults():
+    from turborlhf.config import PPOConfig
+
+    cfg = load_config(PPOConfig, None, ["reward_model=r", "data.prompts_file=p", "optim.warmup_steps=3",
+                                        "train.seed=3"])
+    assert cfg.optim.lr == 1e-6 and cfg.optim.schedule == "constant" and cfg.optim.warmup_steps == 3
+    assert cfg.train.max_steps == 20 and cfg.train.seed == 3

@@ -8,7 +8,8 @@ from tests.e2e.helpers import REPO, run_cli
 
 
 @pytest.mark.slow
-def test_real_model_pipeline_smoke(tmp_path):
+def test_real_model_pipeline_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBORLHF_THREADS", "0")  # all cores for the real model
     from turborlhf.models.zoo import resolve_model_path
 
     try:
