@@ -1,0 +1,160 @@
+"""Several reward sources behind one call: ``score_i = Σ_k w_k · s_k(prompt_i, response_i)``.
+
+Sources (config ``rewards: [{kind, path, weight, ...}]``, plus the legacy ``reward_model``
+directory as a ``model`` source named ``rm`` with weight 1):
+
+- ``model``: a reward-model directory loaded in-process; it scores the token ids the policy
+  produced (prompt + response, head at the last response token), exactly as PPO always has. A
+  reward model whose vocabulary differs from the policy's scores the decoded texts instead.
+- ``function``: ``path/to/module.py:function`` (`turborlhf.rewards.functions`), called with
+  texts.
+- ``remote``: the URL of a ``turborlhf serve-rm`` server (`turborlhf.rewards.remote`).
+
+The weighted sum is the only combination (TRL GRPO's ``reward_weights``, OpenRLHF's sum of
+remote rewards); per-source scores are returned too so trainers can log each one. Texts are
+decoded once per batch and only when a source needs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["RewardInputs", "CombinedReward", "combine_scores", "build_reward"]
+
+
+@dataclass
+class RewardInputs:
+    """One batch to score. ``B`` rows; ``ids_BT``/``attn_BT`` are ``[prompt | response]`` rows as the
+    policy saw them (any padding), ``prompt_ids``/``response_ids`` the unpadded parts."""
+
+    ids_BT: torch.Tensor
+    attn_BT: torch.Tensor
+    prompt_ids: Sequence[Sequence[int]]
+    response_ids: Sequence[Sequence[int]]
+    tokenizer: object
+    _texts: Optional[tuple[list[str], list[str]]] = field(default=None, repr=False)
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        """``(prompts, responses)``: rendered prompt texts (special tokens kept) and responses
+        without special tokens (no EOS); decoded on first use."""
+        if self._texts is None:
+            tok = self.tokenizer
+            self._texts = ([tok.decode(p) for p in self.prompt_ids],
+                           [tok.decode(r, skip_special_tokens=True) for r in self.response_ids])
+        return self._texts
+
+
+class _ModelSource:
+    def __init__(self, path: str, tokenizer, dtype: str, chunk: int) -> None:
+        from turborlhf.models.load import load_scalar_model, load_tokenizer
+
+        rm_tok = load_tokenizer(path)
+        self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
+        self.tok = tokenizer if self.same_vocab else rm_tok
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.model = load_scalar_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
+        self.dtype, self.chunk = dtype, chunk
+
+    @torch.no_grad()
+    def __call__(self, inp: RewardInputs) -> torch.Tensor:
+        from turborlhf.engine.train import autocast
+        from turborlhf.models.forward import last_token_scores
+        from turborlhf.rewards.model import score_texts
+
+        if not self.same_vocab:
+            return score_texts(self.model, self.tok, *inp.texts(), dtype=self.dtype, batch_size=self.chunk)
+        B = inp.ids_BT.shape[0]
+        with autocast(self.dtype):
+            return torch.cat([last_token_scores(self.model, inp.ids_BT[s:s + self.chunk], inp.attn_BT[s:s + self.chunk])
+                              for s in range(0, B, self.chunk)]).float()
+
+
+class _FunctionSource:
+    def __init__(self, spec: str) -> None:
+        from turborlhf.rewards.functions import load_reward_function
+
+        self.spec, self.fn = spec, load_reward_function(spec)
+
+    def __call__(self, inp: RewardInputs) -> torch.Tensor:
+        from turborlhf.rewards.functions import call_reward_function
+
+        return torch.tensor(call_reward_function(self.fn, *inp.texts(), name=f"reward function {self.spec!r}"))
+
+
+class _RemoteSource:
+    def __init__(self, url: str, timeout_s: float, retries: int) -> None:
+        from turborlhf.rewards.remote import RemoteRewardModel
+
+        self.client = RemoteRewardModel(url, timeout_s=timeout_s, retries=retries)
+
+    def __call__(self, inp: RewardInputs) -> torch.Tensor:
+        return torch.tensor(self.client.score(*inp.texts()))
+
+
+def combine_scores(per_source_B: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """``Σ_k weights[k] · per_source_B[k]`` in fp32, shape (B,).
+
+    Raises:
+        ValueError: no sources, a source without a weight, or sources of different lengths.
+    """
+    if not per_source_B:
+        raise ValueError("combine_scores: no reward sources")
+    shapes = {tuple(s.shape) for s in per_source_B.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise ValueError(f"combine_scores: every source must give one score per row, got shapes {shapes}")
+    missing = set(per_source_B) - set(weights)
+    if missing:
+        raise ValueError(f"combine_scores: no weight for {sorted(missing)}")
+    return sum(float(weights[k]) * s.float() for k, s in per_source_B.items())
+
+
+class CombinedReward:
+    """Callable ``(RewardInputs) -> (score_B, {name: source score_B})`` with ``score = Σ w·s``."""
+
+    def __init__(self, sources: list[tuple[str, float, object]]) -> None:
+        names = [n for n, _, _ in sources]
+        if not sources:
+            raise ValueError("no reward sources")
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward source names must be unique, got {names}")
+        self.sources = sources
+        self.weights = {n: w for n, w, _ in sources}
+
+    def __call__(self, inp: RewardInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        per = {name: fn(inp).float() for name, _, fn in self.sources}
+        return combine_scores(per, self.weights), per
+
+
+def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "bf16",
+                 chunk: int = 8) -> CombinedReward:
+    """Load every source.
+
+    Args:
+        sources: ``RewardSourceCfg``-like objects (``kind``, ``path``, ``weight``, ``name``,
+            ``timeout_s``, ``retries``).
+        reward_model: optional RM directory, added first as source ``rm`` with weight 1.
+        tokenizer: the policy's tokenizer (decodes texts; decides whether an RM can read ids).
+        dtype: compute precision of in-process reward models (``bf16`` or ``fp32``).
+        chunk: rows per reward-model forward pass.
+
+    Raises:
+        ValueError: no source, duplicate names, unknown kind; `RewardFunctionError` for a bad
+            function spec (loaded eagerly so a typo fails before any training).
+    """
+    loaded: list[tuple[str, float, object]] = []
+    if reward_model:
+        loaded.append(("rm", 1.0, _ModelSource(reward_model, tokenizer, dtype, chunk)))
+    for i, s in enumerate(sources):
+        name = s.name or f"{s.kind}{i}"
+        if s.kind == "model":
+            fn: object = _ModelSource(s.path, tokenizer, dtype, chunk)
+        elif s.kind == "function":
+            fn = _FunctionSource(s.path)
+        elif s.kind == "remote":
+            fn = _RemoteSource(s.path, s.timeout_s, s.retries)
+        else:
+            raise ValueError(f"unknown reward source kind {s.kind!r}")
+        loaded.append((name, float(s.weight), fn))
+    return CombinedReward(loaded)

@@ -1,0 +1,453 @@
+"""`turborlhf conditional-sft`: reward-conditioned SFT (Hu et al. 2023, "Aligning Language Models
+with Offline Learning from Human Feedback", arXiv 2308.12050; the idea of SteerLM, Dong et al. 2023).
+
+1. score every training response with the reward model, s_i = r(x_i, y_i) — for preference pairs
+   both the chosen AND the rejected response become examples, so the policy also sees what a
+   low score looks like; with `data.policy_samples_per_prompt` the starting policy's own samples
+   for the same prompts join them (on-policy examples, as SteerLM's bootstrapping round);
+2. bin the scores: edges e_1 < … < e_{K-1} (score quantiles q = k/K, or equal widths over
+   [min s, max s]); bin k_i = #{m : e_m ≤ s_i} ∈ {0 … K-1}, monotone in s (higher = better);
+3. tag the prompt with its bin, x̃_i = insert(x_i, format(k_i)), the default tag ``<rm_score>=k``
+   going to the end of the last user message (see `condition_prompt` for the three placements);
+4. SFT on (x̃_i, y_i) with the loss of `turborlhf sft` (token-mean NLL of response tokens,
+   `trainers.sft.sft_loss_on_batch`): the model learns p(y | x, k);
+5. generate with the best tag k* = K-1 (or `tags.generation_bin`): sampling p(y | x, k*).
+
+The mapping (format, placement, bin edges, best tag, chat-template anchors) is written to
+``<output_dir>/conditional_sft.json``; `condition_prompt(prompt_text, tag_info)` reproduces the
+conditioning anywhere (evaluation: `evaluate_conditional`). Scores and bins of every example are
+in ``<output_dir>/scored.jsonl`` (a resumed run reuses them instead of scoring again).
+
+    turborlhf conditional-sft --config configs/tiny/conditional_sft.yaml
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from turborlhf.config import ConditionalSFTConfig
+from turborlhf.data.jsonl import read_jsonl, write_jsonl
+from turborlhf.data.loaders import load_pairs, load_sft
+from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
+                                    set_rng_state, set_threads)
+from turborlhf.metrics import M, MetricsLogger
+from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer
+from turborlhf.rewards.model import score_texts
+from turborlhf.trainers.rejection_sampling import encode_samples
+from turborlhf.trainers.sft import evaluate_nll, sft_loss_on_batch
+
+__all__ = ["train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
+           "load_tag_info", "load_examples", "sample_policy_examples", "evaluate_conditional", "TAG_FILE"]
+
+TAG_FILE = "conditional_sft.json"
+_SLOT = "<<TAG_SLOT_7f3a>>"
+
+
+# ----------------------------------------------------------------------------------------------
+# Score → bin (pure)
+# ----------------------------------------------------------------------------------------------
+
+def _quantile_edges(scores_B: torch.Tensor, n_bins: int) -> torch.Tensor:
+    q = torch.arange(1, n_bins, dtype=torch.float64) / n_bins
+    return torch.quantile(scores_B.double(), q)
+
+
+def _uniform_edges(scores_B: torch.Tensor, n_bins: int) -> torch.Tensor:
+    lo, hi = float(scores_B.min()), float(scores_B.max())
+    return torch.linspace(lo, hi, n_bins + 1, dtype=torch.float64)[1:-1]
+
+
+BINNINGS = {"quantile": _quantile_edges, "uniform": _uniform_edges}
+
+
+def bin_edges(scores_B: torch.Tensor, n_bins: int, binning: str = "quantile") -> list[float]:
+    """The K-1 inner edges e_1 ≤ … ≤ e_{K-1} (K = n_bins) of the score bins.
+
+    binning: 'quantile' (e_k = k/K-quantile of scores_B, linear interpolation: equal counts) or
+    'uniform' (equal widths over [min, max]). Raises ValueError for an unknown binning, K < 2 or
+    an empty `scores_B`.
+    """
+    if binning not in BINNINGS:
+        raise ValueError(f"unknown binning {binning!r}; choose one of {sorted(BINNINGS)}")
+    if n_bins < 2 or scores_B.numel() == 0:
+        raise ValueError(f"need n_bins >= 2 and at least one score, got {n_bins} and {scores_B.numel()}")
+    return [float(e) for e in BINNINGS[binning](scores_B.flatten(), n_bins)]
+
+
+def score_bins(scores_B: torch.Tensor, edges: list[float]) -> torch.Tensor:
+    """Bin index k_i = #{m : e_m ≤ s_i} ∈ {0 … len(edges)} of each score (LongTensor ``B``);
+    non-decreasing in the score. Raises ValueError if `edges` are not sorted."""
+    e = torch.tensor(edges, dtype=torch.float64)
+    if len(edges) > 1 and bool((e[1:] < e[:-1]).any()):
+        raise ValueError(f"edges must be sorted, got {edges}")
+    return torch.searchsorted(e, scores_B.double().contiguous(), right=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tag placement
+# ----------------------------------------------------------------------------------------------
+
+def chat_anchors(tokenizer) -> dict:
+    """Template strings around message contents, found by rendering probe conversations through
+    the tokenizer's chat template, so `condition_prompt` can edit rendered prompt strings:
+
+    - ``turn_end``: what follows the last user message's content in a rendered prompt (end of
+      turn + assistant header; ChatML ``<|im_end|>\\n<|im_start|>assistant\\n``);
+    - ``system_header``: what precedes a system message's content (ChatML ``<|im_start|>system\\n``);
+    - ``system_block``: a whole system message with the tag slot, to prepend when a prompt has
+      none (None when the template adds a prefix such as BOS or a default system message).
+
+    A template that rejects a probe leaves the anchor None (placement then falls back to text).
+    """
+    from turborlhf.data.chat import render_prompt
+
+    def render(msgs):
+        try:
+            return render_prompt(tokenizer, msgs)
+        except Exception:  # templates may reject a role (e.g. no system support)
+            return None
+
+    anchors: dict = {"turn_end": None, "system_header": None, "system_block": None}
+    user = render([{"role": "user", "content": _SLOT}])
+    if user and _SLOT in user:
+        anchors["turn_end"] = user[user.rindex(_SLOT) + len(_SLOT):]
+    with_sys = render([{"role": "system", "content": _SLOT}, {"role": "user", "content": "u"}])
+    no_sys = render([{"role": "user", "content": "u"}])
+    if with_sys and _SLOT in with_sys:
+        anchors["system_header"] = with_sys[:with_sys.index(_SLOT)]
+        if no_sys and with_sys.endswith(no_sys) and len(with_sys) > len(no_sys):
+            anchors["system_block"] = with_sys[:len(with_sys) - len(no_sys)]
+    return anchors
+
+
+def _at_last_user(prompt: str, tag: str, sep: str, anchors: dict) -> str:
+    end = anchors.get("turn_end")
+    if end and prompt.endswith(end):
+        return prompt[:len(prompt) - len(end)] + sep + tag + end
+    return prompt + sep + tag
+
+
+def _at_system(prompt: str, tag: str, sep: str, anchors: dict) -> str:
+    head, block = anchors.get("system_header"), anchors.get("system_block")
+    if head and prompt.startswith(head):
+        return head + tag + sep + prompt[len(head):]
+    if block:
+        return block.replace(_SLOT, tag) + prompt
+    return _at_prefix(prompt, tag, sep, anchors)
+
+
+def _at_prefix(prompt: str, tag: str, sep: str, anchors: dict) -> str:
+    return tag + sep + prompt
+
+
+PLACEMENTS = {"last_user": _at_last_user, "system": _at_system, "prefix": _at_prefix}
+
+
+def condition_prompt(prompt_text: str, tag_info: dict, k: Optional[int] = None) -> str:
+    """Insert the score tag of bin `k` (default: ``tag_info["best_bin"]``) into a rendered prompt.
+
+    With the default format ``<rm_score>={k}``, separator " " and a ChatML prompt
+    ``…<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n``, the placements give:
+
+    - ``last_user``: ``…<|im_start|>user\\nHi <rm_score>=4<|im_end|>\\n<|im_start|>assistant\\n``
+      (a prompt not ending with the template's turn end gets ``" <rm_score>=4"`` appended, as
+      OpenRLHF's ``"{input} <rm_score>: {reward} "``); survives left truncation of long dialogues;
+    - ``system``: ``<|im_start|>system\\n<rm_score>=4 You are…`` (a prompt without a system message
+      gets one holding only the tag, if the template allows; else the tag is prefixed);
+    - ``prefix``: ``<rm_score>=4 `` + prompt_text.
+
+    tag_info: the dict saved as ``conditional_sft.json`` (keys format, position, separator,
+    anchors, best_bin). Raises ValueError for an unknown position or a bin outside 0 … n_bins-1.
+    """
+    k = tag_info["best_bin"] if k is None else int(k)
+    if not 0 <= k < tag_info["n_bins"]:
+        raise ValueError(f"bin {k} outside 0 … {tag_info['n_bins'] - 1}")
+    pos = tag_info["position"]
+    if pos not in PLACEMENTS:
+        raise ValueError(f"unknown tag position {pos!r}; choose one of {sorted(PLACEMENTS)}")
+    tag = tag_info["format"].replace("{k}", str(k))
+    return PLACEMENTS[pos](prompt_text, tag, tag_info["separator"], tag_info["anchors"])
+
+
+def make_tag_info(tags_cfg, edges: list[float], anchors: dict, scores_B: torch.Tensor, bins_B: torch.Tensor) -> dict:
+    """The saved mapping: format, placement, edges, best (generation) bin and its tag, and the count
+    and mean score of every bin. Raises ValueError if `generation_bin` ≥ n_bins."""
+    K = tags_cfg.n_bins
+    best = K - 1 if tags_cfg.generation_bin is None else tags_cfg.generation_bin
+    if best >= K:
+        raise ValueError(f"tags.generation_bin={best} must be < tags.n_bins={K}")
+    counts = [int((bins_B == k).sum()) for k in range(K)]
+    means = [float(scores_B[bins_B == k].mean()) if counts[k] else None for k in range(K)]
+    return {"format": tags_cfg.format, "position": tags_cfg.position, "separator": tags_cfg.separator,
+            "binning": tags_cfg.binning, "n_bins": K, "bin_edges": edges, "best_bin": best,
+            "best_tag": tags_cfg.format.replace("{k}", str(best)), "anchors": anchors,
+            "bin_counts": counts, "bin_score_means": means,
+            "score_stats": {"mean": float(scores_B.mean()), "std": float(scores_B.std()) if len(scores_B) > 1 else 0.0,
+                            "min": float(scores_B.min()), "max": float(scores_B.max()), "n": len(scores_B)}}
+
+
+def load_tag_info(policy_dir: str | Path) -> dict:
+    """Read ``<policy_dir>/conditional_sft.json``. Raises FileNotFoundError if it is missing."""
+    path = Path(policy_dir) / TAG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {policy_dir} was not trained by `turborlhf conditional-sft`")
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# 1-2. Data and scores
+# ----------------------------------------------------------------------------------------------
+
+def _is_pair_file(path: str) -> bool:
+    for _, obj in read_jsonl(path):
+        if isinstance(obj, dict):
+            return "rejected" in obj
+    return False
+
+
+def load_examples(path: str, tok, max_samples: int = 0) -> list[dict]:
+    """``[{prompt, response, source}]``: both responses of every pair (source chosen/rejected) of a
+    pair-format or raw HH file, or the examples of an SFT file (source sft). `max_samples` caps the
+    lines' records (pairs or examples) before the expansion."""
+    if _is_pair_file(path):
+        pairs = load_pairs(path, tok)
+        pairs = pairs[:max_samples] if max_samples else pairs
+        return [{"prompt": p["prompt"], "response": p[s], "source": s} for p in pairs for s in ("chosen", "rejected")]
+    rows = load_sft(path, tok)
+    rows = rows[:max_samples] if max_samples else rows
+    return [{"prompt": r["prompt"], "response": r["response"], "source": "sft"} for r in rows]
+
+
+def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTConfig) -> list[dict]:
+    """``data.policy_samples_per_prompt`` responses per prompt from `model` (the starting policy),
+    seeded by ``train.seed``, as ``[{prompt, response, source: "policy", finished}]``: on-policy
+    examples, so the tags also separate the policy's own good and bad responses."""
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.rollout import make_engine
+    from turborlhf.rollout.base import SamplingParams
+
+    R, n = cfg.rollout, cfg.data.policy_samples_per_prompt
+    engine = make_engine(R.engine, model, dtype=R.dtype, max_batch_size=R.batch_size)
+    params = SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens,
+                            temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
+                            stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)
+    outs = engine.generate([encode_prompt(tok, p, R.max_prompt_len) for p in prompts], params)
+    return [{"prompt": prompts[i // n], "response": tok.decode(r, skip_special_tokens=True), "source": "policy",
+             "finished": f} for i, (r, f) in enumerate(zip(outs.response_ids, outs.finished))]
+
+
+def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch.Tensor]:
+    """RM scores of every (untagged prompt, response) of each set, EOS appended to every response
+    (a policy sample cut at max_new_tokens is judged as if it ended there, as `eval-policy` does);
+    the RM is freed afterwards."""
+    frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    rm_tok = load_tokenizer(cfg.reward_model)
+    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
+                       cfg.model.dtype, cfg.data.score_batch_size) if rows else torch.empty(0) for rows in sets]
+    del rm
+    return out
+
+
+def _print_bins(info: dict) -> None:
+    print(f"[csft] tags {info['format']!r} at {info['position']}, generation tag {info['best_tag']!r}", flush=True)
+    lo = ["-inf"] + [f"{e:.3f}" for e in info["bin_edges"]]
+    hi = [f"{e:.3f}" for e in info["bin_edges"]] + ["inf"]
+    for k in range(info["n_bins"]):
+        m = info["bin_score_means"][k]
+        print(f"  bin {k}: [{lo[k]}, {hi[k]})  n={info['bin_counts'][k]:<5} mean score "
+              f"{'-' if m is None else f'{m:.3f}'}", flush=True)
+
+
+def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bool) -> tuple[list, list, dict]:
+    """Training and test examples with ``score`` and ``bin``, and the tag info; written to
+    ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`)."""
+    scored, scored_test = out / "scored.jsonl", out / "scored_test.jsonl"
+    if reuse and scored.exists() and (out / TAG_FILE).exists():
+        test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
+        return [obj for _, obj in read_jsonl(scored)], test_rows, load_tag_info(out)
+    rows = load_examples(cfg.data.train_file, tok, cfg.data.max_samples)
+    test_rows = load_examples(cfg.data.test_file, tok) if cfg.data.test_file else []
+    t0 = time.perf_counter()
+    if cfg.data.policy_samples_per_prompt:
+        prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+        rows += sample_policy_examples(model, tok, prompts, cfg)
+        print(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        t0 = time.perf_counter()
+    scores, test_scores = _score_rows(cfg, [rows, test_rows])
+    print(f"[csft] scored {len(rows) + len(test_rows)} responses in {time.perf_counter() - t0:.1f}s", flush=True)
+    edges = bin_edges(scores, cfg.tags.n_bins, cfg.tags.binning)
+    bins, test_bins = score_bins(scores, edges), score_bins(test_scores, edges)
+    info = make_tag_info(cfg.tags, edges, chat_anchors(tok), scores, bins)
+    info.update({"reward_model": cfg.reward_model, "train_file": cfg.data.train_file})
+    for rs, ss, bs in ((rows, scores, bins), (test_rows, test_scores, test_bins)):
+        for r, s, b in zip(rs, ss.tolist(), bs.tolist()):
+            r.update({"score": s, "bin": b})
+    write_jsonl(scored, rows)
+    if test_rows:
+        write_jsonl(scored_test, test_rows)
+    info["example"] = condition_prompt(rows[0]["prompt"], info)
+    atomic_write_text(out / TAG_FILE, json.dumps(info, indent=2))
+    return rows, test_rows, info
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
+    # 1. run directory, threads, seed
+    out = setup_run(cfg, cfg.output_dir)
+    set_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    T = cfg.train
+
+    # 2. tokenizer and policy
+    tok = load_tokenizer(cfg.model.name_or_path)
+    ckpt = latest_checkpoint(out) if resume else None
+    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
+                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = apply_lora(model, cfg.model.lora)
+    model.train()
+
+    # 3. examples (data responses, optionally the policy's own samples), their scores on the
+    #    untagged prompts and their bins: computed once, reused on resume
+    rows, test_rows, info = _scored_examples(cfg, tok, model, out, reuse=bool(ckpt))
+    _print_bins(info)
+
+    # 4. tagged prompts → token ids + response masks (as `sft.encode_examples`; a policy sample cut
+    #    at max_new_tokens gets no EOS); a deterministic plan of optimizer steps
+    def tagged(rs: list[dict]) -> list[dict]:
+        return [{"prompt": condition_prompt(r["prompt"], info, r["bin"]), "response": r["response"],
+                 "finished": r.get("finished", True)} for r in rs]
+
+    train_enc = encode_samples(tok, tagged(rows), cfg.data.max_len)
+    test_enc = encode_samples(tok, tagged(test_rows), cfg.data.max_len)
+    plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
+    print_batch_table("csft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
+                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
+
+    # 5. optimizer, schedule, resume state
+    optim = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(optim, cfg.optim, len(plan))
+    start = 0
+    if ckpt:
+        state = load_trainer_state(ckpt)
+        optim.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"[csft] resumed from {ckpt} at step {start}", flush=True)
+    log = MetricsLogger(out, "csft", len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
+                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(out, step, {"policy": model}, tok, {
+            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
+            keep=T.keep_checkpoints)
+
+    # 6. training loop (as `turborlhf sft`): micro-batches share the step's token count
+    for step in range(start, len(plan)):
+        t0 = time.perf_counter()
+        batch = [train_enc[i] for i in plan[step]]
+        num_tokens = sum(sum(e["loss_mask"]) for e in batch)
+        step_loss = 0.0
+        for s in range(0, len(batch), T.micro_batch_size):
+            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
+            loss.backward()
+            step_loss += float(loss.detach())
+        lr = sched.get_last_lr()[0]
+        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+        dt = time.perf_counter() - t0
+        n_tok = sum(len(e["input_ids"]) for e in batch)
+        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+        done = step + 1
+        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+            metrics[M.EVAL_LOSS] = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
+        if done % cfg.log.every == 0 or done == len(plan):
+            log.log(done, metrics)
+        if T.save_every and done % T.save_every == 0 and done < len(plan):
+            checkpoint(done)
+
+    # 7. final tagged NLL, resumable checkpoint, exported HF model (+ the tag mapping beside it)
+    if test_enc:
+        log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)})
+    checkpoint(len(plan))
+    export_model(model, tok, out)
+    log.close()
+    print(f"[csft] saved policy and {TAG_FILE} to {out}", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation with the best tag
+# ----------------------------------------------------------------------------------------------
+
+def evaluate_conditional(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64,
+                         max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234,
+                         engine: str = "auto", reference_dir: Optional[str] = None,
+                         samples_out: Optional[str] = None, tag_bin: Optional[int] = None) -> dict:
+    """`turborlhf.evaluate.eval_policy` for a conditional-SFT policy: each prompt is conditioned
+    with the tag of bin `tag_bin` (default: the best bin of ``<policy_dir>/conditional_sft.json``)
+    before generation; the reward model scores the response against the *untagged* prompt.
+
+    Returns eval_policy's keys (reward_mean, reward_std, n, response_length_mean, eos_fraction,
+    kl_to_reference with `reference_dir` — the reference sees the untagged prompt —, policy,
+    reward_model, seed, temperature, top_p, max_new_tokens, generate_seconds, seconds) plus
+    ``tag`` and ``tag_bin``. `samples_out` gets one JSONL row per prompt (prompt, conditioned
+    prompt, response, score). Raises FileNotFoundError without the tag file.
+    """
+    from turborlhf.data.loaders import load_prompts
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.engine.train import autocast
+    from turborlhf.evaluate import generate_responses
+    from turborlhf.models.forward import response_logprobs
+
+    set_threads()
+    t0 = time.perf_counter()
+    info = load_tag_info(policy_dir)
+    k = info["best_bin"] if tag_bin is None else tag_bin
+    tok = load_tokenizer(policy_dir)
+    policy = load_causal_lm(policy_dir, tok)
+    prompts = load_prompts(prompts_file, tok)[:n]
+    cond = [condition_prompt(p, info, k) for p in prompts]
+    p_ids, r_ids, fin = generate_responses(policy, tok, cond, max_new_tokens, temperature, top_p, seed, engine)
+    t_gen = time.perf_counter() - t0
+    rm_tok = load_tokenizer(reward_model_dir)
+    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
+    texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
+    scores = score_texts(rm, rm_tok, prompts, texts, 4096, "bf16")
+    lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
+    res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+           "n": len(prompts), "response_length_mean": float(lens.mean()),
+           "eos_fraction": float(torch.tensor(fin, dtype=torch.float32).mean())}
+    if reference_dir:
+        from turborlhf.trainers.ppo import assemble
+
+        ref = load_causal_lm(reference_dir, tok, dtype=torch.bfloat16)
+        ref_p_ids = [encode_prompt(tok, p, 256) for p in prompts]
+        kls = []
+        with torch.no_grad(), autocast("bf16"):
+            for s in range(0, len(p_ids), 8):
+                sums = []
+                for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
+                    ids, attn, P, mask = assemble(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
+                    target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
+                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1))
+                kls.append(sums[0] - sums[1])
+        res["kl_to_reference"] = float(torch.cat(kls).mean())
+    res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
+                "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
+                "seconds": round(time.perf_counter() - t0, 2), "tag": info["format"].replace("{k}", str(k)),
+                "tag_bin": k})
+    if samples_out:
+        write_jsonl(samples_out, [{"prompt": p, "conditioned_prompt": c, "response": t, "score": s}
+                                  for p, c, t, s in zip(prompts, cond, texts, scores.tolist())])
+    return res

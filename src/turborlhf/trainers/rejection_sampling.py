@@ -1,0 +1,297 @@
+"""`turborlhf rejection-sampling`: iterative best-of-n rejection sampling (Touvron et al. 2023,
+Llama 2 §3.2.3; OpenRLHF's `train_rejection_sampling_*.sh`), then SFT on the winners.
+
+Each round k = 1 … `rounds`:
+
+1. sample: n = `n_samples_per_prompt` responses y_i1 … y_in for each of the round's prompts x_i
+   from the *current* policy π_k with the rollout engine (seed depends on the round only);
+2. score: s_ij = r(x_i, y_ij) with the reward model at the final EOS; a response cut at
+   `max_new_tokens` gets an EOS appended first (`score_truncated_with_eos`, default), the
+   convention of `turborlhf eval-policy`, so selection optimises what evaluation measures;
+3. select: j*_i = argmax_j s̃_ij with s̃_ij = s_ij − c·[y_ij cut at max_new_tokens] (c =
+   `missing_eos_penalty`, default 0); the prompt is kept if s̃_ij* > `min_score` (if set);
+   the winners go to ``<output_dir>/round_<k>/best.jsonl`` with all candidate scores;
+4. SFT: the token-mean NLL of the kept responses, L = −Σ_t log π(y_t | x, y_<t) / Σ_i |y_i|,
+   exactly the loss of `turborlhf sft` (`trainers.sft.sft_loss_on_batch`), `train.epochs` passes
+   with a fresh AdamW and schedule per round (OpenRLHF runs `train_sft` anew per iteration);
+   with `accumulate` the data are the winners of rounds 1 … k (Llama 2 keeps earlier winners);
+5. sync the new weights into the rollout engine, log, checkpoint (``step-00000k`` = k rounds done).
+
+Deliberate details: a winner cut at `max_new_tokens` is trained *without* an appended EOS (the
+policy must not learn to stop where the text was merely truncated); responses are decoded to
+text and re-encoded like SFT data. Metrics per round (``metrics.jsonl``, step = round):
+``rollout/reward_mean`` (all candidates), ``rollout/best_score_mean`` (the per-prompt maxima,
+before the threshold), ``rollout/best_of_n_gain`` (their difference), the kept fraction, loss.
+
+    turborlhf rejection-sampling --config configs/tiny/rejection_sampling.yaml
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from turborlhf.config import RejectionSamplingConfig
+from turborlhf.data.jsonl import read_jsonl, write_jsonl
+from turborlhf.data.loaders import load_prompts
+from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
+from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
+                                    set_rng_state, set_threads)
+from turborlhf.metrics import M, MetricsLogger
+from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer, merge_lora_for_save
+from turborlhf.rewards.model import score_token_ids
+from turborlhf.rollout import make_engine
+from turborlhf.rollout.base import SamplingParams
+from turborlhf.trainers.sft import sft_loss_on_batch
+
+__all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows"]
+
+BEST_SCORE = "rollout/best_score_mean"
+GAIN = "rollout/best_of_n_gain"
+KEPT = "rollout/kept_fraction"
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure pieces
+# ----------------------------------------------------------------------------------------------
+
+def select_best(scores_BN: torch.Tensor, finished_BN: torch.Tensor, min_score: Optional[float] = None,
+                missing_eos_penalty: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-of-n selection over B prompts × N candidates.
+
+    Args:
+        scores_BN: reward-model scores s_ij (float).
+        finished_BN: bool, True where the candidate ended with a stop token.
+        min_score: keep prompt i only if its selection score s̃_ij* > min_score (None keeps all).
+        missing_eos_penalty: c subtracted from s_ij of unfinished candidates (None = 0).
+
+    Returns ``(best_B, keep_B, sel_scores_BN)``: the argmax index j*_i of s̃_i· (the first one on
+    ties), whether prompt i is kept, and the selection scores s̃_ij. Raises ValueError if the
+    shapes differ or N = 0.
+    """
+    if scores_BN.shape != finished_BN.shape or scores_BN.dim() != 2 or scores_BN.shape[1] == 0:
+        raise ValueError(f"scores_BN {tuple(scores_BN.shape)} and finished_BN {tuple(finished_BN.shape)} "
+                         "must be equal B×N shapes with N ≥ 1")
+    sel_BN = scores_BN.float().clone()
+    if missing_eos_penalty is not None:
+        sel_BN = torch.where(finished_BN.bool(), sel_BN, sel_BN - missing_eos_penalty)
+    best_B = sel_BN.argmax(dim=1)                                       # first maximum on ties
+    best_sel_B = sel_BN.gather(1, best_B[:, None]).squeeze(1)
+    keep_B = best_sel_B > min_score if min_score is not None else torch.ones_like(best_B, dtype=torch.bool)
+    return best_B, keep_B, sel_BN
+
+
+def round_prompts(n_prompts: int, per_round: int, round_idx: int, seed: int) -> list[int]:
+    """Prompt indices of round `round_idx` (0-based): consecutive slices of one seeded permutation,
+    wrapping around, `min(per_round, n_prompts)` distinct indices per round (as OpenRLHF's
+    ``--iter`` × ``--rollout_batch_size``). Raises ValueError if n_prompts < 1."""
+    if n_prompts < 1:
+        raise ValueError("no prompts")
+    order = list(range(n_prompts))
+    random.Random(seed).shuffle(order)
+    k = min(per_round, n_prompts)
+    return [order[(round_idx * k + i) % n_prompts] for i in range(k)]
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT on the winners (round step 4)
+# ----------------------------------------------------------------------------------------------
+
+def encode_samples(tok, rows: list[dict], max_len: int) -> list[dict]:
+    """`trainers.sft.encode_examples` for sampled ``{prompt, response, finished}`` rows, except that
+    a response cut at max_new_tokens (``finished`` False) gets no appended EOS."""
+    return [encode_prompt_response(tok, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
+            for r in rows]
+
+
+def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed: int, tag: str = "rs") -> dict:
+    """Fine-tune `model` in place on ``{prompt, response, finished}`` rows with the SFT loss
+    (`train.*` settings, a fresh optimizer and schedule). Returns mean loss, steps, last lr,
+    mean grad norm and tokens/s. Raises ValueError on no rows."""
+    T = cfg.train
+    enc = encode_samples(tok, rows, cfg.data.max_len)
+    plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, seed)
+    optim = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(optim, cfg.optim, len(plan))
+    model.train()
+    losses, gnorms, n_tok, t0 = [], [], 0, time.perf_counter()
+    lr = sched.get_last_lr()[0]
+    for step, idx in enumerate(plan):
+        batch = [enc[i] for i in idx]
+        num_tokens = max(1, sum(sum(e["loss_mask"]) for e in batch))
+        step_loss = 0.0
+        for s in range(0, len(batch), T.micro_batch_size):
+            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
+            loss.backward()
+            step_loss += float(loss.detach())
+        lr = sched.get_last_lr()[0]
+        gnorms.append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
+        losses.append(step_loss)
+        n_tok += sum(len(e["input_ids"]) for e in batch)
+        if cfg.log.progress and ((step + 1) % cfg.log.every == 0 or step + 1 == len(plan)):
+            print(f"[{tag}] sft {step + 1}/{len(plan)} loss {step_loss:.4f} lr {lr:.2e}", flush=True)
+    dt = time.perf_counter() - t0
+    return {M.LOSS: sum(losses) / len(losses), "train/loss_last": losses[-1], "train/steps": len(plan), M.LR: lr,
+            M.GRAD_NORM: sum(gnorms) / len(gnorms), M.TOKENS_PER_S: n_tok / max(dt, 1e-9)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+def _sampling(cfg: RejectionSamplingConfig, tok, seed: int) -> SamplingParams:
+    R = cfg.rollout
+    return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
+                          top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
+                          n=cfg.algo.n_samples_per_prompt, seed=seed)
+
+
+def _score(rm, rm_tok, same_vocab: bool, prompts: list[str], p_ids: list[list[int]], r_ids: list[list[int]],
+           texts: list[str], finished: list[bool], cfg: RejectionSamplingConfig) -> torch.Tensor:
+    """Scores ``B·N`` of the candidates. With the policy's vocabulary, the sampled ids are scored
+    (an EOS appended to truncated ones if `score_truncated_with_eos`); otherwise the decoded texts
+    are re-encoded with the RM's tokenizer under the same EOS rule."""
+    A = cfg.algo
+    eos_for = [f or A.score_truncated_with_eos for f in finished]          # ends with EOS when scored
+    if same_vocab:
+        seqs = [p + r + ([rm_tok.eos_token_id] if e and not f else [])
+                for p, r, f, e in zip(p_ids, r_ids, finished, eos_for)]
+    else:
+        rows = [{"prompt": p, "response": t, "finished": e} for p, t, e in zip(prompts, texts, eos_for)]
+        seqs = [x["input_ids"] for x in encode_samples(rm_tok, rows, 4096)]
+    return score_token_ids(rm, rm_tok.pad_token_id, seqs, cfg.model.dtype, A.score_batch_size)
+
+
+def _best_rows(prompts: list[str], texts: list[str], scores_BN: torch.Tensor, fin_BN: torch.Tensor,
+               best_B: torch.Tensor, keep_B: torch.Tensor, k: int) -> list[dict]:
+    """One ``best.jsonl`` row per prompt: the winner and every candidate's score and EOS flag."""
+    n = scores_BN.shape[1]
+    rows = []
+    for b, prompt in enumerate(prompts):
+        j = int(best_B[b])
+        rows.append({"prompt": prompt, "response": texts[b * n + j], "score": float(scores_BN[b, j]),
+                     "finished": bool(fin_BN[b, j]), "kept": bool(keep_B[b]), "best_index": j,
+                     "candidate_scores": scores_BN[b].tolist(), "candidate_finished": fin_BN[b].tolist(),
+                     "round": k})
+    return rows
+
+
+def _round_metrics(scores_BN: torch.Tensor, fin_BN: torch.Tensor, best_B: torch.Tensor, keep_B: torch.Tensor,
+                   response_ids: list[list[int]], t_gen: float) -> dict:
+    all_mean = float(scores_BN.mean())
+    best_mean = float(scores_BN.gather(1, best_B[:, None]).mean())
+    lens = torch.tensor([len(r) for r in response_ids], dtype=torch.float32)
+    return {M.REWARD_MEAN: all_mean, M.REWARD_STD: float(scores_BN.flatten().std()) if scores_BN.numel() > 1 else 0.0,
+            BEST_SCORE: best_mean, GAIN: best_mean - all_mean, KEPT: float(keep_B.float().mean()),
+            M.RESPONSE_LEN: float(lens.mean()), M.EOS_FRAC: float(fin_BN.float().mean()),
+            "rollout/tokens_per_s": float(lens.sum()) / max(t_gen, 1e-9)}
+
+
+def _round_dir(out: Path, k: int) -> Path:
+    return out / f"round_{k}"
+
+
+def _training_rows(out: Path, k: int, accumulate: bool) -> list[dict]:
+    rows = []
+    for j in (range(1, k + 1) if accumulate else [k]):
+        rows += [obj for _, obj in read_jsonl(_round_dir(out, j) / "best.jsonl") if obj.get("kept", True)]
+    return rows
+
+
+def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
+    # 1. run directory, threads, seed
+    out = setup_run(cfg, cfg.output_dir)
+    set_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    A, R = cfg.algo, cfg.rollout
+    ckpt = latest_checkpoint(out) if resume else None
+
+    # 2. policy (from the last finished round when resuming), frozen reward model, rollout engine
+    tok = load_tokenizer(cfg.model.name_or_path)
+    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
+                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = apply_lora(model, cfg.model.lora)
+    frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    rm_tok = load_tokenizer(cfg.reward_model)
+    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    same_vocab = rm_tok.get_vocab() == tok.get_vocab()
+    engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
+
+    # 3. prompts → token ids (cut from the left like every rollout)
+    prompts = load_prompts(cfg.data.prompts_file, tok)
+    if cfg.data.max_samples:
+        prompts = prompts[:cfg.data.max_samples]
+    prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]
+    per_round = min(A.prompts_per_round, len(prompts))
+    print_batch_table("rs", [("prompts", len(prompts)), ("rounds", A.rounds), ("prompts_per_round", per_round),
+                             ("n_samples_per_prompt", A.n_samples_per_prompt),
+                             ("samples_per_round", per_round * A.n_samples_per_prompt),
+                             ("sequences_per_step", cfg.train.sequences_per_step),
+                             ("micro_batch_size", cfg.train.micro_batch_size),
+                             ("rollout_engine", type(engine).__name__),
+                             ("rm_scores", "token ids" if same_vocab else "re-encoded text")])
+    start = 0
+    if ckpt:
+        st = load_trainer_state(ckpt)
+        set_rng_state(st["rng"])
+        start = st["round"]
+        print(f"[rs] resumed from {ckpt} after round {start}", flush=True)
+    log = MetricsLogger(out, "rs", A.rounds, show=(M.REWARD_MEAN, BEST_SCORE, GAIN, KEPT, M.LOSS),
+                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
+                        start_step=start)
+
+    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5)
+    for k in range(start + 1, A.rounds + 1):
+        t_round = time.perf_counter()
+        idx = round_prompts(len(prompts), per_round, k - 1, cfg.train.seed)
+        n = A.n_samples_per_prompt
+        # 4.1 sample n responses per prompt from the current policy (samples of a prompt consecutive)
+        t0 = time.perf_counter()
+        outs = engine.generate([prompt_ids[i] for i in idx], _sampling(cfg, tok, cfg.train.seed * 1000003 + k))
+        t_gen = time.perf_counter() - t0
+        rows_p = [i for i in idx for _ in range(n)]
+        texts = [tok.decode(r, skip_special_tokens=True) for r in outs.response_ids]
+        # 4.2 score every candidate
+        t0 = time.perf_counter()
+        scores = _score(rm, rm_tok, same_vocab, [prompts[i] for i in rows_p], [prompt_ids[i] for i in rows_p],
+                        outs.response_ids, texts, outs.finished, cfg)
+        t_score = time.perf_counter() - t0
+        # 4.3 keep the best candidate per prompt; write the round's data
+        scores_BN = scores.view(len(idx), n)
+        fin_BN = torch.tensor(outs.finished, dtype=torch.bool).view(len(idx), n)
+        best_B, keep_B, _ = select_best(scores_BN, fin_BN, A.min_score, A.missing_eos_penalty)
+        rdir = _round_dir(out, k)
+        rdir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(rdir / "best.jsonl", _best_rows([prompts[i] for i in idx], texts, scores_BN, fin_BN, best_B,
+                                                    keep_B, k))
+        metrics = _round_metrics(scores_BN, fin_BN, best_B, keep_B, outs.response_ids, t_gen)
+        # 4.4 SFT on the kept winners (of this round, or of all rounds so far)
+        t0 = time.perf_counter()
+        train_rows = _training_rows(out, k, A.accumulate)
+        if train_rows:
+            metrics.update(sft_on_rows(model, tok, train_rows, cfg, seed=cfg.train.seed + k))
+        else:
+            print(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged", flush=True)
+        metrics["train/examples"] = len(train_rows)
+        t_train = time.perf_counter() - t0
+        # 4.5 weight sync, metrics, checkpoint
+        if train_rows:
+            engine.load_weights(merge_lora_for_save(model).named_parameters())
+        metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
+                        M.T_STEP: time.perf_counter() - t_round})
+        atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
+        log.log(k, metrics)
+        save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
+                        keep=cfg.train.keep_checkpoints)
+
+    # 5. the final policy as an HF directory in output_dir
+    export_model(model, tok, out)
+    log.close()
+    print(f"[rs] saved policy to {out}", flush=True)
+    return out

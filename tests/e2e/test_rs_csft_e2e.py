@@ -1,0 +1,189 @@
+"""Rejection sampling (best-of-n + SFT, iterated) and conditional SFT, end to end on the tiny model."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_model, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", "train.max_steps=2",
+            f"output_dir={out}", "log.tensorboard=false")
+    return out
+
+
+def _rows(path):
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rejection sampling
+# ----------------------------------------------------------------------------------------------
+
+def test_select_best_hand_values():
+    from turborlhf.trainers.rejection_sampling import round_prompts, select_best
+
+    s = torch.tensor([[0.1, 0.9, 0.9], [-1.0, -2.0, -0.5], [2.0, 1.0, 0.0]])
+    fin = torch.tensor([[True, True, True], [True, True, True], [False, True, True]])
+    best, keep, _ = select_best(s, fin)
+    assert best.tolist() == [1, 2, 0] and keep.all()          # first maximum on ties
+    best, keep, sel = select_best(s, fin, min_score=0.0, missing_eos_penalty=1.5)
+    assert best.tolist() == [1, 2, 1]                         # 2.0 - 1.5 < 1.0: the finished one wins
+    assert keep.tolist() == [True, False, True]
+    assert sel[2].tolist() == pytest.approx([0.5, 1.0, 0.0])
+    with pytest.raises(ValueError):
+        select_best(s, fin[:2])
+    r0, r1 = round_prompts(10, 4, 0, seed=1), round_prompts(10, 4, 1, seed=1)
+    assert len(set(r0)) == 4 and not set(r0) & set(r1)       # rounds take fresh slices
+    assert sorted(sum((round_prompts(10, 5, k, 1) for k in range(2)), [])) == list(range(10))
+
+
+def _rs(tiny_model, tiny_rm, tiny_data, out, *extra):
+    run_cli("rejection-sampling", "--config", REPO / "configs/tiny/rejection_sampling.yaml",
+            f"model.name_or_path={tiny_model}", f"reward_model={tiny_rm}",
+            f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=16", f"output_dir={out}",
+            *extra)
+
+
+def test_rejection_sampling_rounds_selection_resume_export(tiny_model, tiny_rm, tiny_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "rs"
+    _rs(tiny_model, tiny_rm, tiny_data, out)
+    for k in (1, 2):
+        rows = _rows(out / f"round_{k}" / "best.jsonl")
+        assert len(rows) == 4
+        for r in rows:                                        # the winner is the argmax of its candidates
+            assert len(r["candidate_scores"]) == 3
+            assert r["best_index"] == max(range(3), key=lambda j: (r["candidate_scores"][j], -j))
+            assert r["score"] == max(r["candidate_scores"])
+        m = json.loads((out / f"round_{k}" / "metrics.json").read_text())
+        assert m["rollout/best_score_mean"] == pytest.approx(sum(r["score"] for r in rows) / 4, abs=1e-5)
+        assert m["rollout/best_score_mean"] >= m["rollout/reward_mean"] - 1e-6
+    assert {r["prompt"] for r in _rows(out / "round_1" / "best.jsonl")}.isdisjoint(
+        {r["prompt"] for r in _rows(out / "round_2" / "best.jsonl")})
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("rollout/reward_mean", "rollout/best_score_mean", "rollout/best_of_n_gain", "train/loss",
+                "timing/generate", "timing/score", "timing/train"):
+        assert all(math.isfinite(r[key]) for r in rows), key
+    assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6
+    AutoModelForCausalLM.from_pretrained(out)
+
+    # crash after round 1: resume redoes round 2 exactly
+    final, round2 = weights(out), (out / "round_2" / "best.jsonl").read_text()
+    shutil.rmtree(out / "checkpoints" / "step-000002")
+    shutil.rmtree(out / "round_2")
+    (out / "checkpoints" / "latest").write_text("step-000001")
+    (out / "model.safetensors").unlink()
+    _rs(tiny_model, tiny_rm, tiny_data, out, "--resume")
+    assert (out / "round_2" / "best.jsonl").read_text() == round2
+    assert max_weight_diff(final, weights(out)) < 1e-5
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_rejection_sampling_threshold_and_accumulate(tiny_model, tiny_rm, tiny_data, tmp_path):
+    out = tmp_path / "rs2"
+    _rs(tiny_model, tiny_rm, tiny_data, out, "algo.min_score=1.0e9", "algo.rounds=1", "rollout.engine=hf")
+    rows = _rows(out / "round_1" / "best.jsonl")
+    assert not any(r["kept"] for r in rows)                   # nothing beats the threshold: no update
+    assert max_weight_diff(weights(tiny_model), weights(out)) == 0.0
+    out = tmp_path / "rs3"
+    _rs(tiny_model, tiny_rm, tiny_data, out, "algo.accumulate=true", "algo.missing_eos_penalty=100.0",
+        "algo.score_truncated_with_eos=false", "model.lora.rank=4")     # LoRA: engine built and synced merged
+    assert metrics(out)[1]["train/examples"] == 8             # winners of rounds 1 and 2
+    for r in _rows(out / "round_2" / "best.jsonl"):           # a finished candidate beats any unfinished one
+        assert r["finished"] or not any(r["candidate_finished"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Conditional SFT
+# ----------------------------------------------------------------------------------------------
+
+CHATML = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+SYS = "<|im_start|>system\nBe nice<|im_end|>\n" + CHATML
+
+
+def test_bins_and_condition_prompt(tiny_model):
+    from turborlhf.config import CSFTTagCfg
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.trainers.conditional_sft import (bin_edges, chat_anchors, condition_prompt, make_tag_info,
+                                                    score_bins)
+
+    s = torch.tensor([3.0, -1.0, 0.5, 2.0, 10.0, 0.0])
+    edges = bin_edges(s, 3, "quantile")
+    bins = score_bins(s, edges)
+    order = s.argsort()
+    assert bins[order].tolist() == sorted(bins.tolist())       # monotone in the score
+    assert bins.min() == 0 and bins.max() == 2 and bins.bincount().tolist() == [2, 2, 2]
+    assert score_bins(torch.tensor([-5.0, 1.0, 5.0]), [0.0, 2.0]).tolist() == [0, 1, 2]
+    assert score_bins(torch.tensor([2.0]), [0.0, 2.0]).tolist() == [2]   # an edge belongs to the bin above
+    assert bin_edges(torch.tensor([0.0, 3.0]), 3, "uniform") == pytest.approx([1.0, 2.0])
+    with pytest.raises(ValueError):
+        bin_edges(s, 3, "nope")
+
+    anchors = chat_anchors(load_tokenizer(str(tiny_model)))
+    assert anchors == {"turn_end": "<|im_end|>\n<|im_start|>assistant\n", "system_header": "<|im_start|>system\n",
+                       "system_block": "<|im_start|>system\n<<TAG_SLOT_7f3a>><|im_end|>\n"}
+    info = make_tag_info(CSFTTagCfg(n_bins=3), edges, anchors, s, bins)
+    assert info["best_bin"] == 2 and info["best_tag"] == "<rm_score>=2"
+    assert condition_prompt(CHATML, info) == "<|im_start|>user\nHi <rm_score>=2<|im_end|>\n<|im_start|>assistant\n"
+    assert condition_prompt(CHATML, info, 0) == "<|im_start|>user\nHi <rm_score>=0<|im_end|>\n<|im_start|>assistant\n"
+    assert condition_prompt("Human: hi\n\nAssistant:", info) == "Human: hi\n\nAssistant: <rm_score>=2"
+    sys_info = {**info, "position": "system"}
+    assert condition_prompt(SYS, sys_info) == SYS.replace("system\nBe", "system\n<rm_score>=2 Be")
+    assert condition_prompt(CHATML, sys_info) == "<|im_start|>system\n<rm_score>=2<|im_end|>\n" + CHATML
+    assert condition_prompt(CHATML, {**info, "position": "prefix"}) == "<rm_score>=2 " + CHATML
+    with pytest.raises(ValueError):
+        condition_prompt(CHATML, info, 3)
+
+
+def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf.evaluate import eval_policy
+    from turborlhf.trainers.conditional_sft import condition_prompt, evaluate_conditional
+
+    out = tmp_path / "csft"
+    run_cli("conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml",
+            f"model.name_or_path={tiny_model}", f"reward_model={tiny_rm}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}",
+            "data.policy_samples_per_prompt=2", f"data.test_file={tiny_data / 'test_pairs.jsonl'}")
+    info = json.loads((out / "conditional_sft.json").read_text())
+    assert info["best_tag"] == "<rm_score>=2" and info["n_bins"] == 3 and sum(info["bin_counts"]) == 48
+    scored = _rows(out / "scored.jsonl")                      # 12 pairs → 24 data + 12×2 policy samples
+    assert len(scored) == 48 and {r["source"] for r in scored} == {"chosen", "rejected", "policy"}
+    by_score = sorted(scored, key=lambda r: r["score"])
+    assert [r["bin"] for r in by_score] == sorted(r["bin"] for r in scored)   # tags monotone in score
+    assert all(condition_prompt(r["prompt"], info, r["bin"]).count(f"<rm_score>={r['bin']}") == 1 for r in scored)
+    assert len([r for r in metrics(out) if "train/loss" in r]) == 3
+    assert math.isfinite(metrics(out)[-1]["eval/loss"])      # tagged NLL of the test pairs (training edges)
+    assert {r["bin"] for r in _rows(out / "scored_test.jsonl")} <= {0, 1, 2}
+    assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6
+    AutoModelForCausalLM.from_pretrained(out)
+
+    # evaluation generates with the best tag and scores the untagged prompt
+    kw = dict(n=4, max_new_tokens=4, seed=7)
+    res = evaluate_conditional(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"),
+                               samples_out=str(tmp_path / "s.jsonl"), reference_dir=str(tiny_model), **kw)
+    base = eval_policy(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), reference_dir=str(tiny_model),
+                       **kw)
+    assert set(base) <= set(res) and res["tag"] == "<rm_score>=2" and res["n"] == 4
+    for r in _rows(tmp_path / "s.jsonl"):
+        assert r["conditioned_prompt"] == condition_prompt(r["prompt"], info)
+        assert "<rm_score>=2" in r["conditioned_prompt"] and "<rm_score>" not in r["prompt"]
+
+    # resume from the step-2 checkpoint reuses the scores and reproduces the final policy
+    final = weights(out)
+    shutil.rmtree(out / "checkpoints" / "step-000003")
+    (out / "checkpoints" / "latest").write_text("step-000002")
+    run_cli("conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml",
+            f"model.name_or_path={tiny_model}", "reward_model=/nonexistent", "--resume",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}")
+    assert max_weight_diff(final, weights(out)) < 1e-5
