@@ -93,7 +93,10 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     from turborlhf.data.tokenize import encode_prompt_response
 
-    seqs = [encode_prompt_response(rm_tok, p, t, 4096)["input_ids"] for p, t in zip(prompts, texts)]
+    # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
+    # exactly as PPO's reward model sees it (closing it with EOS inflated its score)
+    seqs = [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
+            for p, t, f in zip(prompts, texts, fin)]
     scores = score_token_ids(rm, rm_tok.pad_token_id, seqs, "bf16")
     lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
     res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
