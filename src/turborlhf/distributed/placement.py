@@ -160,43 +160,58 @@ def _launch_ray(dist, specs: dict[str, RoleSpec], threads: int) -> Cluster:
     started = _connect(ray, dist, slots, env)
     cluster = Cluster({}, backend="ray", started_ray=started)
     try:
-        for roles in groups_of_roles:
-            _launch_colocated(ray, dist, roles, specs, cluster, env, threads, placement_group,
-                              PlacementGroupSchedulingStrategy, Host)
+        _launch_all(ray, dist, groups_of_roles, specs, cluster, env, threads, placement_group,
+                    PlacementGroupSchedulingStrategy, Host)
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
 
 
-def _launch_colocated(ray, dist, roles, specs, cluster, env, threads, placement_group, pg_strategy, Host) -> None:
-    n = getattr(dist, roles[0]).world_size
-    names = "+".join(roles)
+def _launch_all(ray, dist, groups_of_roles, specs, cluster, env, threads, placement_group, pg_strategy, Host) -> None:
+    """Start every worker at once (their imports overlap), then rendezvous, then build the roles."""
     bundle = {"GPU": 1, "CPU": 1} if dist.device == "gpu" else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=dist.placement_strategy, name=f"turborlhf-{names}")
-    cluster.placement_groups.append(pg)
-    ready, _ = ray.wait([pg.ready()], timeout=min(dist.timeout_s, 120.0))
-    if not ready:
-        raise WorkerTimeoutError(f"{names}: the cluster cannot place {n} × {bundle} (placement group not ready "
-                                 f"after {min(dist.timeout_s, 120.0):g} s); check distributed.{roles[0]}."
-                                 f"num_nodes/devices_per_node and the cluster's free resources", roles[0])
-    remote_host = ray.remote(Host)
     res = {"num_gpus": 1, "num_cpus": 1} if dist.device == "gpu" else {"num_cpus": 1}
-    hosts = [remote_host.options(scheduling_strategy=pg_strategy(placement_group=pg, placement_group_bundle_index=i),
-                                 name=None, max_concurrency=1, **res).remote(env, threads) for i in range(n)]
-    cluster.hosts += hosts
-    infos = _wait(ray, [h.info.remote() for h in hosts], names, "start", dist.timeout_s)
-    print(f"[distributed] {names}: {n} worker(s), pids {[i['pid'] for i in infos]}", flush=True)
-    if n > 1 and any(r in TRAINED_ROLES for r in roles):
-        addr, port = _wait(ray, [hosts[0].free_port.remote()], names, "free_port", dist.timeout_s)[0]
-        _wait(ray, [h.init_dist.remote(dist.dist_backend, addr, port, i, n, dist.timeout_s)
-                    for i, h in enumerate(hosts)], names, "init_dist", dist.timeout_s)
-    for role in roles:
-        spec = specs[role]
-        shared = [r for r in roles if r != role]
-        _wait(ray, [h.build.remote(role, spec.cls, *spec.args, **spec.kwargs) for h in hosts], role, "build",
-              dist.timeout_s, infos)
-        cluster.groups[role] = RayGroup(role, hosts, infos, dist.timeout_s, shared_with=shared)
+    remote_host = ray.remote(Host)
+    wait_pg = min(dist.timeout_s, 120.0)
+    started = []                                    # (roles, hosts)
+    for roles in groups_of_roles:
+        n, names = getattr(dist, roles[0]).world_size, "+".join(roles)
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy=dist.placement_strategy,
+                             name=f"turborlhf-{names}")
+        cluster.placement_groups.append(pg)
+        ready, _ = ray.wait([pg.ready()], timeout=wait_pg)
+        if not ready:
+            raise WorkerTimeoutError(f"{names}: the cluster cannot place {n} × {bundle} (placement group not "
+                                     f"ready after {wait_pg:g} s); check distributed.{roles[0]}.num_nodes/"
+                                     "devices_per_node and the cluster's free resources", roles[0])
+        hosts = [remote_host.options(scheduling_strategy=pg_strategy(placement_group=pg,
+                                                                     placement_group_bundle_index=i),
+                                     max_concurrency=1, **res).remote(env, threads) for i in range(n)]
+        cluster.hosts += hosts
+        started.append((roles, hosts, [h.info.remote() for h in hosts]))
+    infos_of = {}
+    for roles, hosts, refs in started:
+        infos_of[roles] = _wait(ray, refs, "+".join(roles), "start", dist.timeout_s)
+        print(f"[distributed] {'+'.join(roles)}: {len(hosts)} worker(s), pids "
+              f"{[i['pid'] for i in infos_of[roles]]}", flush=True)
+    rendezvous = []
+    for roles, hosts, _ in started:
+        if len(hosts) > 1 and any(r in TRAINED_ROLES for r in roles):
+            addr, port = _wait(ray, [hosts[0].free_port.remote()], "+".join(roles), "free_port", dist.timeout_s)[0]
+            rendezvous.append(("+".join(roles), [h.init_dist.remote(dist.dist_backend, addr, port, i, len(hosts),
+                                                                     dist.timeout_s) for i, h in enumerate(hosts)]))
+    for names, refs in rendezvous:
+        _wait(ray, refs, names, "init_dist", dist.timeout_s)
+    builds = []
+    for roles, hosts, _ in started:
+        for role in roles:
+            spec = specs[role]
+            builds.append((role, [h.build.remote(role, spec.cls, *spec.args, **spec.kwargs) for h in hosts]))
+            cluster.groups[role] = RayGroup(role, hosts, infos_of[roles], dist.timeout_s,
+                                            shared_with=[r for r in roles if r != role])
+    for role, refs in builds:
+        _wait(ray, refs, role, "build", dist.timeout_s, cluster.groups[role].infos)
 
 
 def _wait(ray, refs: list, role: str, what: str, timeout_s: float, infos: Optional[list] = None) -> list:

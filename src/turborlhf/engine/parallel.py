@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["dp_rank_world", "init_distributed", "free_port", "allreduce_gradients", "shard_fsdp",
+__all__ = ["dp_rank_world", "init_distributed", "free_port", "allreduce_gradients", "shard_fsdp", "root_forward",
            "full_state_dict", "is_fsdp", "broadcast_object"]
 
 
@@ -74,7 +74,8 @@ def init_distributed(backend: str, addr: str, port: int, rank: int, world_size: 
 
 def allreduce_gradients(model: nn.Module) -> None:
     """SUM the gradients of `model`'s trainable parameters over the default group (no-op without
-    one, or for FSDP-sharded models, whose gradients FSDP reduce-scatters itself).
+    one). FSDP-sharded models were already reduce-scattered as a mean by FSDP: scaled by the world
+    size to the sum.
 
     Parameters without a gradient on this rank (no micro-batch, unused branch) contribute zeros,
     so every rank takes part in the same collective. One flattened buffer per dtype/device.
@@ -82,7 +83,12 @@ def allreduce_gradients(model: nn.Module) -> None:
     import torch.distributed as dist
 
     rank, world = dp_rank_world()
-    if world == 1 or is_fsdp(model):
+    if world == 1:
+        return
+    if is_fsdp(model):   # FSDP reduce-scattered the mean (gloo has no PREMUL_SUM for a SUM): × world
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(world)
         return
     params = []
     seen = set()
@@ -124,7 +130,8 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_fsdp(model: nn.Module, device: Optional[torch.device] = None) -> nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the whole model (embeddings, final norm,
-    LM/score head; tied embeddings stay in one unit). Gradients are reduce-scattered as a SUM.
+    LM/score head; tied embeddings stay in one unit). `root_forward` runs our split forward
+passes through the root's hooks; `allreduce_gradients` turns FSDP's mean gradient into the sum.
 
     Returns the same module (now sharded in place). Must be called on every rank of the group.
     """
@@ -137,10 +144,25 @@ def shard_fsdp(model: nn.Module, device: Optional[torch.device] = None) -> nn.Mo
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    for m in model.modules():
-        if hasattr(m, "set_gradient_divide_factor"):
-            m.set_gradient_divide_factor(1.0)
+    hf_forward = model.forward
+
+    def forward(*args, _turborlhf_fn=None, **kwargs):
+        return _turborlhf_fn() if _turborlhf_fn is not None else hf_forward(*args, **kwargs)
+
+    model.forward = forward      # see `root_forward`
     return model
+
+
+def root_forward(model: nn.Module, fn, *args, **kwargs):
+    """``fn(model, *args, **kwargs)``, run inside ``model.__call__`` when `model` is FSDP-sharded.
+
+    Our forward functions call the decoder stack and the head separately; FSDP2's root unit
+    (embeddings, final norm, head) gathers its parameters and schedules the gradient
+    reduce-scatter in the root module's forward hooks, so the call must pass through them.
+    For an unsharded model this is a plain call."""
+    if is_fsdp(model):
+        return model(_turborlhf_fn=lambda: fn(model, *args, **kwargs))
+    return fn(model, *args, **kwargs)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -58,8 +58,9 @@ from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
+from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs, token_values
@@ -400,8 +401,8 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
     stats = {}
     target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
     with autocast(dtype):
-        logp, ent = response_logprobs(actor, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
-                                      entropy_grad=A.entropy_coef > 0)
+        logp, ent = root_forward(actor, response_logprobs, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
+                                 entropy_grad=A.entropy_coef > 0)
     logp, ent = logp[:, P:], ent[:, P:]
     pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
                                       A.dual_clip)
@@ -428,7 +429,7 @@ def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, 
     R = mask.shape[1]
     stats = {}
     with autocast(cfg.actor.dtype):
-        v = token_values(critic, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
+        v = root_forward(critic, token_values, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
     v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
     vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
     vl.backward()
@@ -442,7 +443,7 @@ def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, 
 def ptx_step(actor: torch.nn.Module, tok, cfg: PPOConfig, batch: list[dict], n_tok: int) -> dict:
     """PPO-ptx (Ouyang et al. 2022 Eq. 2): backward of ptx_coef · SFT NLL summed over `batch` and
     divided by `n_tok` (the token count of the whole micro-batch, when ranks split it)."""
-    loss, _ = sft_loss_on_batch(actor, tok, batch, n_tok, cfg.actor.dtype)
+    loss, _ = root_forward(actor, sft_loss_on_batch, tok, batch, n_tok, cfg.actor.dtype)
     (cfg.algo.ptx_coef * loss).backward()
     return {"ptx/loss": float(loss.detach())}
 
@@ -519,10 +520,6 @@ class StopRequested:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-class RunInterrupted(RuntimeError):
-    """The run stopped on SIGINT/SIGTERM after saving a resumable checkpoint."""
 
 
 def train(cfg: PPOConfig, resume: bool = False) -> Path:

@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from turborlhf.engine.parallel import allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, shard_fsdp
+from turborlhf.engine.parallel import (allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, root_forward,
+                                      shard_fsdp)
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
 
@@ -174,8 +175,8 @@ class ActorWorker(_Trainable):
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
         with autocast(self.cfg.actor.dtype):
-            return _in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s])[0][:, P:].cpu(),
-                              B, self.cfg.train.micro_batch_size)
+            return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
+                                                     target[s])[0][:, P:].cpu(), B, self.cfg.train.micro_batch_size)
 
     def train(self, exp, schedule: list, kl_coef: float) -> tuple[dict, int]:
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
@@ -268,7 +269,7 @@ class CriticWorker(_Trainable):
 
         ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
         with autocast(self.cfg.actor.dtype):
-            return _in_chunks(lambda s: token_values(self.model, ids[s], attn[s])[:, P - 1:P - 1 + R].cpu(),
+            return _in_chunks(lambda s: root_forward(self.model, token_values, ids[s], attn[s])[:, P - 1:P - 1 + R].cpu(),
                               ids.shape[0], self.cfg.train.micro_batch_size)
 
     def train(self, exp, schedule: list) -> tuple[dict, int]:
