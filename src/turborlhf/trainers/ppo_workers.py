@@ -359,6 +359,8 @@ class RewardWorker(_Offload):
         self.offload = cfg.distributed.ref_reward_offload
         self.tok = load_tokenizer(cfg.actor.name_or_path)
         self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size)
+        for m in self._models():
+            m.to("cpu" if self.offload else self.device)
 
     def _models(self):
         return [fn.model for _, _, fn in self.reward.sources if hasattr(fn, "model")]
@@ -368,11 +370,13 @@ class RewardWorker(_Offload):
 
     @torch.no_grad()
     def score(self, ids_BT, attn_BT, prompt_ids, response_ids) -> tuple[torch.Tensor, dict]:
-        """``(score_B, {source: score_B})`` for the rows (reward models read the CPU tensors)."""
+        """``(score_B, {source: score_B})`` for the rows, as CPU tensors."""
         from turborlhf.rewards.combine import RewardInputs
 
         with self._on_device():
-            return self.reward(RewardInputs(ids_BT, attn_BT, prompt_ids, response_ids, self.tok))
+            total, per = self.reward(RewardInputs(ids_BT.to(self.device), attn_BT.to(self.device), prompt_ids,
+                                                  response_ids, self.tok))
+        return total.cpu(), {k: v.cpu() for k, v in per.items()}
 
 
 class RolloutWorker:
