@@ -97,7 +97,6 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> int:
         pytest.fail(f"run did not stop within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.slow
 def test_killed_worker_stops_run_with_named_error_and_resumable_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_path):
     from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
 
