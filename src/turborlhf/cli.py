@@ -75,7 +75,17 @@ def _run_train_command(name: str, argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fn: Callable = getattr(importlib.import_module(module), func)
-    fn(cfg, resume=args.resume)
+    from turborlhf.distributed.group import WorkerError
+    from turborlhf.engine.run import RunInterrupted
+
+    try:
+        fn(cfg, resume=args.resume)
+    except WorkerError as e:      # a role worker died, hung or failed: the message names it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RunInterrupted as e:   # SIGINT/SIGTERM: a resumable checkpoint was kept
+        print(f"stopped: {e}", file=sys.stderr)
+        return 130
     return 0
 
 

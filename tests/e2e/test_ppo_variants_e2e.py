@@ -88,18 +88,22 @@ def test_config_errors_are_clear(capsys):
 
 def test_kl_options_roles_and_rewards(tiny_model, tiny_rm, tiny_data, tmp_path):
     from turborlhf.models.tiny import save_tiny_causal_lm
+    from turborlhf.models.load import load_tokenizer
     from turborlhf.trainers.ppo import build_roles, make_experience
 
     other = save_tiny_causal_lm(tmp_path / "ref", seed=1)  # a reference that differs: KL ≠ 0
     common = _args(tiny_model, tiny_data, tmp_path / "x", [f"reward_model={tiny_rm}", f"reference={other}"])
-    roles = build_roles(load_config(PPOConfig, GRPO_YAML, common + ["algo.kl_coef=0"]), None)
-    assert roles.reference is None and roles.critic is None
+    cluster = build_roles(load_config(PPOConfig, GRPO_YAML, common + ["algo.kl_coef=0"]), None)
+    assert cluster.get("reference") is None and cluster.get("critic") is None
+    cluster.shutdown()
+    tok = load_tokenizer(str(tiny_model))
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
     responses = [[10, 11, 12], [13, 14], [15, 16, 17], [18]]
     for use_loss in (True, False):
         cfg = load_config(PPOConfig, GRPO_YAML, common + [f"algo.kl_use_loss={use_loss}", "algo.kl_coef=0.5"])
-        roles = build_roles(cfg, None)
-        exp = make_experience(roles, cfg, prompts, responses, [True] * 4, 0.5, None)
+        cluster = build_roles(cfg, None)
+        exp = make_experience(cluster, cfg, tok, prompts, responses, [True] * 4, 0.5, None)
+        cluster.shutdown()
         assert float(exp.kl_BR.abs().sum()) > 0
         pad = 1e9 * (1 - exp.mask_BR)
         spread = float(((exp.adv_BR - pad).max(-1).values - (exp.adv_BR + pad).min(-1).values).max())

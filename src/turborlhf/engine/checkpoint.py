@@ -78,7 +78,8 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
 
     Args:
-        models: name → model, each saved as an HF dir (LoRA merged).
+        models: name → model, each saved as an HF dir (LoRA merged); or name → a callable
+            ``writer(dir)`` that writes that directory itself (a model held by a remote worker).
         state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
         keep: number of complete checkpoints to keep.
     """
@@ -88,7 +89,10 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     staged = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
     try:
         for mname, model in models.items():
-            _write_hf(model, tokenizer, staged / mname)
+            if isinstance(model, torch.nn.Module) or not callable(model):
+                _write_hf(model, tokenizer, staged / mname)
+            else:
+                model(staged / mname)
         torch.save(state, staged / "trainer_state.pt")
         _replace_dir(staged, root / name)
     except BaseException:

@@ -13,7 +13,11 @@ import yaml
 from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import _write_hf
 
-__all__ = ["setup_run", "plan_steps", "export_model", "print_batch_table"]
+__all__ = ["setup_run", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
+
+
+class RunInterrupted(RuntimeError):
+    """The run stopped on SIGINT/SIGTERM after saving a resumable checkpoint (the message names it)."""
 
 
 def setup_run(cfg: Cfg, output_dir: str) -> Path:

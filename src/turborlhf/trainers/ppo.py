@@ -19,7 +19,13 @@ a prompt consecutive):
    (+ β·KL loss, − entropy bonus, + ptx_coef · SFT loss on one PPO-ptx micro-batch) for the actor,
    reduced by `algo.loss_reduction` with the mini-batch's global counts; clipped value loss for
    the critic; the actor's EMA (`ema_beta`) follows each actor step;
-6. sync the new actor weights into the rollout engine; log; checkpoint.
+6. sync the new actor weights (actor rank 0) into every rollout engine; log; checkpoint.
+
+Who does what: the models live in role workers (`turborlhf.trainers.ppo_workers`: actor, critic,
+reward, reference, rollout), placed by `turborlhf.distributed` in this process
+(``distributed.backend: local``) or on a Ray cluster (``ray``; several workers per role = data
+parallel, several rollout engines fed by a work queue). This driver sends them batches and
+computes rewards, advantages and the mini-batch plan with pure functions (docs/distributed.md).
 
 Tensor layout: prompts left-padded to P columns, responses right-padded to R columns, so
 ``ids_BT = [prompt_BP | response_BR]`` and response-coordinate tensors are slices ``[:, P:]``.
@@ -33,7 +39,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,23 +55,24 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             leave_one_out_advantages, masked_mean, masked_whiten, ppo_policy_loss, reduce_loss,
                             value_loss)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
-from turborlhf.data.loaders import load_prompts, load_sft
+from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt
+from turborlhf.distributed.group import WorkerError
+from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, rng_state,
-                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs, token_values
-from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer
-from turborlhf.rewards.combine import CombinedReward, RewardInputs, build_reward
+from turborlhf.models.load import load_tokenizer
 from turborlhf.rewards.normalize import RunningMoments
-from turborlhf.rollout import make_engine
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.sft import encode_examples, sft_loss_on_batch
+from turborlhf.trainers.sft import sft_loss_on_batch
 
-__all__ = ["train", "Experience", "assemble", "make_experience", "ppo_update", "ADVANTAGE_ESTIMATORS",
-           "EmaModel", "PtxStream"]
+__all__ = ["train", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
+           "minibatch_schedule", "minibatch_counts", "merge_rank_stats", "actor_micro_step", "critic_micro_step",
+           "ptx_step", "rollout_items", "generate", "sync_weights", "build_roles", "row_shards",
+           "ADVANTAGE_ESTIMATORS", "EmaModel", "PtxStream", "RunInterrupted"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,15 +146,11 @@ class Experience:
         sub["attn_BT"] = sub["attn_BT"][:, :self.P + r]
         return Experience(**sub)
 
-
-@dataclass
-class Roles:
-    tokenizer: object
-    actor: torch.nn.Module
-    critic: Optional[torch.nn.Module]       # None for critic-free estimators
-    reward: CombinedReward
-    reference: Optional[torch.nn.Module]    # None when no KL term is on
-    engine: object
+    def to(self, device: torch.device) -> "Experience":
+        """The same experience with its tensors on `device` (itself on the CPU)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
 
 
 class EmaModel:
@@ -215,175 +220,230 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# 1. Rollouts: seeded work items spread over the rollout engines
+# ----------------------------------------------------------------------------------------------
+
+def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
+    R = cfg.rollout
+    return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
+                          top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
+                          n=cfg.algo.n_samples_per_prompt, seed=seed)
+
+
+def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int) -> list[tuple[list, SamplingParams]]:
+    """Split a step's prompts into work items of `distributed.rollout_chunk` prompts (default: one
+    engine batch, ``rollout.batch_size // n_samples_per_prompt``), each with its own seed derived from
+    (train.seed, step, item). Which engine runs an item then changes nothing: the same items give
+    the same responses on one engine or many."""
+    n = cfg.distributed.rollout_chunk or max(1, cfg.rollout.batch_size // cfg.algo.n_samples_per_prompt)
+    base = (cfg.train.seed * 100003 + step) * 1009
+    return [(prompts[s:s + n], _sampling(cfg, tok, base + k)) for k, s in enumerate(range(0, len(prompts), n))]
+
+
+def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int):
+    """Responses for `prompts` (n samples each, consecutive), from the engines' work queue.
+    Returns (response_ids, finished, items per engine rank)."""
+    items = rollout_items(cfg, tok, prompts, step)
+    D = cfg.distributed
+    outs, served = cluster["rollout"].map_dynamic("generate", items, timeout_s=D.rollout_timeout_s,
+                                                  retries=D.rollout_retries)
+    responses = [r for resp, _ in outs for r in resp]
+    finished = [f for _, fin in outs for f in fin]
+    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)]
+
+
+def sync_weights(cluster) -> None:
+    """Weight sync: actor rank 0's parameters reach every live rollout engine (one object-store
+    copy read by all engines under Ray; a plain dict locally)."""
+    weights = cluster["actor"].ref0("weights")
+    cluster["rollout"].run_alive("load_weights", weights)
+
+
+# ----------------------------------------------------------------------------------------------
 # 2-4. Experience, rewards, advantages
 # ----------------------------------------------------------------------------------------------
 
-def _in_chunks(fn, B: int, chunk: int) -> torch.Tensor:
-    return torch.cat([fn(slice(s, s + chunk)) for s in range(0, B, chunk)])
-
-
-def _kl_reward_coef(roles: Roles, A: PPOAlgoCfg, kl_coef: float) -> float:
+def _kl_reward_coef(has_reference: bool, A: PPOAlgoCfg, kl_coef: float) -> float:
     """β of the per-token reward penalty: 0 when the KL is a loss term or there is no reference."""
-    return 0.0 if (A.kl_use_loss or roles.reference is None) else kl_coef
+    return 0.0 if (A.kl_use_loss or not has_reference) else kl_coef
+
+
+def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:
+    """Rows of a batch per rank: contiguous blocks of whole micro-batches, so every rank chunks
+    its rows exactly as one rank would (same micro-batch boundaries, same numbers). Ranks without
+    rows are left out."""
+    n_micro = -(-B // micro_batch_size)
+    per = -(-n_micro // world)
+    out = {}
+    for r in range(world):
+        lo, hi = r * per * micro_batch_size, min(B, (r + 1) * per * micro_batch_size)
+        if lo < hi:
+            out[r] = slice(lo, hi)
+    return out
+
+
+def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
+    """Send each rank its rows (`row_args(slice)` → positional args, then `extra`); returns a
+    callable that waits and concatenates the per-rank results in row order."""
+    shards = row_shards(B, mb, group.world_size)
+    pending = group.submit_each(method, {r: ((*row_args(s), *extra), {}) for r, s in shards.items()})
+
+    def get():
+        parts = pending.get()
+        if isinstance(parts[0], tuple):          # (scores_B, {source: scores_B}) from reward workers
+            per = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
+            return torch.cat([p[0] for p in parts]), per
+        return torch.cat(parts)
+    return get
 
 
 @torch.no_grad()
-def make_experience(roles: Roles, cfg: PPOConfig, prompt_ids: list[list[int]], responses: list[list[int]],
+def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments]) -> Experience:
-    """Forward passes of the models over the rollout batch, then rewards and advantages."""
-    A, dtype, mb = cfg.algo, cfg.actor.dtype, cfg.train.micro_batch_size
-    ids, attn, P, mask = assemble(prompt_ids, responses, roles.tokenizer.pad_token_id)
+    """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
+    then rewards and advantages on the driver (`score_and_advantages`)."""
+    mb = cfg.train.micro_batch_size
+    ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
-    target = torch.cat([torch.zeros(B, P), mask], dim=1)
-    ref_logp = values = None
-    with autocast(dtype):
-        old_logp = _in_chunks(lambda s: response_logprobs(roles.actor, ids[s], attn[s], target[s])[0][:, P:], B, mb)
-        if roles.reference is not None:
-            ref_logp = _in_chunks(lambda s: response_logprobs(roles.reference, ids[s], attn[s], target[s])[0][:, P:],
-                                  B, mb) * mask
-        if roles.critic is not None:
-            values = _in_chunks(lambda s: token_values(roles.critic, ids[s], attn[s])[:, P - 1:P - 1 + R], B, mb) * mask
-    raw_scores, per_source = roles.reward(RewardInputs(ids, attn, prompt_ids, responses, roles.tokenizer))
+    rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
+    rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
+    old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P)
+    ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P) if cluster.get("reference") else None
+    val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R) if cluster.get("critic") else None
+    rew = _submit_rows(cluster["reward"], "score", B, mb,
+                       lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
+    raw_scores, per_source = rew()
+    return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
+                                val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats)
+
+
+def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[bool], old_logp_BR,
+                         ref_logp_BR, values_BR, raw_scores_B, per_source: dict, kl_coef: float,
+                         reward_stats: Optional[RunningMoments]) -> Experience:
+    """Scores (normalised, EOS-penalised, clipped), per-token KL and the advantage estimator's
+    advantages and returns: pure tensor maths on the driver."""
     eos = torch.tensor(finished, dtype=torch.bool)
-    scores = raw_scores.clone()
+    scores = raw_scores_B.clone()
     if A.normalize_reward and reward_stats is not None:
-        reward_stats.update(raw_scores)
+        reward_stats.update(raw_scores_B)
         scores = reward_stats.normalize(scores)
     if A.missing_eos_penalty is not None:
         scores = torch.where(eos, scores, scores - A.missing_eos_penalty)
     scores = scores.clamp(-A.reward_clip, A.reward_clip)
-    kl = kl_estimate(old_logp, ref_logp, A.kl_estimator) * mask if ref_logp is not None else torch.zeros_like(mask)
-    exp = Experience(ids, attn, P, mask, eos, old_logp * mask, ref_logp, values, raw_scores, scores, kl, per_source)
+    kl = (kl_estimate(old_logp_BR, ref_logp_BR, A.kl_estimator) * mask if ref_logp_BR is not None
+          else torch.zeros_like(mask))
+    exp = Experience(ids, attn, P, mask, eos, old_logp_BR * mask, ref_logp_BR, values_BR, raw_scores_B, scores, kl,
+                     per_source)
     exp.adv_BR, exp.returns_BR = ADVANTAGE_ESTIMATORS[A.advantage_estimator](
-        scores, kl, values, mask, _kl_reward_coef(roles, A, kl_coef), A)
+        scores, kl, values_BR, mask, _kl_reward_coef(ref_logp_BR is not None, A, kl_coef), A)
     return exp
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. PPO update
+# 5. PPO update: the driver plans the mini-batches, actor and critic workers train at once
 # ----------------------------------------------------------------------------------------------
 
-@dataclass
-class Updaters:
-    """Everything that changes weights or is consumed by updates: optimizers, schedules, EMA, PPO-ptx."""
-
-    actor_opt: torch.optim.Optimizer
-    actor_sched: object
-    critic_opt: Optional[torch.optim.Optimizer] = None
-    critic_sched: object = None
-    ema: Optional[EmaModel] = None
-    ptx: Optional[PtxStream] = None
-
-    @classmethod
-    def build(cls, roles: Roles, cfg: PPOConfig, total_updates: int, ptx: Optional[PtxStream]) -> "Updaters":
-        opt = make_optimizer(roles.actor, cfg.optim)
-        up = cls(opt, make_scheduler(opt, cfg.optim, total_updates), ptx=ptx,
-                 ema=EmaModel(roles.actor, cfg.algo.ema_beta) if cfg.algo.ema_beta is not None else None)
-        if roles.critic is not None:
-            up.critic_opt = make_optimizer(roles.critic, cfg.optim, lr=cfg.algo.critic_lr)
-            up.critic_sched = make_scheduler(up.critic_opt, cfg.optim, total_updates)
-        return up
-
-    def _stateful(self) -> dict:
-        objs = {"actor_opt": self.actor_opt, "actor_sched": self.actor_sched}
-        if self.critic_opt is not None:
-            objs.update(critic_opt=self.critic_opt, critic_sched=self.critic_sched)
-        return objs
-
-    def state_dict(self) -> dict:
-        return {**{k: v.state_dict() for k, v in self._stateful().items()},
-                "ema": self.ema.state_dict() if self.ema else None, "ptx_pos": self.ptx.pos if self.ptx else 0}
-
-    def load_state_dict(self, st: dict) -> None:
-        for k, v in self._stateful().items():
-            v.load_state_dict(st[k])
-        if self.ema is not None:
-            self.ema.load_state_dict(st["ema"])
-        if self.ptx is not None:
-            self.ptx.pos = st["ptx_pos"]
-
-
-def ppo_update(roles: Roles, cfg: PPOConfig, exp: Experience, up: Updaters, train_actor: bool,
-               generator: torch.Generator, kl_coef: float) -> dict:
-    """`ppo_epochs` × `num_mini_batches` optimizer steps of actor and critic; returns mean stats."""
-    A, mb = cfg.algo, cfg.train.micro_batch_size
-    B = exp.mask_BR.shape[0]
+def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of every mini-batch of the update: `ppo_epochs` shuffles of the B rows, each cut
+    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it."""
     n_mini = min(A.num_mini_batches, B)
+    return [mini for _ in range(A.ppo_epochs) for mini in torch.randperm(B, generator=generator).chunk(n_mini)]
+
+
+def minibatch_counts(mask_BR: torch.Tensor, cfg: PPOConfig) -> dict:
+    """Global denominators of one mini-batch for `reduce_loss` (tokens, sequences, max length)."""
+    A = cfg.algo
+    return {"num_tokens": float(mask_BR.sum().clamp(min=1)), "max_len": cfg.rollout.max_new_tokens,
+            "num_seqs": float((mask_BR.sum(-1) > 0).sum()) if A.loss_reduction == "seq_mean_token_mean"
+            else float(mask_BR.shape[0])}
+
+
+def merge_rank_stats(results: list[tuple[dict, int]]) -> tuple[dict, int]:
+    """Per-rank (stat sums, optimizer steps) → one: losses and fractions are already weighted by
+    the global counts, so ranks add; gradient norms are the same on every rank (rank 0's)."""
     sums: dict[str, float] = {}
-
-    def add(stats: dict) -> None:
+    for rank, (stats, _) in enumerate(results):
         for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v
-
-    n_updates = 0
-    for _ in range(A.ppo_epochs):
-        perm = torch.randperm(B, generator=generator)
-        for mini in perm.chunk(n_mini):
-            mask = exp.mask_BR[mini]
-            counts = {"num_tokens": float(mask.sum().clamp(min=1)), "max_len": cfg.rollout.max_new_tokens,
-                      "num_seqs": float((mask.sum(-1) > 0).sum()) if A.loss_reduction == "seq_mean_token_mean"
-                      else float(len(mini))}
-            for micro in mini.split(mb):
-                add(_micro_step(roles, cfg, exp.rows(micro), counts, train_actor, kl_coef))
-            if train_actor:
-                if up.ptx is not None:
-                    add(_ptx_step(roles, cfg, up.ptx))
-                add({"actor_grad_norm": clip_and_step(roles.actor, up.actor_opt, up.actor_sched,
-                                                      cfg.optim.max_grad_norm)})
-                if up.ema is not None:
-                    up.ema.update()
-            if roles.critic is not None:
-                add({"critic_grad_norm": clip_and_step(roles.critic, up.critic_opt, up.critic_sched,
-                                                       cfg.optim.max_grad_norm)})
-            n_updates += 1
-    return {k: v / n_updates for k, v in sums.items()}
+            if k.endswith("grad_norm"):
+                if rank == 0:
+                    sums[k] = v
+            else:
+                sums[k] = sums.get(k, 0.0) + v
+    return sums, results[0][1]
 
 
-def _micro_step(roles: Roles, cfg: PPOConfig, sub: Experience, counts: dict, train_actor: bool,
-                kl_coef: float) -> dict:
-    """Backward of one micro-batch; losses are reduced with the mini-batch's global `counts`, so the
-    accumulated gradient equals the whole mini-batch's. Returned stats are already weighted."""
+def ppo_update(cluster, cfg: PPOConfig, exp: Experience, train_actor: bool, generator: torch.Generator,
+               kl_coef: float) -> dict:
+    """`ppo_epochs` × `num_mini_batches` optimizer steps of actor and critic; returns mean stats."""
+    schedule = minibatch_schedule(exp.mask_BR.shape[0], cfg.algo, generator)
+    pending = []
+    if train_actor:
+        pending.append(cluster["actor"].submit("train", exp, schedule, kl_coef))
+    if cluster.get("critic") is not None:
+        pending.append(cluster["critic"].submit("train", exp, schedule))
+    sums: dict[str, float] = {}
+    for p in pending:
+        stats, _ = merge_rank_stats(p.get())
+        sums.update(stats)
+    return {k: v / len(schedule) for k, v in sums.items()}
+
+
+def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict, kl_coef: float,
+                     device: torch.device = torch.device("cpu")) -> dict:
+    """Backward of the actor's loss on one micro-batch, reduced with the mini-batch's global
+    `counts` (so accumulated micro-batches, on one rank or several, give the mini-batch's gradient).
+    Returned stats are already weighted by the micro-batch's share."""
     A, P, dtype = cfg.algo, sub.P, cfg.actor.dtype
+    sub = sub.to(device)
     mask = sub.mask_BR
     w = float(mask.sum()) / counts["num_tokens"]
-    B, R = mask.shape
+    B = mask.shape[0]
     stats = {}
-    if train_actor:
-        target = torch.cat([torch.zeros(B, P), mask], dim=1)
-        with autocast(dtype):
-            logp, ent = response_logprobs(roles.actor, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
-                                          entropy_grad=A.entropy_coef > 0)
-        logp, ent = logp[:, P:], ent[:, P:]
-        pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
-                                          A.dual_clip)
-        pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
-        ent_term = reduce_loss(ent, mask, A.loss_reduction, **counts)
-        loss = pg - A.entropy_coef * ent_term
-        if A.kl_use_loss and sub.ref_logp_BR is not None:
-            kl_term = reduce_loss(kl_estimate(logp, sub.ref_logp_BR, A.kl_estimator), mask, A.loss_reduction, **counts)
-            loss = loss + kl_coef * kl_term
-            stats["policy/kl_loss"] = float(kl_term.detach())
-        loss.backward()
-        stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: float(ent_term.detach()),
-                      M.CLIPFRAC: float(pg_stats["clipfrac"]) * w, M.APPROX_KL: float(pg_stats["approx_kl"]) * w})
-    if roles.critic is not None:
-        with autocast(dtype):
-            v = token_values(roles.critic, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
-        v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
-        vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
-        vl.backward()
-        stats[M.VALUE_LOSS] = float(vl.detach())
-        if A.value_clip is not None:
-            clipped = ((v - sub.values_BR).abs() > A.value_clip).float()
-            stats[M.VALUE_CLIPFRAC] = float(masked_mean(clipped, mask)) * w
+    target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
+    with autocast(dtype):
+        logp, ent = root_forward(actor, response_logprobs, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
+                                 entropy_grad=A.entropy_coef > 0)
+    logp, ent = logp[:, P:], ent[:, P:]
+    pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
+                                      A.dual_clip)
+    pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
+    ent_term = reduce_loss(ent, mask, A.loss_reduction, **counts)
+    loss = pg - A.entropy_coef * ent_term
+    if A.kl_use_loss and sub.ref_logp_BR is not None:
+        kl_term = reduce_loss(kl_estimate(logp, sub.ref_logp_BR, A.kl_estimator), mask, A.loss_reduction, **counts)
+        loss = loss + kl_coef * kl_term
+        stats["policy/kl_loss"] = float(kl_term.detach())
+    loss.backward()
+    stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: float(ent_term.detach()),
+                  M.CLIPFRAC: float(pg_stats["clipfrac"]) * w, M.APPROX_KL: float(pg_stats["approx_kl"]) * w})
     return stats
 
 
-def _ptx_step(roles: Roles, cfg: PPOConfig, ptx: PtxStream) -> dict:
-    """PPO-ptx (Ouyang et al. 2022 Eq. 2): backward of ptx_coef · SFT token-mean NLL on one micro-batch."""
-    batch = ptx.next(cfg.train.micro_batch_size)
-    n_tok = sum(sum(e["loss_mask"]) for e in batch)
-    loss, _ = sft_loss_on_batch(roles.actor, roles.tokenizer, batch, n_tok, cfg.actor.dtype)
+def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict,
+                      device: torch.device = torch.device("cpu")) -> dict:
+    """Backward of the clipped value loss (token mean over the mini-batch) on one micro-batch."""
+    A, P = cfg.algo, sub.P
+    sub = sub.to(device)
+    mask = sub.mask_BR
+    w = float(mask.sum()) / counts["num_tokens"]
+    R = mask.shape[1]
+    stats = {}
+    with autocast(cfg.actor.dtype):
+        v = root_forward(critic, token_values, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
+    v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
+    vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
+    vl.backward()
+    stats[M.VALUE_LOSS] = float(vl.detach())
+    if A.value_clip is not None:
+        clipped = ((v - sub.values_BR).abs() > A.value_clip).float()
+        stats[M.VALUE_CLIPFRAC] = float(masked_mean(clipped, mask)) * w
+    return stats
+
+
+def ptx_step(actor: torch.nn.Module, tok, cfg: PPOConfig, batch: list[dict], n_tok: int) -> dict:
+    """PPO-ptx (Ouyang et al. 2022 Eq. 2): backward of ptx_coef · SFT NLL summed over `batch` and
+    divided by `n_tok` (the token count of the whole micro-batch, when ranks split it)."""
+    loss, _ = root_forward(actor, sft_loss_on_batch, tok, batch, n_tok, cfg.actor.dtype)
     (cfg.algo.ptx_coef * loss).backward()
     return {"ptx/loss": float(loss.detach())}
 
@@ -392,36 +452,23 @@ def _ptx_step(roles: Roles, cfg: PPOConfig, ptx: PtxStream) -> dict:
 # Setup and the loop
 # ----------------------------------------------------------------------------------------------
 
-def build_roles(cfg: PPOConfig, ckpt: Optional[Path]) -> Roles:
-    """Actor (trainable); critic (trainable, GAE only, from the RM by default); reward sources and
-    reference (frozen; the reference only when a KL term is on)."""
-    A = cfg.algo
-    tok = load_tokenizer(cfg.actor.name_or_path)
-    frozen_dtype = torch.bfloat16 if cfg.actor.dtype == "bf16" else torch.float32
-    actor = load_causal_lm(str(ckpt / "actor") if ckpt else cfg.actor.name_or_path, tok,
-                           gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    actor = apply_lora(actor, cfg.actor.lora)
-    critic = None
+def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1):
+    """Place the roles (`turborlhf.distributed.placement.launch`): actor (trainable); critic
+    (trainable, gae only, from the RM by default); reward sources; reference (frozen, only when a
+    KL term is on); rollout engines. Returns the `Cluster` (``cluster["actor"]`` etc.)."""
+    from turborlhf.distributed.placement import RoleSpec, launch
+    from turborlhf.trainers import ppo_workers as W
+
+    A, c = cfg.algo, str(ckpt) if ckpt else None
+    threads = cfg.train.threads or int(os.environ.get("TURBORLHF_THREADS", "0"))
+    specs = {"actor": RoleSpec(W.ActorWorker, (cfg, c, total_updates, threads))}
     if A.needs_critic:
-        critic = load_scalar_model(str(ckpt / "critic") if ckpt else cfg.critic_init, tok,
-                                   gradient_checkpointing=bool(cfg.critic and cfg.critic.gradient_checkpointing))
-        critic = apply_lora(critic, cfg.critic.lora) if cfg.critic else critic
-        critic.train()
-    reward = build_reward(cfg.rewards, cfg.reward_model, tok, cfg.actor.dtype, cfg.train.micro_batch_size)
-    reference = None
+        specs["critic"] = RoleSpec(W.CriticWorker, (cfg, c, total_updates, threads))
+    specs["reward"] = RoleSpec(W.RewardWorker, (cfg, threads))
     if A.needs_reference:
-        reference = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=frozen_dtype)
-        reference.eval().requires_grad_(False)
-    actor.train()
-    engine = make_engine(cfg.rollout.engine, actor, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.batch_size)
-    return Roles(tok, actor, critic, reward, reference, engine)
-
-
-def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
-    R = cfg.rollout
-    return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
-                          top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
-                          n=cfg.algo.n_samples_per_prompt, seed=seed)
+        specs["reference"] = RoleSpec(W.ReferenceWorker, (cfg, threads))
+    specs["rollout"] = RoleSpec(W.RolloutWorker, (cfg, c, threads))
+    return launch(cfg.distributed, specs, threads=threads)
 
 
 def _explained_variance(values_BR, returns_BR, mask_BR) -> float:
@@ -447,8 +494,36 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     return out
 
 
+class StopRequested:
+    """SIGINT/SIGTERM handler for the loop: the first signal asks the run to stop after the current
+    step (which is then checkpointed); a second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[str] = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopRequested":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signal = signal.Signals(signum).name
+        print(f"\n[ppo] {self.signal}: stopping after this step and saving a checkpoint "
+              "(send it again to stop at once)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 def train(cfg: PPOConfig, resume: bool = False) -> Path:
-    # 0. run directory, threads, seed
+    # 0. run directory, threads, seed, prompts and the step plan
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -457,32 +532,37 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
     if A.kl_use_loss and A.kl_estimator == "k1":
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
-
-    # models, engine, prompts, PPO-ptx data
-    roles = build_roles(cfg, ckpt)
-    tok = roles.tokenizer
+    tok = load_tokenizer(cfg.actor.name_or_path)
     prompts = load_prompts(cfg.data.prompts_file, tok)
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
-    ptx = None
-    if A.ptx_coef > 0:
-        ptx = PtxStream(encode_examples(tok, load_sft(cfg.data.ptx_file, tok), cfg.data.ptx_max_len), cfg.train.seed)
-    print_batch_table("ppo", [("prompts", len(prompts)), ("prompts_per_step", A.prompts_per_step),
+
+    # roles on their workers (this process, or Ray), controllers, resume state
+    cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches)
+    try:
+        return _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt)
+    finally:
+        cluster.shutdown()
+
+
+def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path]) -> Path:
+    A, D = cfg.algo, cfg.distributed
+    info = cluster["actor"].run("info")[0]
+    print_batch_table("ppo", [("prompts", len(prompt_ids)), ("prompts_per_step", A.prompts_per_step),
                               ("n_samples_per_prompt", A.n_samples_per_prompt),
                               ("rollout_batch (sequences)", A.prompts_per_step * A.n_samples_per_prompt),
                               ("num_mini_batches", A.num_mini_batches), ("ppo_epochs", A.ppo_epochs),
                               ("micro_batch_size", cfg.train.micro_batch_size), ("ppo_steps", len(plan)),
-                              ("advantage_estimator", A.advantage_estimator), ("critic", roles.critic is not None),
-                              ("reference", roles.reference is not None),
-                              ("reward sources", ", ".join(f"{n}×{w:g}" for n, w, _ in roles.reward.sources)),
-                              ("ptx examples", len(ptx.examples) if ptx else 0),
-                              ("rollout_engine", type(roles.engine).__name__)])
-
-    # optimizers, controllers, resume state
-    up = Updaters.build(roles, cfg, len(plan) * A.ppo_epochs * A.num_mini_batches, ptx)
+                              ("advantage_estimator", A.advantage_estimator), ("critic", cluster.get("critic") is not None),
+                              ("reference", cluster.get("reference") is not None),
+                              ("reward sources", ", ".join(f"{n}×{w:g}" for n, w in cluster["reward"].run("sources")[0])),
+                              ("ptx examples", info["ptx_examples"]),
+                              ("rollout_engine", cluster["rollout"].run("engine_name")[0]),
+                              ("backend", D.backend),
+                              ("workers", ", ".join(f"{r}×{g.world_size}" for r, g in cluster.groups.items()))])
     kl_ctl = (AdaptiveKLController(A.kl_coef, A.kl_target, A.kl_horizon) if A.kl_target is not None
               else FixedKLController(A.kl_coef))
     reward_stats = RunningMoments() if A.normalize_reward else None
@@ -490,7 +570,6 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
     start = 0
     if ckpt:
         st = load_trainer_state(ckpt)
-        up.load_state_dict(st)
         kl_ctl.value = st["kl_coef"]
         if reward_stats is not None and st.get("reward_stats"):
             reward_stats = RunningMoments(**st["reward_stats"])
@@ -502,56 +581,77 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
 
-    def checkpoint(step: int) -> None:
-        models = {"actor": roles.actor, **({"critic": roles.critic} if roles.critic is not None else {})}
-        save_checkpoint(out, step, models, tok, {
-            **up.state_dict(), "kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
+    def checkpoint(step: int) -> Path:
+        writers = {role: (lambda d, g=cluster[role]: g.run("save", str(d)))
+                   for role in ("actor", "critic") if cluster.get(role) is not None}
+        return save_checkpoint(out, step, writers, tok, {
+            "kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
             "rng": rng_state(), "gen": gen.get_state(), "step": step}, keep=cfg.train.keep_checkpoints)
 
-    for step in range(start, len(plan)):
-        t_step = time.perf_counter()
-        batch_prompts = [prompt_ids[i] for i in plan[step]]
-        # 1. generate (the n samples of a prompt are consecutive rows)
-        t0 = time.perf_counter()
-        outs = roles.engine.generate(batch_prompts, _sampling(cfg, tok, cfg.train.seed * 100003 + step))
-        rows_prompts = [p for p in batch_prompts for _ in range(A.n_samples_per_prompt)]
-        t_gen = time.perf_counter() - t0
-        # 2-4. experience, rewards, advantages
-        t0 = time.perf_counter()
-        exp = make_experience(roles, cfg, rows_prompts, outs.response_ids, outs.finished, kl_ctl.value, reward_stats)
-        t_exp = time.perf_counter() - t0
-        # 5. PPO epochs over mini-batches
-        t0 = time.perf_counter()
-        train_actor = step >= A.critic_warmup_steps
-        stats = ppo_update(roles, cfg, exp, up, train_actor, gen, kl_ctl.value)
-        t_train = time.perf_counter() - t0
-        # 6. weight sync, KL controller, metrics, checkpoint
-        t0 = time.perf_counter()
-        if train_actor:
-            roles.engine.load_weights(roles.actor.named_parameters())
-        t_sync = time.perf_counter() - t0
-        metrics = _rollout_metrics(exp, kl_ctl.value)
-        if M.KL in metrics:
-            kl_ctl.update(metrics[M.KL], len(exp.scores_B))
-        metrics.update(stats)
-        metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
-                        M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
-                        float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: up.actor_sched.get_last_lr()[0]})
-        done = step + 1
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        samples_f.write(json.dumps({"step": done, "prompt": tok.decode(rows_prompts[0][-200:]),
-                                    "response": tok.decode(outs.response_ids[0]),
-                                    "score": float(exp.raw_scores_B[0])}) + "\n")
-        samples_f.flush()
-        if cfg.train.save_every and done % cfg.train.save_every == 0 and done < len(plan):
-            checkpoint(done)
-
-    checkpoint(len(plan))
-    export_model(roles.actor, tok, out)
-    if up.ema is not None:
-        export_model(up.ema.model, tok, out / "ema")
-    samples_f.close()
-    log.close()
-    print(f"[ppo] saved actor to {out}" + (f" and its EMA to {out / 'ema'}" if up.ema else ""), flush=True)
+    try:
+        with StopRequested() as stop:
+            for step in range(start, len(plan)):
+                done = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f)
+                if stop.signal is not None and done < len(plan):
+                    path = checkpoint(done)
+                    raise RunInterrupted(f"{stop.signal} at step {done}/{len(plan)}: kept checkpoint {path}; "
+                                         f"continue with --resume")
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and done < len(plan):
+                    checkpoint(done)
+            checkpoint(len(plan))
+            cluster["actor"].run("export", str(out))
+    except WorkerError as e:
+        last = latest_checkpoint(out)
+        raise WorkerError(f"{e}\n[ppo] run stopped; last complete checkpoint: "
+                          f"{last if last else 'none'}" + (" (continue with --resume)" if last else ""),
+                          e.role, e.rank, e.method) from e
+    finally:
+        samples_f.close()
+        log.close()
+    print(f"[ppo] saved actor to {out}" + (f" and its EMA to {out / 'ema'}" if A.ema_beta is not None else ""),
+          flush=True)
     return out
+
+
+def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
+          samples_f) -> int:
+    """One PPO step (numbered as in the module docstring); returns the number of steps done."""
+    A = cfg.algo
+    t_step = time.perf_counter()
+    batch_prompts = [prompt_ids[i] for i in plan[step]]
+    # 1. generate (the n samples of a prompt are consecutive rows) on the engines' work queue
+    t0 = time.perf_counter()
+    responses, finished, per_engine = generate(cluster, cfg, tok, batch_prompts, step)
+    rows_prompts = [p for p in batch_prompts for _ in range(A.n_samples_per_prompt)]
+    t_gen = time.perf_counter() - t0
+    cluster["rollout"].run_alive("sleep")
+    # 2-4. experience, rewards, advantages
+    t0 = time.perf_counter()
+    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats)
+    t_exp = time.perf_counter() - t0
+    # 5. PPO epochs over mini-batches (actor and critic workers at once)
+    t0 = time.perf_counter()
+    train_actor = step >= A.critic_warmup_steps
+    stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value)
+    t_train = time.perf_counter() - t0
+    # 6. weight sync, KL controller, metrics
+    t0 = time.perf_counter()
+    if train_actor:
+        sync_weights(cluster)
+    t_sync = time.perf_counter() - t0
+    metrics = _rollout_metrics(exp, kl_ctl.value)
+    if M.KL in metrics:
+        kl_ctl.update(metrics[M.KL], len(exp.scores_B))
+    metrics.update(stats)
+    metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
+                    M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
+                    float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})
+    if len(per_engine) > 1:
+        metrics.update({f"rollout/engine{r}_items": float(n) for r, n in enumerate(per_engine)})
+    done = step + 1
+    if done % cfg.log.every == 0 or done == len(plan):
+        log.log(done, metrics)
+    samples_f.write(json.dumps({"step": done, "prompt": tok.decode(rows_prompts[0][-200:]),
+                                "response": tok.decode(responses[0]), "score": float(exp.raw_scores_B[0])}) + "\n")
+    samples_f.flush()
+    return done

@@ -1,0 +1,419 @@
+"""The PPO roles as worker objects: each holds its model(s) and answers the driver's calls; the
+driver (`turborlhf.trainers.ppo.train`) computes rewards and advantages with pure functions
+(verl's single controller). The same classes run in this process (``distributed.backend:
+local``) or inside Ray workers, one object per rank (``backend: ray``); `turborlhf.distributed`
+places them and knows nothing of what they do.
+
+Roles and their methods (tensors in and out are CPU tensors; B rows, P prompt columns, R response
+columns, see `turborlhf.trainers.ppo`):
+
+- `ActorWorker`: ``logprobs`` (old log-probs), ``train`` (its share of each mini-batch, gradients
+  summed over the data-parallel ranks), ``weights`` (for the rollout engines), ``save``/``export``;
+- `CriticWorker`: ``values``, ``train``, ``save``;
+- `ReferenceWorker`: ``logprobs`` (optionally offloaded to the CPU between uses);
+- `RewardWorker`: ``score`` (Σ weight·score over the reward sources);
+- `RolloutWorker`: ``generate``, ``load_weights``, ``sleep`` (free the engine while training).
+
+Data parallelism (world size > 1): every rank takes every ``world``-th micro-batch of each
+mini-batch; losses are reduced with the mini-batch's global counts, so summing the gradients
+(`turborlhf.engine.parallel.allreduce_gradients`, or FSDP's reduce-scatter) gives the update of
+one rank doing all micro-batches. Stats come back as per-rank sums and are added by the driver.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from turborlhf.engine.parallel import (allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, root_forward,
+                                      shard_fsdp)
+from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
+                                    set_threads)
+
+__all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
+
+STATE_FILE = "worker_state.pt"
+
+
+def _device(cfg) -> torch.device:
+    """cuda:0 (Ray gives each GPU worker one visible device) with ``distributed.device: gpu``."""
+    if cfg.distributed.device == "gpu":
+        if not torch.cuda.is_available():
+            raise RuntimeError("distributed.device=gpu but this worker sees no CUDA device")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _setup(cfg, threads: int) -> None:
+    set_threads(threads or cfg.train.threads)
+    seed_everything(cfg.train.seed)
+
+
+def _in_chunks(fn, B: int, chunk: int) -> torch.Tensor:
+    return torch.cat([fn(slice(s, s + chunk)) for s in range(0, B, chunk)])
+
+
+def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A full, unsharded CPU copy of an FSDP model (collective: every rank calls it), for saving."""
+    sd = full_state_dict(model)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if hasattr(model, "score") else AutoModelForCausalLM
+    copy = cls.from_config(model.config)
+    copy.load_state_dict(sd, strict=False)
+    return copy
+
+
+class _Trainable:
+    """Shared mechanics of the trained roles (optimizer step with the DP gradient sum, saving)."""
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        _, world = dp_rank_world()
+        model.to(self.device)
+        if world > 1 and self.cfg.distributed.dp_strategy == "fsdp":
+            model = shard_fsdp(model, self.device)
+        return model.train()
+
+    def _step(self, opt, sched) -> float:
+        allreduce_gradients(self.model)
+        return clip_and_step(self.model, opt, sched, self.cfg.optim.max_grad_norm)
+
+    def _savable(self) -> torch.nn.Module:
+        return _plain_copy(self.model) if is_fsdp(self.model) else self.model
+
+    def _optim_state(self, opt) -> dict:
+        if is_fsdp(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                      cpu_offload=True))
+        return opt.state_dict()
+
+    def _load_optim_state(self, opt, st: dict) -> None:
+        if is_fsdp(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, opt, st, options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(st)
+
+    def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn) -> tuple[dict, int]:
+        """Run `micro_fn(sub_experience, counts)` on this rank's micro-batches of every mini-batch,
+        then `step_fn()`; returns (stats summed over steps, number of optimizer steps)."""
+        from turborlhf.trainers.ppo import minibatch_counts
+
+        rank, world = dp_rank_world()
+        mb = self.cfg.train.micro_batch_size
+        sums: dict[str, float] = {}
+
+        def add(stats: dict) -> None:
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+
+        for mini in schedule:
+            counts = minibatch_counts(exp.mask_BR[mini], self.cfg)
+            for micro in list(mini.split(mb))[rank::world]:
+                add(micro_fn(exp.rows(micro), counts))
+            add(step_fn())
+        return sums, len(schedule)
+
+
+# ----------------------------------------------------------------------------------------------
+# Actor
+# ----------------------------------------------------------------------------------------------
+
+class ActorWorker(_Trainable):
+    """The trained policy, its optimizer, schedule, EMA and PPO-ptx stream.
+
+    Args:
+        cfg: the `PPOConfig`. ckpt: checkpoint directory to resume from (its ``actor/``).
+        total_updates: optimizer steps of the whole run (for the schedule).
+        threads: torch intra-op threads (0 = ``train.threads`` / $TURBORLHF_THREADS).
+    """
+
+    def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
+        from turborlhf.data.loaders import load_sft
+        from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
+        from turborlhf.trainers.ppo import EmaModel, PtxStream
+        from turborlhf.trainers.sft import encode_examples
+
+        _setup(cfg, threads)
+        A = cfg.algo
+        self.cfg, self.device = cfg, _device(cfg)
+        self.tok = load_tokenizer(cfg.actor.name_or_path)
+        path = str(Path(ckpt) / "actor") if ckpt else cfg.actor.name_or_path
+        model = load_causal_lm(path, self.tok, gradient_checkpointing=cfg.actor.gradient_checkpointing)
+        self.model = self._wrap(apply_lora(model, cfg.actor.lora))
+        if A.ema_beta is not None and is_fsdp(self.model):
+            raise ValueError("algo.ema_beta with distributed.dp_strategy=fsdp is not supported; use ddp")
+        self.opt = make_optimizer(self.model, cfg.optim)
+        self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
+        self.ema = EmaModel(self.model, A.ema_beta) if A.ema_beta is not None else None
+        self.ptx = None
+        if A.ptx_coef > 0:
+            self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok), cfg.data.ptx_max_len),
+                                 cfg.train.seed)
+        if ckpt:
+            st = torch.load(Path(ckpt) / "actor" / STATE_FILE, weights_only=False)
+            self._load_optim_state(self.opt, st["opt"])
+            self.sched.load_state_dict(st["sched"])
+            if self.ema is not None:
+                self.ema.load_state_dict(st["ema"])
+            if self.ptx is not None:
+                self.ptx.pos = st["ptx_pos"]
+
+    def info(self) -> dict:
+        return {"ptx_examples": len(self.ptx.examples) if self.ptx else 0, "lr": self.sched.get_last_lr()[0]}
+
+    @torch.no_grad()
+    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
+        """Log-probs ``B×R`` of the response tokens under the current actor (micro-batched)."""
+        from turborlhf.models.forward import response_logprobs
+
+        B = ids_BT.shape[0]
+        target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
+        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        with autocast(self.cfg.actor.dtype):
+            return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
+                                                     target[s])[0][:, P:].cpu(), B, self.cfg.train.micro_batch_size)
+
+    def train(self, exp, schedule: list, kl_coef: float) -> tuple[dict, int]:
+        """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
+        from turborlhf.trainers.ppo import actor_micro_step
+
+        def micro(sub, counts):
+            return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device)
+
+        def step():
+            stats = self._ptx() if self.ptx is not None else {}
+            stats["actor_grad_norm"] = self._step(self.opt, self.sched)
+            if self.ema is not None:
+                self.ema.update()
+            return stats
+
+        return self._train_minibatches(exp, schedule, micro, step)
+
+    def _ptx(self) -> dict:
+        """PPO-ptx on one micro-batch of SFT data, split over the ranks with the global token count."""
+        from turborlhf.trainers.ppo import ptx_step
+
+        batch = self.ptx.next(self.cfg.train.micro_batch_size)   # every rank advances the same stream
+        n_tok = sum(sum(e["loss_mask"]) for e in batch)
+        rank, world = dp_rank_world()
+        mine = batch[rank::world]
+        return ptx_step(self.model, self.tok, self.cfg, mine, n_tok) if mine else {"ptx/loss": 0.0}
+
+    def weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The actor's parameters by HF name (rank 0; None elsewhere), for the rollout engines.
+        Collective for FSDP (every rank gathers)."""
+        if is_fsdp(self.model):
+            sd = full_state_dict(self.model)
+            return sd if dp_rank_world()[0] == 0 else None
+        if dp_rank_world()[0] != 0:
+            return None
+        return {n: p.detach().cpu() for n, p in self.model.named_parameters()}
+
+    def save(self, out_dir: str) -> None:
+        """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
+        from turborlhf.engine.checkpoint import _write_hf
+
+        model, opt_state = self._savable(), self._optim_state(self.opt)
+        if dp_rank_world()[0] != 0:
+            return
+        _write_hf(model, self.tok, Path(out_dir))
+        torch.save({"opt": opt_state, "sched": self.sched.state_dict(),
+                    "ema": self.ema.state_dict() if self.ema else None, "ptx_pos": self.ptx.pos if self.ptx else 0},
+                   Path(out_dir) / STATE_FILE)
+
+    def export(self, out_dir: str) -> None:
+        """The final actor (and its EMA under ``<out_dir>/ema``) as HF directories (rank 0)."""
+        from turborlhf.engine.run import export_model
+
+        model = self._savable()
+        if dp_rank_world()[0] != 0:
+            return
+        export_model(model, self.tok, out_dir)
+        if self.ema is not None:
+            export_model(self.ema.model, self.tok, Path(out_dir) / "ema")
+
+
+# ----------------------------------------------------------------------------------------------
+# Critic
+# ----------------------------------------------------------------------------------------------
+
+class CriticWorker(_Trainable):
+    """The value model (gae only) and its optimizer; initialised from `cfg.critic_init`."""
+
+    def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
+        from turborlhf.models.load import apply_lora, load_scalar_model, load_tokenizer
+
+        _setup(cfg, threads)
+        self.cfg, self.device = cfg, _device(cfg)
+        self.tok = load_tokenizer(cfg.actor.name_or_path)
+        model = load_scalar_model(str(Path(ckpt) / "critic") if ckpt else cfg.critic_init, self.tok,
+                                  gradient_checkpointing=bool(cfg.critic and cfg.critic.gradient_checkpointing))
+        model = apply_lora(model, cfg.critic.lora) if cfg.critic else model
+        self.model = self._wrap(model)
+        self.opt = make_optimizer(self.model, cfg.optim, lr=cfg.algo.critic_lr)
+        self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
+        if ckpt:
+            st = torch.load(Path(ckpt) / "critic" / STATE_FILE, weights_only=False)
+            self._load_optim_state(self.opt, st["opt"])
+            self.sched.load_state_dict(st["sched"])
+
+    @torch.no_grad()
+    def values(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, P: int, R: int) -> torch.Tensor:
+        """Values ``B×R``: column j is the value of the state in which response token j is chosen."""
+        from turborlhf.models.forward import token_values
+
+        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        with autocast(self.cfg.actor.dtype):
+            return _in_chunks(lambda s: root_forward(self.model, token_values, ids[s], attn[s])[:, P - 1:P - 1 + R].cpu(),
+                              ids.shape[0], self.cfg.train.micro_batch_size)
+
+    def train(self, exp, schedule: list) -> tuple[dict, int]:
+        """Clipped value-loss updates over `schedule`."""
+        from turborlhf.trainers.ppo import critic_micro_step
+
+        def micro(sub, counts):
+            return critic_micro_step(self.model, self.cfg, sub, counts, self.device)
+
+        return self._train_minibatches(exp, schedule, micro,
+                                       lambda: {"critic_grad_norm": self._step(self.opt, self.sched)})
+
+    def save(self, out_dir: str) -> None:
+        from turborlhf.engine.checkpoint import _write_hf
+
+        model, opt_state = self._savable(), self._optim_state(self.opt)
+        if dp_rank_world()[0] != 0:
+            return
+        _write_hf(model, self.tok, Path(out_dir))
+        torch.save({"opt": opt_state, "sched": self.sched.state_dict()}, Path(out_dir) / STATE_FILE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Frozen roles
+# ----------------------------------------------------------------------------------------------
+
+class _Offload:
+    """Keep frozen models on the CPU between uses (``distributed.ref_reward_offload``) and on the
+    device only inside ``with self._on_device():`` (on a CPU-only worker both places are the CPU)."""
+
+    def _on_device(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            if self.offload:
+                for m in self._models():
+                    m.to(self.device)
+            try:
+                yield
+            finally:
+                if self.offload:
+                    for m in self._models():
+                        m.to("cpu")
+        return ctx()
+
+
+class ReferenceWorker(_Offload):
+    """The frozen reference policy (`cfg.reference`, default the actor's initial weights)."""
+
+    def __init__(self, cfg, threads: int = 0) -> None:
+        from turborlhf.models.load import load_causal_lm, load_tokenizer
+
+        _setup(cfg, threads)
+        self.cfg, self.device = cfg, _device(cfg)
+        self.offload = cfg.distributed.ref_reward_offload
+        tok = load_tokenizer(cfg.actor.name_or_path)
+        dtype = torch.bfloat16 if cfg.actor.dtype == "bf16" else torch.float32
+        self.model = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self.model.to("cpu" if self.offload else self.device)
+
+    def _models(self):
+        return [self.model]
+
+    @torch.no_grad()
+    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
+        from turborlhf.models.forward import response_logprobs
+
+        B = ids_BT.shape[0]
+        target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
+        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        with self._on_device(), autocast(self.cfg.actor.dtype):
+            return _in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s])[0][:, P:].cpu(),
+                              B, self.cfg.train.micro_batch_size)
+
+
+class RewardWorker(_Offload):
+    """Every reward source of the run (`turborlhf.rewards.combine.build_reward`)."""
+
+    def __init__(self, cfg, threads: int = 0) -> None:
+        from turborlhf.models.load import load_tokenizer
+        from turborlhf.rewards.combine import build_reward
+
+        _setup(cfg, threads)
+        self.cfg, self.device = cfg, _device(cfg)
+        self.offload = cfg.distributed.ref_reward_offload
+        self.tok = load_tokenizer(cfg.actor.name_or_path)
+        self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size)
+        for m in self._models():
+            m.to("cpu" if self.offload else self.device)
+
+    def _models(self):
+        return [fn.model for _, _, fn in self.reward.sources if hasattr(fn, "model")]
+
+    def sources(self) -> list[tuple[str, float]]:
+        return [(n, w) for n, w, _ in self.reward.sources]
+
+    @torch.no_grad()
+    def score(self, ids_BT, attn_BT, prompt_ids, response_ids) -> tuple[torch.Tensor, dict]:
+        """``(score_B, {source: score_B})`` for the rows, as CPU tensors."""
+        from turborlhf.rewards.combine import RewardInputs
+
+        with self._on_device():
+            total, per = self.reward(RewardInputs(ids_BT.to(self.device), attn_BT.to(self.device), prompt_ids,
+                                                  response_ids, self.tok))
+        return total.cpu(), {k: v.cpu() for k, v in per.items()}
+
+
+class RolloutWorker:
+    """One rollout engine (`turborlhf.rollout.make_engine`), built from the actor's initial weights
+    (or the resumed checkpoint's) and kept in sync by `load_weights`.
+
+    With ``distributed.rollout_sleep`` the engine is dropped by `sleep` (while the actor trains)
+    and rebuilt by the next `load_weights` (which always precedes the next generation)."""
+
+    def __init__(self, cfg, ckpt: Optional[str], threads: int = 0) -> None:
+        _setup(cfg, threads)
+        self.cfg = cfg
+        self.path = str(Path(ckpt) / "actor") if ckpt else cfg.actor.name_or_path
+        self.engine = self._build()
+
+    def _build(self):
+        from turborlhf.models.zoo import resolve_model_path
+        from turborlhf.rollout import make_engine
+
+        R = self.cfg.rollout
+        return make_engine(R.engine, str(resolve_model_path(self.path)), dtype=R.dtype, max_batch_size=R.batch_size)
+
+    def engine_name(self) -> str:
+        return type(self.engine).__name__ if self.engine is not None else "asleep"
+
+    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], list[bool]]:
+        """Responses (stop token included) and finished flags, samples of a prompt consecutive."""
+        if self.engine is None:
+            self.engine = self._build()
+        out = self.engine.generate(prompts, params)
+        return out.response_ids, out.finished
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if self.engine is None:
+            self.engine = self._build()
+        self.engine.load_weights(state.items())
+
+    def sleep(self) -> None:
+        if self.cfg.distributed.rollout_sleep:
+            self.engine = None

@@ -1,0 +1,106 @@
+"""Data parallelism inside a role: DP=2 (two processes, gloo) gives the same update as DP=1 on the
+same global batch, for the actor and the critic, with an uneven split of micro-batches."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from tests.e2e.helpers import REPO
+
+PPO_YAML = REPO / "configs/tiny/ppo.yaml"
+
+
+def _cfg(tiny_model, strategy: str, backend: str = "local"):
+    from turborlhf.config import PPOConfig, load_config
+
+    return load_config(PPOConfig, PPO_YAML, [
+        f"actor.name_or_path={tiny_model}", f"critic.name_or_path={tiny_model}", "reward_model=unused",
+        "data.prompts_file=unused", "train.micro_batch_size=2", "algo.num_mini_batches=2", "algo.ppo_epochs=2",
+        "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}"])
+
+
+def _experience(tiny_model):
+    """A fixed rollout batch of 6 rows (mini-batches of 3 rows = micro-batches of 2 and 1)."""
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.trainers.ppo import assemble, score_and_advantages
+    from turborlhf.config import PPOAlgoCfg
+
+    tok = load_tokenizer(str(tiny_model))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (3, 5, 4, 2, 6, 3)]
+    responses = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (4, 2, 5, 3, 1, 5)]
+    ids, attn, P, mask = assemble(prompts, responses, tok.pad_token_id)
+    B, R = mask.shape
+    old = -2.0 + 0.1 * torch.randn(B, R, generator=g)
+    ref = -2.0 + 0.1 * torch.randn(B, R, generator=g)
+    values = 0.1 * torch.randn(B, R, generator=g)
+    raw = torch.randn(B, generator=g)
+    return score_and_advantages(PPOAlgoCfg(), ids, attn, P, mask, [True] * B, old * mask, ref * mask, values * mask,
+                                raw, {"rm": raw}, 0.05, None)
+
+
+def _train(cfg, exp, out_file: str) -> None:
+    from turborlhf.engine.parallel import dp_rank_world, full_state_dict
+    from turborlhf.trainers.ppo import merge_rank_stats, minibatch_schedule
+    from turborlhf.trainers.ppo_workers import ActorWorker, CriticWorker
+
+    schedule = minibatch_schedule(exp.mask_BR.shape[0], cfg.algo, torch.Generator().manual_seed(1))
+    actor, critic = ActorWorker(cfg, None, 8, threads=1), CriticWorker(cfg, None, 8, threads=1)
+    a_stats, c_stats = actor.train(exp, schedule, 0.05), critic.train(exp, schedule)
+    weights = {f"actor.{k}": v for k, v in full_state_dict(actor.model).items()}
+    weights.update({f"critic.{k}": v for k, v in full_state_dict(critic.model).items()})
+    rank, world = dp_rank_world()
+    if world > 1:   # every rank's stats, added as the driver does
+        import torch.distributed as dist
+
+        box = [None] * world
+        dist.all_gather_object(box, (a_stats, c_stats))
+        a_stats = merge_rank_stats([b[0] for b in box])
+        c_stats = merge_rank_stats([b[1] for b in box])
+    if rank == 0:
+        torch.save({"weights": weights, "actor": a_stats[0], "critic": c_stats[0]}, out_file)
+
+
+def _rank(rank: int, world: int, port: int, cfg, exp, out_file: str) -> None:
+    os.environ["TURBORLHF_THREADS"] = "1"
+    from turborlhf.engine.parallel import init_distributed
+
+    init_distributed("gloo", "127.0.0.1", port, rank, world, timeout_s=120)
+    _train(cfg, exp, out_file)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dp2_update_equals_dp1(strategy, tiny_model, tmp_path):
+    import torch.multiprocessing as mp
+
+    cfg, exp = _cfg(tiny_model, strategy), _experience(tiny_model)
+    _train(cfg, exp, str(tmp_path / "dp1.pt"))                     # one process, all micro-batches
+    mp.start_processes(_rank, args=(2, _port(), cfg, exp, str(tmp_path / "dp2.pt")), nprocs=2, join=True,
+                       start_method="spawn")
+    one, two = torch.load(tmp_path / "dp1.pt"), torch.load(tmp_path / "dp2.pt")
+
+
+    assert one["weights"].keys() == two["weights"].keys()
+    diff = max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"])
+    assert diff < 1e-5, diff
+    from tests.e2e.helpers import weights
+    init = weights(tiny_model)
+    assert max(float((one["weights"][f"actor.{k}"] - v).abs().max()) for k, v in init.items()) > 1e-4  # it trained
+    assert one["actor"]["actor_grad_norm"] > 0 and one["critic"]["critic_grad_norm"] > 0
+    for role in ("actor", "critic"):
+        assert one[role].keys() == two[role].keys()
+        for k in one[role]:
+            assert two[role][k] == pytest.approx(one[role][k], rel=1e-4, abs=1e-6), (role, k)
+

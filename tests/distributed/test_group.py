@@ -1,0 +1,101 @@
+"""Role groups: colocation rules, the local group, and on a small local Ray cluster the work
+queue (fast ranks take more, results in order, a hung engine is dropped and its item retried),
+named errors for a dead worker and a failing remote call."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.toy_workers import Toy
+from tests.e2e.helpers import REPO
+
+
+def _dist(**kw):
+    from turborlhf.config import DistributedCfg
+
+    return DistributedCfg(**kw)
+
+
+def test_colocation_groups_and_errors():
+    from turborlhf.config import ConfigError, PPOConfig, load_config
+    from turborlhf.distributed.roles import colocation_groups
+
+    roles = ("actor", "critic", "reward", "reference", "rollout")
+    assert colocation_groups(_dist(), roles) == [(r,) for r in roles]
+    assert colocation_groups(_dist(colocate_actor_ref=True, colocate_critic_reward=True), roles) == [
+        ("actor", "reference"), ("critic", "reward"), ("rollout",)]
+    assert colocation_groups(_dist(colocate_all_models=True), ("actor", "reward", "rollout")) == [
+        ("actor", "reward", "rollout")]
+    base = ["actor.name_or_path=x", "reward_model=y", "data.prompts_file=z"]
+    with pytest.raises(ConfigError, match=r"distributed.colocate_actor_ref: .*distributed.actor: 2, "
+                                          r"distributed.reference: 1"):
+        load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + [
+            "distributed.backend=ray", "distributed.colocate_actor_ref=true", "distributed.actor.devices_per_node=2"])
+    with pytest.raises(ConfigError, match=r"distributed.rollout: more than one worker needs distributed.backend=ray"):
+        load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["distributed.rollout.num_nodes=2"])
+    # GRPO builds no critic: a critic size that differs does not matter even when everything is colocated
+    load_config(PPOConfig, REPO / "configs/tiny/grpo.yaml", base + [
+        "distributed.backend=ray", "distributed.colocate_all_models=true", "distributed.critic.devices_per_node=3"])
+
+
+def test_local_group_runs_in_process_and_names_role():
+    from turborlhf.distributed.group import LocalGroup, WorkerError
+
+    g = LocalGroup.build("reward", Toy)
+    assert g.run("work", 3) == [(9, 0)]
+    assert g.map_dynamic("work", [(i,) for i in range(4)]) == ([(i * i, 0) for i in range(4)], [0] * 4)
+    with pytest.raises(WorkerError, match=r"^reward failed in fail: TimeoutError: reward model at http"):
+        g.run("fail")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'src'}:{REPO}", "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def _ray_group(ray, role: str, n: int, timeout_s: float = 60.0, **kw):
+    from turborlhf.distributed.group import Host, RayGroup
+
+    hosts = [ray.remote(Host).options(num_cpus=1).remote() for _ in range(n)]
+    ray.get([h.build.remote(role, Toy, **kw) for h in hosts])
+    ray.get([h.call.remote(role, "set_rank", r) for r, h in enumerate(hosts)])
+    return RayGroup(role, hosts, ray.get([h.info.remote() for h in hosts]), timeout_s), hosts
+
+
+def test_ray_work_queue_balances_and_survives_a_hung_engine(ray_cluster):
+    ray = ray_cluster
+    g, hosts = _ray_group(ray, "rollout", 2, delays=(0.0, 0.4))
+    out, served = g.map_dynamic("work", [(i,) for i in range(12)])
+    assert [o[0] for o in out] == [i * i for i in range(12)]           # item order, whoever served it
+    assert [o[1] for o in out] == served
+    assert served.count(0) > served.count(1) >= 1                      # the fast engine took more
+    # rank 1 stops answering: it is stopped after the item timeout and its item retried on rank 0
+    g2, hosts2 = _ray_group(ray, "rollout", 2, hang_rank=1)
+    out, served = g2.map_dynamic("work", [(i,) for i in range(4)], timeout_s=2.0, retries=1)
+    assert [o[0] for o in out] == [0, 1, 4, 9] and set(served) == {0}
+    assert g2.dead == {1} and g2.alive_ranks() == [0]
+    assert g2.run_alive("work", 5) == [(25, 0)]
+    for h in hosts + hosts2:
+        ray.kill(h)
+
+
+def test_ray_dead_worker_and_remote_failure_are_named(ray_cluster):
+    from turborlhf.distributed.group import WorkerDiedError, WorkerError, WorkerTimeoutError
+
+    ray = ray_cluster
+    g, hosts = _ray_group(ray, "critic", 2, timeout_s=5.0, hang_rank=1)
+    with pytest.raises(WorkerError, match=r"critic worker rank 0 \(pid \d+ on .*\) failed in fail: TimeoutError: "
+                                          r"reward model at http"):
+        g.run("fail")
+    with pytest.raises(WorkerTimeoutError, match=r"critic worker rank 1 .* did not answer work within 5 s"):
+        g.run("work", 2)
+    pid1 = g.infos[1]["pid"]
+    ray.kill(hosts[1])
+    with pytest.raises(WorkerDiedError, match=rf"critic worker rank 1 \(pid {pid1} .*\) died during pid"):
+        g.run("pid")
+    with pytest.raises(WorkerDiedError, match=r"critic worker rank 1 .* is dead; cannot run pid"):
+        g.run("pid")
+    ray.kill(hosts[0])

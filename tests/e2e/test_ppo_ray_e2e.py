@@ -1,0 +1,143 @@
+"""PPO/GRPO through Ray with two CPU workers per role (a local cluster started by the command)
+give the metrics and weights of the local backend with the same seed; a killed worker stops the
+run with an error naming it and leaves a resumable checkpoint; SIGTERM leaves one too."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
+
+pytest.importorskip("ray")
+
+TWO_PER_ROLE = ["distributed.backend=ray", "distributed.timeout_s=180"] + [
+    f"distributed.{r}.devices_per_node=2" for r in ("actor", "critic", "reward", "reference", "rollout")]
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_model, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", "train.max_steps=2",
+            f"output_dir={out}", "log.tensorboard=false")
+    return out
+
+
+def _args(yaml: str, tiny_model, tiny_rm, tiny_data, out, *extra) -> list[str]:
+    return ["ppo", "--config", str(REPO / "configs/tiny" / yaml), f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32",
+            f"output_dir={out}", "log.tensorboard=false", "log.progress=false", "rollout.batch_size=2", *extra]
+
+
+def _same_metrics(a_dir: Path, b_dir: Path) -> None:
+    a, b = metrics(a_dir), metrics(b_dir)
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b):
+        keys = [k for k in ra if not k.startswith("timing/") and k != "rollout/tokens_per_s"]
+        assert keys and all(k in rb for k in keys)
+        for k in keys:
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-5), (ra.get("step"), k, ra[k], rb[k])
+    assert max_weight_diff(weights(a_dir), weights(b_dir)) < 1e-5
+
+
+@pytest.mark.slow
+def test_ppo_ray_two_workers_per_role_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "local", "train.max_steps=2"))
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ray", "train.max_steps=2", *TWO_PER_ROLE))
+    _same_metrics(tmp_path / "local", tmp_path / "ray")
+    rows = metrics(tmp_path / "ray")
+    # both engines took work from the queue; the critic trained on its two DP ranks
+    assert all(r["rollout/engine0_items"] + r["rollout/engine1_items"] == 2 for r in rows)
+    assert all(r["value/loss"] > 0 for r in rows)
+
+
+def test_grpo_ray_colocated_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """All roles colocated on 2 workers (actor DP=2 + reference/reward offload + sleeping engines)."""
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "local"))
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ray", *TWO_PER_ROLE,
+                   "distributed.colocate_all_models=true", "distributed.ref_reward_offload=true",
+                   "distributed.rollout_sleep=true"))
+    _same_metrics(tmp_path / "local", tmp_path / "ray")
+    assert all(r["rollout/engine0_items"] + r["rollout/engine1_items"] == 2 for r in metrics(tmp_path / "ray"))
+
+
+def _popen(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "turborlhf", *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+
+def _wait_for(pred, proc: subprocess.Popen, log: Path, timeout: float = 240.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = pred()
+        if got:
+            return got
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early (rc {proc.returncode}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"timed out waiting:\n{log.read_text()[-3000:]}")
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"run did not stop within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def test_killed_worker_stops_run_with_named_error_and_resumable_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_path):
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    out, log = tmp_path / "killed", tmp_path / "killed.log"
+    steps = ["train.max_steps=60", "train.save_every=1", "train.keep_checkpoints=2"]
+    proc = _popen(_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, out, *steps, *TWO_PER_ROLE,
+                        "distributed.colocate_all_models=true"), log)
+    pids = _wait_for(lambda: re.findall(r"2 worker\(s\), pids \[(\d+), (\d+)\]", log.read_text()), proc, log)
+    _wait_for(lambda: (out / "checkpoints" / "step-000002").exists(), proc, log)
+    os.kill(int(pids[0][1]), signal.SIGKILL)                      # rank 1 of every colocated role
+    rc = _finish(proc, log)
+    text = log.read_text()
+    assert rc == 1, text[-3000:]
+    err = re.search(r"error: (\w+) worker rank 1 \(pid (\d+).*died during (\w+)", text)
+    assert err and err.group(2) == pids[0][1], text[-3000:]
+    assert "last complete checkpoint" in text
+    # the newest checkpoint is complete and resumes (here on the local backend: checkpoints hold full state)
+    ckpt = latest_checkpoint(out)
+    step = load_trainer_state(ckpt)["step"]
+    assert 2 <= step < 60
+    resumed = ["train.max_steps=%d" % (step + 1), "train.save_every=1"]
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, out, *resumed), "--resume")
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ref", *resumed))
+    assert max_weight_diff(weights(out), weights(tmp_path / "ref")) < 1e-5
+    assert not list((out / "checkpoints").glob(".*tmp*"))      # no half-written checkpoint left behind
+
+
+def test_sigterm_keeps_resumable_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_path):
+    out, log = tmp_path / "term", tmp_path / "term.log"
+    args = _args("ppo.yaml", tiny_model, tiny_rm, tiny_data, out, "train.max_steps=200", "train.save_every=0",
+                 "log.progress=true")
+    proc = _popen(args, log)
+    _wait_for(lambda: re.search(r"\[ppo\] 2/200", log.read_text()), proc, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = _finish(proc, log)
+    text = log.read_text()
+    assert rc == 130 and "continue with --resume" in text, text[-2000:]
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    step = load_trainer_state(latest_checkpoint(out))["step"]
+    assert 2 <= step < 200
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, out, f"train.max_steps={step + 1}"), "--resume")
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ref", f"train.max_steps={step + 1}"))
+    assert max_weight_diff(weights(out), weights(tmp_path / "ref")) < 1e-5
