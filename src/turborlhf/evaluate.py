@@ -15,6 +15,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 __all__ = ["main", "eval_rm", "eval_policy"]
@@ -67,32 +68,47 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
 
 def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,
                 temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
-                reference_dir: Optional[str] = None, samples_out: Optional[str] = None) -> dict:
+                reference_dir: Optional[str] = None, samples_out: Optional[str] = None,
+                tag_bin: Optional[int] = None, use_tag: bool = True) -> dict:
     """Generate for the first `n` prompts and score with the reward model.
 
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
     fraction, and with `reference_dir` the k1 KL estimate Σ_t (log π − log π_ref) averaged over
-    the sampled responses.
+    the sampled responses. A response cut at `max_new_tokens` is scored as cut (no EOS added),
+    exactly as PPO's reward sees it.
+
+    A conditional-SFT policy (its directory holds ``conditional_sft.json``) generates from prompts
+    conditioned with the tag of bin `tag_bin` (default: its best bin; `use_tag=False` turns this
+    off); the reward model and the reference see the untagged prompt. The result then also has
+    ``tag`` and ``tag_bin``.
     """
     import torch
 
     from turborlhf.data.loaders import load_prompts
+    from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
     from turborlhf.engine.train import autocast, set_threads
     from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
     from turborlhf.rewards.model import score_token_ids
+    from turborlhf.trainers.conditional_sft import TAG_FILE, condition_prompt, load_tag_info
 
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir, tok)
     prompts = load_prompts(prompts_file, tok)[:n]
-    p_ids, r_ids, fin = generate_responses(policy, tok, prompts, max_new_tokens, temperature, top_p, seed, engine)
+    tag = None
+    gen_prompts = prompts
+    if use_tag and (Path(policy_dir) / TAG_FILE).exists():
+        info = load_tag_info(policy_dir)
+        k = info["best_bin"] if tag_bin is None else tag_bin
+        tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
+        gen_prompts = [condition_prompt(p, info, k) for p in prompts]
+        print(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}", flush=True)
+    p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine)
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
     rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
-    from turborlhf.data.tokenize import encode_prompt_response
-
     # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
     # exactly as PPO's reward model sees it (closing it with EOS inflated its score)
     seqs = [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
@@ -107,22 +123,27 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         from turborlhf.trainers.ppo import assemble
 
         ref = load_causal_lm(reference_dir, tok, dtype=torch.bfloat16)
+        ref_p_ids = p_ids if tag is None else [encode_prompt(tok, p, 256) for p in prompts]
         kls = []
         with torch.no_grad(), autocast("bf16"):
             for s in range(0, len(p_ids), 8):
-                ids, attn, P, mask = assemble(p_ids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
-                target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
-                lp = response_logprobs(policy, ids, attn, target)[0][:, P:]
-                lr = response_logprobs(ref, ids, attn, target)[0][:, P:]
-                kls.append(((lp - lr) * mask).sum(-1))
+                sums = []
+                for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
+                    ids, attn, P, mask = assemble(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
+                    target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
+                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1))
+                kls.append(sums[0] - sums[1])
         res["kl_to_reference"] = float(torch.cat(kls).mean())
     res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
                 "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
-                "seconds": round(time.perf_counter() - t0, 2)})
+                "seconds": round(time.perf_counter() - t0, 2), **(tag or {})})
     if samples_out:
         with open(samples_out, "w") as f:
-            for p, t, s in zip(prompts, texts, scores.tolist()):
-                f.write(json.dumps({"prompt": p, "response": t, "score": s}) + "\n")
+            for p, g, t, s in zip(prompts, gen_prompts, texts, scores.tolist()):
+                row = {"prompt": p, "response": t, "score": s}
+                if tag is not None:
+                    row["conditioned_prompt"] = g
+                f.write(json.dumps(row) + "\n")
     return res
 
 
@@ -146,6 +167,9 @@ def main(name: str, argv: list[str]) -> int:
         p.add_argument("--seed", type=int, default=1234)
         p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
         p.add_argument("--samples-out", help="write prompts, responses and scores here (JSONL)")
+        p.add_argument("--tag-bin", type=int, help="conditional-SFT policy: generate with this score bin's tag "
+                       "(default: its best bin)")
+        p.add_argument("--no-tag", action="store_true", help="conditional-SFT policy: generate untagged")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
     # everything but the final JSON goes to stderr so stdout stays machine-readable
@@ -154,7 +178,7 @@ def main(name: str, argv: list[str]) -> int:
             res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit)
         else:
             res = eval_policy(a.policy, a.reward_model, a.prompts, a.n, a.max_new_tokens, a.temperature, a.top_p,
-                              a.seed, a.engine, a.reference, a.samples_out)
+                              a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag)
     if a.json:
         print(json.dumps(res))
     else:

@@ -173,8 +173,12 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
     res = evaluate_conditional(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"),
                                samples_out=str(tmp_path / "s.jsonl"), reference_dir=str(tiny_model), **kw)
     base = eval_policy(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), reference_dir=str(tiny_model),
+                       use_tag=False, **kw)
+    assert set(base) <= set(res) and res["tag"] == "<rm_score>=2" and res["n"] == 4 and "tag" not in base
+    # `turborlhf eval-policy` on a conditional-SFT directory applies its best tag by itself
+    auto = eval_policy(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), reference_dir=str(tiny_model),
                        **kw)
-    assert set(base) <= set(res) and res["tag"] == "<rm_score>=2" and res["n"] == 4
+    assert {k: v for k, v in auto.items() if "seconds" not in k} == {k: v for k, v in res.items() if "seconds" not in k}
     for r in _rows(tmp_path / "s.jsonl"):
         assert r["conditioned_prompt"] == condition_prompt(r["prompt"], info)
         assert "<rm_score>=2" in r["conditioned_prompt"] and "<rm_score>" not in r["prompt"]

@@ -394,60 +394,15 @@ def evaluate_conditional(policy_dir: str, reward_model_dir: str, prompts_file: s
                          max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234,
                          engine: str = "auto", reference_dir: Optional[str] = None,
                          samples_out: Optional[str] = None, tag_bin: Optional[int] = None) -> dict:
-    """`turborlhf.evaluate.eval_policy` for a conditional-SFT policy: each prompt is conditioned
-    with the tag of bin `tag_bin` (default: the best bin of ``<policy_dir>/conditional_sft.json``)
-    before generation; the reward model scores the response against the *untagged* prompt.
-
-    Returns eval_policy's keys (reward_mean, reward_std, n, response_length_mean, eos_fraction,
-    kl_to_reference with `reference_dir` — the reference sees the untagged prompt —, policy,
-    reward_model, seed, temperature, top_p, max_new_tokens, generate_seconds, seconds) plus
-    ``tag`` and ``tag_bin``. `samples_out` gets one JSONL row per prompt (prompt, conditioned
-    prompt, response, score). Raises FileNotFoundError without the tag file.
+    """`turborlhf.evaluate.eval_policy` (= `turborlhf eval-policy`) for a conditional-SFT policy:
+    prompts are conditioned with the tag of bin `tag_bin` (default: the best bin of
+    ``<policy_dir>/conditional_sft.json``) before generation; the reward model and the reference
+    see the untagged prompt, and a response cut at `max_new_tokens` is scored as cut. Returns
+    eval_policy's keys plus ``tag`` and ``tag_bin``. Raises FileNotFoundError without the tag file.
     """
-    from turborlhf.data.loaders import load_prompts
-    from turborlhf.data.tokenize import encode_prompt
-    from turborlhf.engine.train import autocast
-    from turborlhf.evaluate import generate_responses
-    from turborlhf.models.forward import response_logprobs
+    from turborlhf.evaluate import eval_policy
 
-    set_threads()
-    t0 = time.perf_counter()
-    info = load_tag_info(policy_dir)
-    k = info["best_bin"] if tag_bin is None else tag_bin
-    tok = load_tokenizer(policy_dir)
-    policy = load_causal_lm(policy_dir, tok)
-    prompts = load_prompts(prompts_file, tok)[:n]
-    cond = [condition_prompt(p, info, k) for p in prompts]
-    p_ids, r_ids, fin = generate_responses(policy, tok, cond, max_new_tokens, temperature, top_p, seed, engine)
-    t_gen = time.perf_counter() - t0
-    rm_tok = load_tokenizer(reward_model_dir)
-    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
-    texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
-    scores = score_texts(rm, rm_tok, prompts, texts, 4096, "bf16")
-    lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
-    res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-           "n": len(prompts), "response_length_mean": float(lens.mean()),
-           "eos_fraction": float(torch.tensor(fin, dtype=torch.float32).mean())}
-    if reference_dir:
-        from turborlhf.trainers.ppo import assemble
-
-        ref = load_causal_lm(reference_dir, tok, dtype=torch.bfloat16)
-        ref_p_ids = [encode_prompt(tok, p, 256) for p in prompts]
-        kls = []
-        with torch.no_grad(), autocast("bf16"):
-            for s in range(0, len(p_ids), 8):
-                sums = []
-                for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
-                    ids, attn, P, mask = assemble(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
-                    target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
-                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1))
-                kls.append(sums[0] - sums[1])
-        res["kl_to_reference"] = float(torch.cat(kls).mean())
-    res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
-                "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
-                "seconds": round(time.perf_counter() - t0, 2), "tag": info["format"].replace("{k}", str(k)),
-                "tag_bin": k})
-    if samples_out:
-        write_jsonl(samples_out, [{"prompt": p, "conditioned_prompt": c, "response": t, "score": s}
-                                  for p, c, t, s in zip(prompts, cond, texts, scores.tolist())])
-    return res
+    if not (Path(policy_dir) / TAG_FILE).exists():
+        raise FileNotFoundError(f"{policy_dir}/{TAG_FILE} not found: not a conditional-SFT policy directory")
+    return eval_policy(policy_dir, reward_model_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine,
+                       reference_dir, samples_out, tag_bin=tag_bin, use_tag=True)
