@@ -20,9 +20,11 @@ from typing import Any, Optional
 
 import torch
 
+from turborlhf.engine.train import rng_state, set_rng_state
 from turborlhf.models.load import merge_lora_for_save
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text"]
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
+           "trainer_state", "restore"]
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -115,3 +117,24 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
     return torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
+
+
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int) -> dict:
+    """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG and `step`
+    (optimizer steps done); the counterpart of `restore`."""
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "step": step}
+
+
+def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, scheduler, tag: str = "train") -> int:
+    """Load the state written by `trainer_state` from checkpoint directory `ckpt` into `optimizer`
+    and `scheduler`, restore the RNG, and return the step to continue from (0 when `ckpt` is None:
+    a fresh run). Raises FileNotFoundError if `ckpt` has no ``trainer_state.pt``."""
+    if ckpt is None:
+        return 0
+    state = load_trainer_state(ckpt)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    print(f"[{tag}] resumed from {ckpt} at step {state['step']}", flush=True)
+    return state["step"]

@@ -48,7 +48,7 @@ from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model,
 from turborlhf.rewards.model import score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.sft import sft_loss_on_batch
+from turborlhf.trainers.sft import sft_step
 
 __all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows"]
 
@@ -124,12 +124,7 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
     lr = sched.get_last_lr()[0]
     for step, idx in enumerate(plan):
         batch = [enc[i] for i in idx]
-        num_tokens = max(1, sum(sum(e["loss_mask"]) for e in batch))
-        step_loss = 0.0
-        for s in range(0, len(batch), T.micro_batch_size):
-            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
-            loss.backward()
-            step_loss += float(loss.detach())
+        step_loss = sft_step(model, tok, batch, T.micro_batch_size, cfg.model.dtype)
         lr = sched.get_last_lr()[0]
         gnorms.append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
         losses.append(step_loss)
