@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
@@ -38,6 +38,32 @@ class Cfg(BaseModel):
 
 
 C = TypeVar("C", bound=Cfg)
+
+
+# Fields that recur across commands, with their help text written once
+def _max_len(default: int = 512, note: str = " (prompt cut from the left)", what: str = "sequence") -> Any:
+    return Field(default, ge=8, description=f"tokens per {what}{note}")
+
+
+def _at_most(what: str, verb: str = "use") -> Any:
+    return Field(0, ge=0, description=f"{verb} at most this many {what} (0 = all)")
+
+
+def _held_out(what: str = "file in the same format", note: str = "") -> Any:
+    return Field(None, description=f"held-out {what}{note}")
+
+
+def _policy(description: str = "the policy to fine-tune") -> Any:
+    return Field(default_factory=ModelCfg, description=description)
+
+
+def _preference_output_dir(default: str) -> Any:
+    return Field(default, description="where checkpoints, metrics, cached reference log-probs and the final policy go")
+
+
+def _initial_reference() -> Any:
+    return Field(None, description="reference policy; default = the policy's initial weights "
+                                   "(its log-probs are computed once, then cached)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,9 +137,9 @@ class RolloutCfg(Cfg):
 class SFTDataCfg(Cfg):
     train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
                                              "or SFT JSONL ({prompt, response})")
-    test_file: Optional[str] = Field(None, description="held-out file in the same format")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training examples (0 = all)")
+    test_file: Optional[str] = _held_out()
+    max_len: int = _max_len()
+    max_samples: int = _at_most("training examples")
 
 
 class SFTTrainCfg(TrainLoopCfg):
@@ -123,7 +149,7 @@ class SFTTrainCfg(TrainLoopCfg):
 class SFTConfig(Cfg):
     """`turborlhf sft`: next-token loss on response tokens only."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to fine-tune")
+    model: ModelCfg = _policy()
     data: SFTDataCfg
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=2e-5))
     train: SFTTrainCfg = Field(default_factory=SFTTrainCfg)
@@ -133,9 +159,9 @@ class SFTConfig(Cfg):
 
 class RMDataCfg(Cfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
-    test_file: Optional[str] = Field(None, description="held-out pairs in the same formats")
-    max_len: int = Field(384, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training pairs (0 = all)")
+    test_file: Optional[str] = _held_out("pairs in the same formats")
+    max_len: int = _max_len(384)
+    max_samples: int = _at_most("training pairs")
 
 
 class RMTrainCfg(TrainLoopCfg):
@@ -159,7 +185,7 @@ class RMConfig(Cfg):
 class PPODataCfg(Cfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
-    max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
+    max_samples: int = _at_most("prompts")
     ptx_file: Optional[str] = Field(None, description="PPO-ptx: SFT data ({prompt, response}, messages or pair "
                                                       "format: trains on chosen) mixed into the actor loss")
     ptx_max_len: int = Field(512, ge=8, description="PPO-ptx: tokens per SFT sequence (prompt cut from the left)")
@@ -286,16 +312,12 @@ class PPOConfig(Cfg):
 # DPO / KTO configs (owned by the DPO/KTO trainers)
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
-from pydantic import model_validator  # noqa: E402  (kept inside this block: the block is edited on its own)
-
-
 class DPODataCfg(Cfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
-    test_file: Optional[str] = Field(None, description="held-out pairs in the same formats (eval/* metrics)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence; chosen and rejected keep the same "
-                                                "(left-cut) prompt")
-    max_samples: int = Field(0, ge=0, description="use at most this many training pairs (0 = all)")
-    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test pairs (0 = all)")
+    test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
+    max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
+    max_samples: int = _at_most("training pairs")
+    max_test_samples: int = _at_most("test pairs", verb="evaluate on")
 
 
 class DPOAlgoCfg(Cfg):
@@ -332,16 +354,14 @@ class DPOTrainCfg(TrainLoopCfg):
 class DPOConfig(Cfg):
     """`turborlhf dpo`: direct preference optimisation (DPO, cDPO, robust DPO, IPO, reference-free)."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
-    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
-                                                       "(its log-probs are computed once, then cached)")
+    model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = _initial_reference()
     data: DPODataCfg
     algo: DPOAlgoCfg = Field(default_factory=DPOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: DPOTrainCfg = Field(default_factory=DPOTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
-    output_dir: str = Field("runs/dpo", description="where checkpoints, metrics, cached reference log-probs "
-                                                    "and the final policy go")
+    output_dir: str = _preference_output_dir("runs/dpo")
 
     @model_validator(mode="after")
     def _check_reference(self):
@@ -353,10 +373,10 @@ class DPOConfig(Cfg):
 class KTODataCfg(Cfg):
     train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
                                              "(each pair = 1 desirable + 1 undesirable example)")
-    test_file: Optional[str] = Field(None, description="held-out examples in the same formats (eval/* metrics)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training examples (0 = all)")
-    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test examples (0 = all)")
+    test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
+    max_len: int = _max_len()
+    max_samples: int = _at_most("training examples")
+    max_test_samples: int = _at_most("test examples", verb="evaluate on")
 
 
 class KTOAlgoCfg(Cfg):
@@ -374,16 +394,14 @@ class KTOTrainCfg(TrainLoopCfg):
 class KTOConfig(Cfg):
     """`turborlhf kto`: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
-    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
-                                                       "(its log-probs are computed once, then cached)")
+    model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = _initial_reference()
     data: KTODataCfg
     algo: KTOAlgoCfg = Field(default_factory=KTOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: KTOTrainCfg = Field(default_factory=KTOTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
-    output_dir: str = Field("runs/kto", description="where checkpoints, metrics, cached reference log-probs "
-                                                    "and the final policy go")
+    output_dir: str = _preference_output_dir("runs/kto")
 # <<< dpo-kto configs
 
 # ----------------------------------------------------------------------------------------------
@@ -392,8 +410,8 @@ class KTOConfig(Cfg):
 # >>> rs-csft configs
 class RSDataCfg(Cfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
-    max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
-    max_len: int = Field(512, ge=8, description="tokens per SFT sequence (prompt cut from the left)")
+    max_samples: int = _at_most("prompts")
+    max_len: int = _max_len(what="SFT sequence")
 
 
 class RSAlgoCfg(Cfg):
@@ -433,8 +451,8 @@ class RejectionSamplingConfig(Cfg):
 class CSFTDataCfg(Cfg):
     train_file: str = Field(..., description="pair-format JSONL or raw HH (chosen AND rejected are used), "
                                              "or SFT JSONL ({prompt, response})")
-    test_file: Optional[str] = Field(None, description="held-out file in the same format (tagged NLL at the end)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
+    test_file: Optional[str] = _held_out(note=" (tagged NLL at the end)")
+    max_len: int = _max_len()
     max_samples: int = Field(0, ge=0, description="use at most this many lines' records (pairs or examples; 0 = all)")
     score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass when scoring")
     policy_samples_per_prompt: int = Field(
@@ -457,7 +475,7 @@ class CSFTTagCfg(Cfg):
 class ConditionalSFTConfig(Cfg):
     """`turborlhf conditional-sft`: SFT on prompts tagged with the RM score bin of their response."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to fine-tune")
+    model: ModelCfg = _policy()
     reward_model: str = Field(..., description="directory of the reward model that scores the training responses")
     data: CSFTDataCfg
     tags: CSFTTagCfg = Field(default_factory=CSFTTagCfg, description="score → tag mapping and its placement")
