@@ -85,8 +85,17 @@ class ModelCfg(Cfg):
         description="local HF directory, hub id, or a named model of the zoo (smollm2-135m-instruct)")
     dtype: Literal["bf16", "fp32"] = Field(
         "bf16", description="compute precision: bf16 autocast over fp32 master weights, or plain fp32")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory "
+                                                            "(HF gradient_checkpointing_enable, non-reentrant)")
     lora: LoraCfg = Field(default_factory=LoraCfg, description="LoRA adapters (peft)")
+    load_in_4bit: bool = Field(False, description="QLoRA: frozen base in 4-bit NF4 (bitsandbytes, CUDA GPU only); "
+                                                  "needs lora.rank > 0")
+
+    @model_validator(mode="after")
+    def _check_qlora(self):
+        if self.load_in_4bit and self.lora.rank <= 0:
+            raise ValueError("load_in_4bit (QLoRA) trains adapters on a frozen 4-bit base: set lora.rank > 0")
+        return self
 
 
 class OptimCfg(Cfg):
@@ -98,6 +107,9 @@ class OptimCfg(Cfg):
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of lr (cosine/linear)")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; 0 disables")
+    offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
+                                             "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
+                                             "GPU memory; a no-op when the model is on the CPU already")
 
 
 class LogCfg(Cfg):

@@ -16,9 +16,9 @@ LN2 = math.log(2)
 @pytest.fixture
 def counters(monkeypatch):
     """Count reference log-prob computations and model loads inside the DPO/KTO trainers."""
+    import turborlhf.models.load as L
     import turborlhf.models.reference as R
     import turborlhf.trainers.dpo as D
-    import turborlhf.trainers.kto as K
 
     calls = {"ref": 0, "load": 0}
     real_ref, real_load = R.compute_reference_logps, R.load_causal_lm
@@ -32,7 +32,7 @@ def counters(monkeypatch):
         return real_load(*a, **k)
 
     monkeypatch.setattr(R, "compute_reference_logps", ref)
-    for module in (R, D, K):
+    for module in (L, R, D):  # the trainers' policy loads (load_trainable), the reference, eval-dpo
         monkeypatch.setattr(module, "load_causal_lm", load)
     return calls
 

@@ -5,7 +5,7 @@ Layout of a run directory::
 
     <output_dir>/
       checkpoints/step-000040/      resumable: one HF dir per model + trainer_state.pt
-          actor/  critic/ ...       save_pretrained layout + tokenizer
+          actor/  critic/ ...       save_pretrained layout + tokenizer (LoRA: the adapters only)
           trainer_state.pt          optimizers, schedulers, RNG, step, data position, extra
       checkpoints/latest            text file: name of the newest complete checkpoint
       final/ (or the trainer's own name)  the exported model (HF dir)
@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from turborlhf.engine.train import rng_state, set_rng_state
-from turborlhf.models.load import merge_lora_for_save
+from turborlhf.models.load import is_lora, merge_lora_for_save
 
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
            "trainer_state", "restore"]
@@ -51,7 +51,15 @@ def _replace_dir(staged: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None) -> None:
+def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None, merge: bool = True) -> None:
+    """save_pretrained + tokenizer. A LoRA model is written merged (a plain HF model), or with
+    ``merge=False`` as its peft adapter directory (adapter_config.json + adapter_model.safetensors,
+    the base named in the config), which is what a resumable checkpoint needs."""
+    if not merge and is_lora(model):
+        model.save_pretrained(out, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        return
     plain = merge_lora_for_save(model)
     if extra_config:
         for k, v in extra_config.items():
@@ -80,7 +88,9 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
 
     Args:
-        models: name → model, each saved as an HF dir (LoRA merged).
+        models: name → model, each saved as an HF dir; a LoRA model as its adapter directory
+            (load it with peft's ``AutoPeftModelForCausalLM`` / ``PeftModel.from_pretrained`` on
+            the base named in ``adapter_config.json``; the final export is merged).
         state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
         keep: number of complete checkpoints to keep.
     """
@@ -90,7 +100,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     staged = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
     try:
         for mname, model in models.items():
-            _write_hf(model, tokenizer, staged / mname)
+            _write_hf(model, tokenizer, staged / mname, merge=False)
         torch.save(state, staged / "trainer_state.pt")
         _replace_dir(staged, root / name)
     except BaseException:

@@ -1,11 +1,17 @@
-"""The reference policy of DPO/KTO: summed response log-probs computed once, before training, and
-cached in ``<output_dir>/ref_logps.pt`` under a fingerprint of the reference weights (path, file
-sizes and mtimes), the compute dtype and every token id, so a resumed run with the same fingerprint
-never builds the reference model again.
+"""The reference policy, without a second copy of the policy where possible.
+
+- DPO/KTO: summed response log-probs computed once, before training, and cached in
+  ``<output_dir>/ref_logps.pt`` under a fingerprint of the reference weights (path, file sizes
+  and mtimes), the compute dtype and every token id, so a resumed run with the same fingerprint
+  never builds the reference model again.
+- LoRA: the reference is the policy with its adapters disabled (peft ``disable_adapter``): the
+  frozen base is exactly the initial policy, also after resuming, so no reference model is
+  loaded (`LoraReference`, `reference_view`).
 """
 from __future__ import annotations
 
 import array
+import contextlib
 import gc
 import hashlib
 import json
@@ -18,10 +24,11 @@ from typing import Sequence
 import torch
 
 from turborlhf.models.forward import sequence_logps
-from turborlhf.models.load import load_causal_lm
+from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm
 from turborlhf.models.zoo import resolve_model_path
 
-__all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps"]
+__all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps", "LoraReference", "reference_view",
+           "same_model", "reuses_policy"]
 
 REF_CACHE = "ref_logps.pt"
 
@@ -58,9 +65,10 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
         seq_sets: name → encoded sequences (``input_ids``/``loss_mask``).
         dtype: compute dtype (``bf16`` autocast or ``fp32``), as the policy's.
         batch_size: sequences per no-grad forward.
-        initial_policy: the untrained policy when it *is* the reference: it computes the
-            log-probs itself (no second model). Otherwise the reference is loaded (fp32 weights,
-            same autocast as the policy), used, and freed.
+        initial_policy: the policy when it *is* the reference (untrained, or a LoRA model whose
+            adapters are then disabled): it computes the log-probs itself (no second model).
+            Otherwise the reference is loaded (fp32 weights, same autocast as the policy), used,
+            and freed.
         tag: prefix of log lines.
 
     Returns:
@@ -77,7 +85,8 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
         print(f"[{tag}] {path} belongs to other data or another reference; recomputing", flush=True)
     n = sum(len(v) for v in seq_sets.values())
     if initial_policy is not None:
-        logps = compute_reference_logps(initial_policy, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
+        with adapters_disabled(initial_policy):
+            logps = compute_reference_logps(initial_policy, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
     else:
         ref = load_causal_lm(reference, tokenizer).eval().requires_grad_(False)
         logps = compute_reference_logps(ref, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
@@ -89,3 +98,38 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     os.replace(tmp, path)
     print(f"[{tag}] reference log-probs of {n} sequences in {time.perf_counter() - t0:.1f}s → {path}", flush=True)
     return logps
+
+
+def same_model(a: str, b: str) -> bool:
+    """True when two model names/paths resolve to the same place."""
+    return a == b or Path(resolve_model_path(a)).resolve() == Path(resolve_model_path(b)).resolve()
+
+
+def reuses_policy(policy, policy_init: str, reference: str, resumed: bool) -> bool:
+    """Whether `policy` itself can compute the reference log-probs: the reference is the model the
+    policy started from, and the policy still holds it: not yet trained (a fresh run), or LoRA
+    (the frozen base under disabled adapters is the initial policy, also after resuming)."""
+    return same_model(reference, policy_init) and (not resumed or is_lora(policy))
+
+
+class LoraReference:
+    """PPO's reference model as a view of the LoRA actor with its adapters disabled (no copy).
+
+    Use through `reference_view`, which switches the adapters off for the duration of the
+    reference forward passes."""
+
+    def __init__(self, actor) -> None:
+        if not is_lora(actor):
+            raise ValueError("LoraReference needs a peft (LoRA) actor")
+        self.actor = actor
+
+
+@contextlib.contextmanager
+def reference_view(reference):
+    """Context manager yielding the module to run as the reference: a `LoraReference`'s actor
+    with adapters disabled, or `reference` itself (a loaded model)."""
+    if isinstance(reference, LoraReference):
+        with adapters_disabled(reference.actor):
+            yield reference.actor
+    else:
+        yield reference

@@ -35,7 +35,7 @@ from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
 from turborlhf.engine.run import plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import seed_everything, set_threads
-from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer
+from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
 from turborlhf.rewards.model import score_texts
 from turborlhf.trainers.rejection_sampling import encode_samples
 from turborlhf.trainers.sft import fit
@@ -310,10 +310,7 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples (data responses, optionally the policy's own samples), their scores on the
     #    untagged prompts and their bins: computed once, reused on resume

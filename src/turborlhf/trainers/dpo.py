@@ -56,8 +56,8 @@ from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimi
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import sequence_logps, summed_logps
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
-from turborlhf.models.reference import reference_logps
+from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
+from turborlhf.models.reference import reference_logps, reuses_policy
 
 __all__ = ["train", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
 
@@ -171,8 +171,7 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. pairs → token ids (shared prompt truncation); deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok)
@@ -194,10 +193,8 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
         ref = {k: torch.zeros(len(v)) for k, v in sets.items()}
     else:
         reference = cfg.reference or cfg.model.name_or_path
-        reuse = model if (reference == cfg.model.name_or_path and ckpt is None) else None
+        reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
         ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "dpo")
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
     print_batch_table("dpo", [("pairs", len(train_enc)), ("test_pairs", len(test_enc)),
                               ("pairs_per_step", T.pairs_per_step),
                               ("micro_batch_size (pairs)", T.micro_batch_size),

@@ -44,8 +44,8 @@ from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimi
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import sequence_logps, summed_logps
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
-from turborlhf.models.reference import reference_logps
+from turborlhf.models.load import load_tokenizer, load_trainable
+from turborlhf.models.reference import reference_logps, reuses_policy
 
 __all__ = ["train", "mismatch_sources", "check_weights"]
 
@@ -143,8 +143,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples → token ids; deterministic plan; each step's mismatched (KL) pairs
     rows = load_kto(cfg.data.train_file, tok)
@@ -171,10 +170,8 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
         offsets.append(offsets[-1] + len(kl))
     sets = {"train": train_enc, "train_kl": [s for kl in step_kl for s in kl], "test": test_enc, "test_kl": test_kl}
     reference = cfg.reference or cfg.model.name_or_path
-    reuse = model if (reference == cfg.model.name_or_path and ckpt is None) else None
+    reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
     ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "kto")
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
     print_batch_table("kto", [("examples", len(train_enc)), ("desirable", n_des), ("undesirable", len(rows) - n_des),
                               ("test_examples", len(test_enc)), ("examples_per_step", T.examples_per_step),
                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan)),

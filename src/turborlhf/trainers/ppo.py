@@ -46,7 +46,7 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             group_mean_baseline, group_normalized_advantages, kl_estimate, kl_penalized_rewards,
                             leave_one_out_advantages, masked_mean, masked_whiten, ppo_policy_loss, reduce_loss,
                             value_loss)
-from turborlhf.config import PPOAlgoCfg, PPOConfig
+from turborlhf.config import ModelCfg, PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompts, load_sft
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -55,7 +55,9 @@ from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, mak
                                     seed_everything, set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs, token_values
-from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer
+from turborlhf.models.load import (is_lora, load_causal_lm, load_tokenizer, load_trainable, merge_lora_for_save,
+                                   merged_named_parameters)
+from turborlhf.models.reference import LoraReference, reference_view, same_model
 from turborlhf.rewards.combine import CombinedReward, RewardInputs, build_reward
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout import make_engine
@@ -144,7 +146,7 @@ class Roles:
     actor: torch.nn.Module
     critic: Optional[torch.nn.Module]       # None for critic-free estimators
     reward: CombinedReward
-    reference: Optional[torch.nn.Module]    # None when no KL term is on
+    reference: object                       # a model, a LoraReference (the actor, adapters off) or None
     engine: object
 
 
@@ -239,8 +241,9 @@ def make_experience(roles: Roles, cfg: PPOConfig, prompt_ids: list[list[int]], r
     with autocast(dtype):
         old_logp = _in_chunks(lambda s: response_logprobs(roles.actor, ids[s], attn[s], target[s])[0][:, P:], B, mb)
         if roles.reference is not None:
-            ref_logp = _in_chunks(lambda s: response_logprobs(roles.reference, ids[s], attn[s], target[s])[0][:, P:],
-                                  B, mb) * mask
+            with reference_view(roles.reference) as ref:   # a LoRA reference: the actor, adapters off
+                ref_logp = _in_chunks(lambda s: response_logprobs(ref, ids[s], attn[s], target[s])[0][:, P:],
+                                      B, mb) * mask
         if roles.critic is not None:
             values = _in_chunks(lambda s: token_values(roles.critic, ids[s], attn[s])[:, P - 1:P - 1 + R], B, mb) * mask
     raw_scores, per_source = roles.reward(RewardInputs(ids, attn, prompt_ids, responses, roles.tokenizer))
@@ -398,22 +401,23 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path]) -> Roles:
     A = cfg.algo
     tok = load_tokenizer(cfg.actor.name_or_path)
     frozen_dtype = torch.bfloat16 if cfg.actor.dtype == "bf16" else torch.float32
-    actor = load_causal_lm(str(ckpt / "actor") if ckpt else cfg.actor.name_or_path, tok,
-                           gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    actor = apply_lora(actor, cfg.actor.lora)
+    actor = load_trainable("causal", cfg.actor, tok, ckpt_dir=ckpt / "actor" if ckpt else None)
     critic = None
     if A.needs_critic:
-        critic = load_scalar_model(str(ckpt / "critic") if ckpt else cfg.critic_init, tok,
-                                   gradient_checkpointing=bool(cfg.critic and cfg.critic.gradient_checkpointing))
-        critic = apply_lora(critic, cfg.critic.lora) if cfg.critic else critic
-        critic.train()
+        # without a critic section: full fine-tuning of the critic_init model, no checkpointing
+        critic = load_trainable("scalar", cfg.critic or ModelCfg(name_or_path=cfg.critic_init), tok,
+                                init=cfg.critic_init, ckpt_dir=ckpt / "critic" if ckpt else None)
     reward = build_reward(cfg.rewards, cfg.reward_model, tok, cfg.actor.dtype, cfg.train.micro_batch_size)
     reference = None
     if A.needs_reference:
-        reference = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=frozen_dtype)
-        reference.eval().requires_grad_(False)
-    actor.train()
-    engine = make_engine(cfg.rollout.engine, actor, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.batch_size)
+        ref_path = cfg.reference or cfg.actor.name_or_path
+        if is_lora(actor) and same_model(ref_path, cfg.actor.name_or_path):
+            reference = LoraReference(actor)       # the adapter-disabled actor: no second copy
+        else:
+            reference = load_causal_lm(ref_path, tok, dtype=frozen_dtype)
+            reference.eval().requires_grad_(False)
+    engine = make_engine(cfg.rollout.engine, merge_lora_for_save(actor), dtype=cfg.rollout.dtype,
+                         max_batch_size=cfg.rollout.batch_size)
     return Roles(tok, actor, critic, reward, reference, engine)
 
 
@@ -528,7 +532,7 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
         # 6. weight sync, KL controller, metrics, checkpoint
         t0 = time.perf_counter()
         if train_actor:
-            roles.engine.load_weights(roles.actor.named_parameters())
+            roles.engine.load_weights(merged_named_parameters(roles.actor))
         t_sync = time.perf_counter() - t0
         metrics = _rollout_metrics(exp, kl_ctl.value)
         if M.KL in metrics:

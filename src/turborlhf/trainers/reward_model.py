@@ -24,7 +24,7 @@ from turborlhf.engine.run import export_model, plan_steps, print_batch_table, se
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import apply_lora, backbone_of, load_scalar_model, load_tokenizer
+from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
 __all__ = ["train", "evaluate_pairs"]
@@ -59,12 +59,9 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     # 2. tokenizer and scalar model (new head on a causal LM, or a saved RM to continue)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_scalar_model(str(ckpt / "reward_model") if ckpt else cfg.model.name_or_path, tok,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
     if T.freeze_embeddings:
         backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
 
     # 3. pairs → token ids; deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok)

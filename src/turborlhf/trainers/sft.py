@@ -24,7 +24,7 @@ from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, mak
                                     set_threads)
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
+from turborlhf.models.load import load_tokenizer, load_trainable
 
 __all__ = ["train", "fit", "sft_step", "encode_examples", "sft_loss_on_batch", "evaluate_nll"]
 
@@ -120,13 +120,11 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
 
-    # 2. tokenizer and model (fp32 master weights; bf16 autocast compute)
+    # 2. tokenizer and model (fp32 master weights, bf16 autocast compute; LoRA/QLoRA/checkpointing
+    #    as model.* says)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. data → token ids + response masks; a deterministic plan of optimizer steps
     rows = load_sft(cfg.data.train_file, tok)
