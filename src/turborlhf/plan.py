@@ -531,11 +531,14 @@ def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     mb = min(T.micro_batch_size, T.sequences_per_step)
     sp = _sft_like(cfg, s, kind, mb, cfg.data.max_len, mb * cfg.data.max_len, "policy")
     pol = sp.roles["policy"]
-    # a fresh optimizer per round: its states exist only during the SFT phase
+    # a fresh AdamW per round: its states exist only during the SFT phase, not while generating
     sp.phases["train"]["policy"] += pol.optimizer
     sp.phases["optimizer step"]["policy"] += pol.optimizer
     pol.notes.append("AdamW re-created every round: states only during the SFT phase")
-    opt, pol.optimizer = pol.optimizer, 0
+    pol.optimizer = 0
+    sp.assumptions.append(f"SFT micro-batch of {mb} sequences × {cfg.data.max_len} tokens (worst case); "
+                          f"{cfg.algo.n_samples_per_prompt} samples per prompt generated "
+                          f"{min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)} at once")
     rm_s = _shape(cfg.reward_model, None, resolve)
     sp.roles["reward"] = _frozen_role("reward", rm_s, cfg.model.dtype, scalar=True)
     rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)
@@ -548,7 +551,6 @@ def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                  "score": {"reward": inference_activation_bytes(rm_s, cfg.algo.score_batch_size, L, 0,
                                                                 cfg.model.dtype, head="score")},
                  **sp.phases}
-    del opt
     return sp
 
 
@@ -843,7 +845,10 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
         tok_path = model if _has_tokenizer(model) else (model_config or model)
         data = batches_from_data(command, cfg, tok_path)
-    return [_assemble(command, SPECS[command](cfg, resolve, kind, data), cfg, device_memory, host)]
+    spec = SPECS[command](cfg, resolve, kind, data)
+    if from_data and data is None:
+        spec.assumptions.append(f"--from-data: {command}'s batches come from generation; configured maxima used")
+    return [_assemble(command, spec, cfg, device_memory, host)]
 
 
 def _has_tokenizer(name: str) -> bool:
