@@ -32,6 +32,7 @@ OTHER_COMMANDS: dict[str, str] = {
     "eval-policy": "generate for prompts and score with a reward model",
     "eval-dpo": "implicit-reward accuracy and margin of a DPO policy on preference pairs",
     "serve-rm": "serve a reward model over HTTP with request batching",
+    "plan": "estimate memory per role and device for a config before launch (reads no weights)",
 }
 
 
@@ -152,6 +153,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from turborlhf.trainers.dpo import eval_dpo_main
 
         return eval_dpo_main(rest)
+    if cmd == "plan":
+        from turborlhf.plan import main as plan_main
+
+        return plan_main(rest)
     if cmd == "serve-rm":
         from turborlhf.rewards.server import main as serve_main
 

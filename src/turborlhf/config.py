@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
@@ -40,6 +40,32 @@ class Cfg(BaseModel):
 C = TypeVar("C", bound=Cfg)
 
 
+# Fields that recur across commands, with their help text written once
+def _max_len(default: int = 512, note: str = " (prompt cut from the left)", what: str = "sequence") -> Any:
+    return Field(default, ge=8, description=f"tokens per {what}{note}")
+
+
+def _at_most(what: str, verb: str = "use") -> Any:
+    return Field(0, ge=0, description=f"{verb} at most this many {what} (0 = all)")
+
+
+def _held_out(what: str = "file in the same format", note: str = "") -> Any:
+    return Field(None, description=f"held-out {what}{note}")
+
+
+def _policy(description: str = "the policy to fine-tune") -> Any:
+    return Field(default_factory=ModelCfg, description=description)
+
+
+def _preference_output_dir(default: str) -> Any:
+    return Field(default, description="where checkpoints, metrics, cached reference log-probs and the final policy go")
+
+
+def _initial_reference() -> Any:
+    return Field(None, description="reference policy; default = the policy's initial weights "
+                                   "(its log-probs are computed once, then cached)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared parts
 # ----------------------------------------------------------------------------------------------
@@ -59,8 +85,17 @@ class ModelCfg(Cfg):
         description="local HF directory, hub id, or a named model of the zoo (smollm2-135m-instruct)")
     dtype: Literal["bf16", "fp32"] = Field(
         "bf16", description="compute precision: bf16 autocast over fp32 master weights, or plain fp32")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory "
+                                                            "(HF gradient_checkpointing_enable, non-reentrant)")
     lora: LoraCfg = Field(default_factory=LoraCfg, description="LoRA adapters (peft)")
+    load_in_4bit: bool = Field(False, description="QLoRA: frozen base in 4-bit NF4 (bitsandbytes, CUDA GPU only); "
+                                                  "needs lora.rank > 0")
+
+    @model_validator(mode="after")
+    def _check_qlora(self):
+        if self.load_in_4bit and self.lora.rank <= 0:
+            raise ValueError("load_in_4bit (QLoRA) trains adapters on a frozen 4-bit base: set lora.rank > 0")
+        return self
 
 
 class OptimCfg(Cfg):
@@ -72,6 +107,9 @@ class OptimCfg(Cfg):
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of lr (cosine/linear)")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; 0 disables")
+    offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
+                                             "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
+                                             "GPU memory; a no-op when the model is on the CPU already")
 
 
 class LogCfg(Cfg):
@@ -111,9 +149,9 @@ class RolloutCfg(Cfg):
 class SFTDataCfg(Cfg):
     train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
                                              "or SFT JSONL ({prompt, response})")
-    test_file: Optional[str] = Field(None, description="held-out file in the same format")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training examples (0 = all)")
+    test_file: Optional[str] = _held_out()
+    max_len: int = _max_len()
+    max_samples: int = _at_most("training examples")
 
 
 class SFTTrainCfg(TrainLoopCfg):
@@ -123,7 +161,7 @@ class SFTTrainCfg(TrainLoopCfg):
 class SFTConfig(Cfg):
     """`turborlhf sft`: next-token loss on response tokens only."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to fine-tune")
+    model: ModelCfg = _policy()
     data: SFTDataCfg
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=2e-5))
     train: SFTTrainCfg = Field(default_factory=SFTTrainCfg)
@@ -133,9 +171,9 @@ class SFTConfig(Cfg):
 
 class RMDataCfg(Cfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
-    test_file: Optional[str] = Field(None, description="held-out pairs in the same formats")
-    max_len: int = Field(384, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training pairs (0 = all)")
+    test_file: Optional[str] = _held_out("pairs in the same formats")
+    max_len: int = _max_len(384)
+    max_samples: int = _at_most("training pairs")
 
 
 class RMTrainCfg(TrainLoopCfg):
@@ -159,7 +197,7 @@ class RMConfig(Cfg):
 class PPODataCfg(Cfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
-    max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
+    max_samples: int = _at_most("prompts")
     ptx_file: Optional[str] = Field(None, description="PPO-ptx: SFT data ({prompt, response}, messages or pair "
                                                       "format: trains on chosen) mixed into the actor loss")
     ptx_max_len: int = Field(512, ge=8, description="PPO-ptx: tokens per SFT sequence (prompt cut from the left)")
@@ -364,16 +402,12 @@ class PPOConfig(Cfg):
 # DPO / KTO configs (owned by the DPO/KTO trainers)
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
-from pydantic import model_validator  # noqa: E402  (kept inside this block: the block is edited on its own)
-
-
 class DPODataCfg(Cfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
-    test_file: Optional[str] = Field(None, description="held-out pairs in the same formats (eval/* metrics)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence; chosen and rejected keep the same "
-                                                "(left-cut) prompt")
-    max_samples: int = Field(0, ge=0, description="use at most this many training pairs (0 = all)")
-    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test pairs (0 = all)")
+    test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
+    max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
+    max_samples: int = _at_most("training pairs")
+    max_test_samples: int = _at_most("test pairs", verb="evaluate on")
 
 
 class DPOAlgoCfg(Cfg):
@@ -410,16 +444,14 @@ class DPOTrainCfg(TrainLoopCfg):
 class DPOConfig(Cfg):
     """`turborlhf dpo`: direct preference optimisation (DPO, cDPO, robust DPO, IPO, reference-free)."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
-    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
-                                                       "(its log-probs are computed once, then cached)")
+    model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = _initial_reference()
     data: DPODataCfg
     algo: DPOAlgoCfg = Field(default_factory=DPOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: DPOTrainCfg = Field(default_factory=DPOTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
-    output_dir: str = Field("runs/dpo", description="where checkpoints, metrics, cached reference log-probs "
-                                                    "and the final policy go")
+    output_dir: str = _preference_output_dir("runs/dpo")
 
     @model_validator(mode="after")
     def _check_reference(self):
@@ -431,10 +463,10 @@ class DPOConfig(Cfg):
 class KTODataCfg(Cfg):
     train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
                                              "(each pair = 1 desirable + 1 undesirable example)")
-    test_file: Optional[str] = Field(None, description="held-out examples in the same formats (eval/* metrics)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
-    max_samples: int = Field(0, ge=0, description="use at most this many training examples (0 = all)")
-    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many test examples (0 = all)")
+    test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
+    max_len: int = _max_len()
+    max_samples: int = _at_most("training examples")
+    max_test_samples: int = _at_most("test examples", verb="evaluate on")
 
 
 class KTOAlgoCfg(Cfg):
@@ -452,16 +484,14 @@ class KTOTrainCfg(TrainLoopCfg):
 class KTOConfig(Cfg):
     """`turborlhf kto`: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to optimise (usually an SFT model)")
-    reference: Optional[str] = Field(None, description="reference policy; default = the policy's initial weights "
-                                                       "(its log-probs are computed once, then cached)")
+    model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
+    reference: Optional[str] = _initial_reference()
     data: KTODataCfg
     algo: KTOAlgoCfg = Field(default_factory=KTOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: KTOTrainCfg = Field(default_factory=KTOTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
-    output_dir: str = Field("runs/kto", description="where checkpoints, metrics, cached reference log-probs "
-                                                    "and the final policy go")
+    output_dir: str = _preference_output_dir("runs/kto")
 # <<< dpo-kto configs
 
 # ----------------------------------------------------------------------------------------------
@@ -470,8 +500,8 @@ class KTOConfig(Cfg):
 # >>> rs-csft configs
 class RSDataCfg(Cfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
-    max_samples: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
-    max_len: int = Field(512, ge=8, description="tokens per SFT sequence (prompt cut from the left)")
+    max_samples: int = _at_most("prompts")
+    max_len: int = _max_len(what="SFT sequence")
 
 
 class RSAlgoCfg(Cfg):
@@ -511,8 +541,8 @@ class RejectionSamplingConfig(Cfg):
 class CSFTDataCfg(Cfg):
     train_file: str = Field(..., description="pair-format JSONL or raw HH (chosen AND rejected are used), "
                                              "or SFT JSONL ({prompt, response})")
-    test_file: Optional[str] = Field(None, description="held-out file in the same format (tagged NLL at the end)")
-    max_len: int = Field(512, ge=8, description="tokens per sequence (prompt cut from the left)")
+    test_file: Optional[str] = _held_out(note=" (tagged NLL at the end)")
+    max_len: int = _max_len()
     max_samples: int = Field(0, ge=0, description="use at most this many lines' records (pairs or examples; 0 = all)")
     score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass when scoring")
     policy_samples_per_prompt: int = Field(
@@ -535,7 +565,7 @@ class CSFTTagCfg(Cfg):
 class ConditionalSFTConfig(Cfg):
     """`turborlhf conditional-sft`: SFT on prompts tagged with the RM score bin of their response."""
 
-    model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to fine-tune")
+    model: ModelCfg = _policy()
     reward_model: str = Field(..., description="directory of the reward model that scores the training responses")
     data: CSFTDataCfg
     tags: CSFTTagCfg = Field(default_factory=CSFTTagCfg, description="score → tag mapping and its placement")

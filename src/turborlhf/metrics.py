@@ -45,6 +45,13 @@ class M:
     T_EXPERIENCE = "timing/experience"
     T_TRAIN = "timing/train"
     T_STEP = "timing/step"
+    # preference optimisation (DPO, KTO): implicit rewards β·(logπ - logπ_ref), TRL's names
+    R_CHOSEN = "rewards/chosen"
+    R_REJECTED = "rewards/rejected"
+    R_ACC = "rewards/accuracy"
+    R_MARGIN = "rewards/margin"
+    LOGP_CHOSEN = "logps/chosen"
+    LOGP_REJECTED = "logps/rejected"
 
 
 def format_duration(seconds: float) -> str:

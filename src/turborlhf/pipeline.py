@@ -33,6 +33,27 @@ def _stage_cfg(cls, base: dict, section: dict, name: str):
     return validate_section(cls, tree, name)
 
 
+def stage_configs(cfg: PipelineConfig, model: str) -> dict:
+    """The validated SFT, RM and PPO configs the pipeline runs, with the paths between stages
+    (data files, the SFT model feeding RM and PPO, the RM feeding PPO) filled in; `model` is the
+    base model (path or zoo name). Raises ConfigError naming the stage section."""
+    run_dir = Path(cfg.run_dir)
+    data = run_dir / "data"
+    sft_out = str(run_dir / "sft") if "sft" in cfg.stages else model
+    pairs = {"train_file": str(data / "train_pairs.jsonl"), "test_file": str(data / "test_pairs.jsonl")}
+    return {
+        "sft": _stage_cfg(SFTConfig, {"model": {"name_or_path": model}, "output_dir": str(run_dir / "sft"),
+                                      "data": pairs}, cfg.sft, "sft"),
+        "rm": _stage_cfg(RMConfig, {"model": {"name_or_path": sft_out}, "output_dir": str(run_dir / "rm"),
+                                    "data": pairs}, cfg.rm, "rm"),
+        "ppo": _stage_cfg(PPOConfig, {"actor": {"name_or_path": sft_out}, "reference": sft_out,
+                                      "reward_model": str(run_dir / "rm"), "output_dir": str(run_dir / "ppo"),
+                                      "data": {"prompts_file": str(data / "train_prompts.jsonl"),
+                                               "test_prompts_file": str(data / "test_prompts.jsonl")}},
+                          cfg.ppo, "ppo"),
+    }
+
+
 def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     from turborlhf.models.zoo import resolve_model_path
 
@@ -44,17 +65,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     stage_dirs = {"prepare": data, "sft": run_dir / "sft", "rm": run_dir / "rm", "ppo": run_dir / "ppo",
                   "eval": run_dir / "eval"}
     # validate every stage config before spending minutes on the first one
-    sft_cfg = _stage_cfg(SFTConfig, {"model": {"name_or_path": model}, "output_dir": str(stage_dirs["sft"]),
-                                     "data": {"train_file": str(data / "train_pairs.jsonl"),
-                                              "test_file": str(data / "test_pairs.jsonl")}}, cfg.sft, "sft")
+    stage_cfgs = stage_configs(cfg, model)
+    sft_cfg, rm_cfg, ppo_cfg = stage_cfgs["sft"], stage_cfgs["rm"], stage_cfgs["ppo"]
     sft_out = str(stage_dirs["sft"]) if "sft" in cfg.stages else model
-    rm_cfg = _stage_cfg(RMConfig, {"model": {"name_or_path": sft_out}, "output_dir": str(stage_dirs["rm"]),
-                                   "data": {"train_file": str(data / "train_pairs.jsonl"),
-                                            "test_file": str(data / "test_pairs.jsonl")}}, cfg.rm, "rm")
-    ppo_cfg = _stage_cfg(PPOConfig, {"actor": {"name_or_path": sft_out}, "reference": sft_out,
-                                     "reward_model": str(stage_dirs["rm"]), "output_dir": str(stage_dirs["ppo"]),
-                                     "data": {"prompts_file": str(data / "train_prompts.jsonl"),
-                                              "test_prompts_file": str(data / "test_prompts.jsonl")}}, cfg.ppo, "ppo")
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
     for stage in cfg.stages:

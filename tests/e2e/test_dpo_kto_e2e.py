@@ -16,11 +16,12 @@ LN2 = math.log(2)
 @pytest.fixture
 def counters(monkeypatch):
     """Count reference log-prob computations and model loads inside the DPO/KTO trainers."""
+    import turborlhf.models.load as L
+    import turborlhf.models.reference as R
     import turborlhf.trainers.dpo as D
-    import turborlhf.trainers.kto as K
 
     calls = {"ref": 0, "load": 0}
-    real_ref, real_load = D.compute_reference_logps, D.load_causal_lm
+    real_ref, real_load = R.compute_reference_logps, R.load_causal_lm
 
     def ref(*a, **k):
         calls["ref"] += 1
@@ -30,9 +31,9 @@ def counters(monkeypatch):
         calls["load"] += 1
         return real_load(*a, **k)
 
-    monkeypatch.setattr(D, "compute_reference_logps", ref)
-    monkeypatch.setattr(D, "load_causal_lm", load)
-    monkeypatch.setattr(K, "load_causal_lm", load)
+    monkeypatch.setattr(R, "compute_reference_logps", ref)
+    for module in (L, R, D):  # the trainers' policy loads (load_trainable), the reference, eval-dpo
+        monkeypatch.setattr(module, "load_causal_lm", load)
     return calls
 
 

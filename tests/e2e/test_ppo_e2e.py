@@ -9,15 +9,6 @@ REQUIRED = ["rollout/reward_mean", "rollout/reward_std", "policy/kl", "policy/en
             "rollout/response_length", "timing/generate", "timing/experience", "timing/train"]
 
 
-@pytest.fixture(scope="module")
-def tiny_rm(tiny_model, tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm")
-    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
-            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", "train.max_steps=2",
-            f"output_dir={out}", "log.tensorboard=false")
-    return out
-
-
 def _ppo(tiny_model, tiny_rm, tiny_data, out, *extra):
     run_cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
             f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",

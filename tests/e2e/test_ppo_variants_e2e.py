@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
-from tests.e2e.test_ppo_e2e import tiny_rm  # noqa: F401  (module fixture: a 2-step tiny reward model)
 from turborlhf.cli import main
 from turborlhf.config import PPOAlgoCfg, PPOConfig, load_config
 from turborlhf.trainers.ppo import ADVANTAGE_ESTIMATORS, EmaModel

@@ -9,15 +9,6 @@ import torch
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
 
 
-@pytest.fixture(scope="module")
-def tiny_rm(tiny_model, tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm")
-    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
-            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", "train.max_steps=2",
-            f"output_dir={out}", "log.tensorboard=false")
-    return out
-
-
 def _rows(path):
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 

@@ -5,7 +5,7 @@ Layout of a run directory::
 
     <output_dir>/
       checkpoints/step-000040/      resumable: one HF dir per model + trainer_state.pt
-          actor/  critic/ ...       save_pretrained layout + tokenizer
+          actor/  critic/ ...       save_pretrained layout + tokenizer (LoRA: the adapters only)
           trainer_state.pt          optimizers, schedulers, RNG, step, data position, extra
       checkpoints/latest            text file: name of the newest complete checkpoint
       final/ (or the trainer's own name)  the exported model (HF dir)
@@ -20,9 +20,11 @@ from typing import Any, Optional
 
 import torch
 
-from turborlhf.models.load import merge_lora_for_save
+from turborlhf.engine.train import rng_state, set_rng_state
+from turborlhf.models.load import is_lora, merge_lora_for_save
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text"]
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
+           "trainer_state", "restore"]
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -49,7 +51,15 @@ def _replace_dir(staged: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None) -> None:
+def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None, merge: bool = True) -> None:
+    """save_pretrained + tokenizer. A LoRA model is written merged (a plain HF model), or with
+    ``merge=False`` as its peft adapter directory (adapter_config.json + adapter_model.safetensors,
+    the base named in the config), which is what a resumable checkpoint needs."""
+    if not merge and is_lora(model):
+        model.save_pretrained(out, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        return
     plain = merge_lora_for_save(model)
     if extra_config:
         for k, v in extra_config.items():
@@ -78,8 +88,10 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
 
     Args:
-        models: name → model, each saved as an HF dir (LoRA merged); or name → a callable
-            ``writer(dir)`` that writes that directory itself (a model held by a remote worker).
+        models: name → model, each saved as an HF dir; a LoRA model as its adapter directory
+            (load it with peft's ``AutoPeftModelForCausalLM`` / ``PeftModel.from_pretrained`` on
+            the base named in ``adapter_config.json``; the final export is merged); or name → a
+            callable ``writer(dir)`` that writes that directory itself (a model held by a remote worker).
         state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
         keep: number of complete checkpoints to keep.
     """
@@ -90,7 +102,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     try:
         for mname, model in models.items():
             if isinstance(model, torch.nn.Module) or not callable(model):
-                _write_hf(model, tokenizer, staged / mname)
+                _write_hf(model, tokenizer, staged / mname, merge=False)
             else:
                 model(staged / mname)
         torch.save(state, staged / "trainer_state.pt")
@@ -119,3 +131,24 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
     return torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
+
+
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int) -> dict:
+    """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG and `step`
+    (optimizer steps done); the counterpart of `restore`."""
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "step": step}
+
+
+def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, scheduler, tag: str = "train") -> int:
+    """Load the state written by `trainer_state` from checkpoint directory `ckpt` into `optimizer`
+    and `scheduler`, restore the RNG, and return the step to continue from (0 when `ckpt` is None:
+    a fresh run). Raises FileNotFoundError if `ckpt` has no ``trainer_state.pt``."""
+    if ckpt is None:
+        return 0
+    state = load_trainer_state(ckpt)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    print(f"[{tag}] resumed from {ckpt} at step {state['step']}", flush=True)
+    return state["step"]

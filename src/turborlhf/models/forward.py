@@ -12,15 +12,17 @@ is 0 are 0.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from turborlhf.algo.losses import entropy_from_logits
+from turborlhf.data.tokenize import pad_batch, pad_masks
+from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
 
-__all__ = ["hidden_states", "response_logprobs", "last_token_scores", "token_values", "last_index",
+__all__ = ["hidden_states", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
 
@@ -77,6 +79,37 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         if with_entropy:
             ent_BT[:, 1:][sel] = torch.cat(ents)
     return logp_BT, ent_BT
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoded records ({input_ids, loss_mask}) → summed response log-probs (DPO, KTO, references)
+# ----------------------------------------------------------------------------------------------
+
+def summed_logps(model, pad_id: int, seqs: Sequence[dict], dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward pass over right-padded `seqs` (records with ``input_ids``/``loss_mask``).
+
+    Returns ``(logp_B, logp_BT, mask_BT)``: summed response log-probs (fp32, differentiable when
+    grad is enabled), the per-token log-probs and the 0/1 response mask (B rows, T padded).
+    """
+    ids_BT, attn_BT = pad_batch([s["input_ids"] for s in seqs], pad_id)
+    mask_BT = pad_masks([s["loss_mask"] for s in seqs])
+    with autocast(dtype):
+        logp_BT, _ = response_logprobs(model, ids_BT, attn_BT, mask_BT)
+    return logp_BT.sum(-1), logp_BT, mask_BT
+
+
+@torch.no_grad()
+def sequence_logps(model, pad_id: int, seqs: Sequence[dict], dtype: str, batch_size: int) -> torch.Tensor:
+    """Summed response log-probs ``N`` of `seqs` without grad, in length-sorted batches (order kept)."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(seqs))
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["input_ids"]))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        out[idx] = summed_logps(model, pad_id, [seqs[i] for i in idx], dtype)[0].float()
+    model.train(was_training)
+    return out
 
 
 def last_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:

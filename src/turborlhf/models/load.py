@@ -13,6 +13,8 @@ the saved reward model scores the EOS position exactly as our trainers do.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 from typing import Optional
 
@@ -21,8 +23,9 @@ from torch import nn
 
 from turborlhf.models.zoo import resolve_model_path
 
-__all__ = ["load_tokenizer", "load_causal_lm", "load_scalar_model", "backbone_of",
-           "apply_lora", "merge_lora_for_save"]
+__all__ = ["load_tokenizer", "load_causal_lm", "load_scalar_model", "load_trainable", "backbone_of",
+           "apply_lora", "is_lora", "merge_lora_for_save", "merged_named_parameters", "adapters_disabled",
+           "quantization_config_4bit"]
 
 
 def load_tokenizer(name_or_path: str):
@@ -48,24 +51,73 @@ def _sync_special_ids(model, tok) -> None:
         model.generation_config.pad_token_id = tok.pad_token_id
 
 
-def load_causal_lm(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
-                   dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Causal LM in `dtype` (fp32 master weights by default), train mode off (call .train())."""
-    from transformers import AutoModelForCausalLM
+def quantization_config_4bit():
+    """`transformers.BitsAndBytesConfig` of QLoRA (Dettmers et al. 2023): NF4 weights, double
+    quantisation of the block constants, bf16 compute. Raises RuntimeError when this machine cannot
+    run it (no CUDA device, or bitsandbytes not installed): bitsandbytes' 4-bit kernels are CUDA
+    only in the versions documented for transformers' `load_in_4bit`."""
+    import importlib.util
 
-    path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("no CUDA device is visible (torch.cuda.is_available() is False)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("bitsandbytes is not installed (pip install 'turborlhf[qlora]')")
+    if problems:
+        raise RuntimeError("model.load_in_4bit (QLoRA) needs a CUDA GPU with bitsandbytes: " + "; ".join(problems)
+                           + ". Use LoRA without load_in_4bit on this machine.")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant torch checkpoint):
+    transformers' ``activation_checkpointing_enable`` (5.x), or its older name
+    ``gradient_checkpointing_enable``."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: bool, dtype: torch.dtype,
+                     load_in_4bit: bool = False, **kw) -> nn.Module:
+    """`auto_cls.from_pretrained` plus the conventions of this module (special ids, no dropout,
+    trainable padding row, gradient checkpointing); 4-bit NF4 weights on the current CUDA device
+    with `load_in_4bit` (then prepared for k-bit training with peft)."""
+    if load_in_4bit:
+        kw.update(quantization_config=quantization_config_4bit(), device_map={"": torch.cuda.current_device()})
+    model = auto_cls.from_pretrained(path, dtype=dtype, **kw)
     _sync_special_ids(model, tokenizer)
     _disable_dropout(model)
     _unfreeze_padding_row(model)
+    if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        enable_checkpointing(model)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 
 
+def load_causal_lm(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
+                   dtype: torch.dtype = torch.float32, load_in_4bit: bool = False) -> nn.Module:
+    """Causal LM in `dtype` (fp32 master weights by default), train mode off (call .train()).
+    `load_in_4bit`: NF4 weights on the GPU (QLoRA; see `quantization_config_4bit`)."""
+    from transformers import AutoModelForCausalLM
+
+    return _from_pretrained(AutoModelForCausalLM, resolve_model_path(name_or_path), tokenizer,
+                            gradient_checkpointing, dtype, load_in_4bit)
+
+
 def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
-                      dtype: torch.dtype = torch.float32) -> nn.Module:
+                      dtype: torch.dtype = torch.float32, load_in_4bit: bool = False) -> nn.Module:
     """`AutoModelForSequenceClassification(num_labels=1)`: a reward model or critic.
 
     From a causal-LM directory the head is new; from a saved reward model it is reloaded.
@@ -75,20 +127,49 @@ def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing:
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    path = resolve_model_path(name_or_path)
     prev = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)  # "newly initialized: score.weight" is expected here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        return _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(name_or_path), tokenizer,
+                                gradient_checkpointing, dtype, load_in_4bit, num_labels=1)
     finally:
         hf_logging.set_verbosity(prev)
-    _sync_special_ids(model, tokenizer)
-    _disable_dropout(model)
-    _unfreeze_padding_row(model)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    return model
+
+
+def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
+                   ckpt_dir: Optional[str | os.PathLike] = None) -> nn.Module:
+    """A model to train, built as `model_cfg` (`turborlhf.config.ModelCfg`) says, in train mode.
+
+    Args:
+        kind: ``"causal"`` (policy/actor) or ``"scalar"`` (reward model / critic, scalar head).
+        model_cfg: gives ``lora`` (rank 0 = full fine-tuning), ``load_in_4bit`` (QLoRA) and
+            ``gradient_checkpointing``.
+        tokenizer: its pad id is written into the model config.
+        init: where the weights start (default ``model_cfg.name_or_path``).
+        ckpt_dir: a checkpoint's model directory when resuming.
+
+    Full fine-tuning loads the checkpoint's weights when resuming, else `init`. With LoRA the
+    frozen base always comes from `init` (fp32, or NF4 with ``load_in_4bit``) and the adapters
+    are new (`apply_lora`) or the checkpoint's (peft adapter directory, see `save_for_resume`).
+    Raises ValueError for an unknown `kind`, RuntimeError for QLoRA on a machine without CUDA or
+    bitsandbytes.
+    """
+    loaders = {"causal": load_causal_lm, "scalar": load_scalar_model}
+    if kind not in loaders:
+        raise ValueError(f"kind must be one of {sorted(loaders)}, got {kind!r}")
+    init = init or model_cfg.name_or_path
+    lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
+    src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
+    model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
+                          load_in_4bit=model_cfg.load_in_4bit)
+    if lora is not None:
+        if ckpt_dir is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(ckpt_dir), is_trainable=True)
+        else:
+            model = apply_lora(model, lora)
+    return model.train()
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -119,8 +200,14 @@ def _disable_dropout(model: nn.Module) -> None:
             setattr(model.config, k, 0.0)
 
 
+def is_lora(model: nn.Module) -> bool:
+    """True for a peft-wrapped model (LoRA adapters)."""
+    return hasattr(model, "get_base_model") and hasattr(model, "disable_adapter")
+
+
 def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
-    """Wrap with peft LoRA adapters when `lora_cfg.rank > 0` (else return model unchanged)."""
+    """Wrap with peft LoRA adapters when `lora_cfg.rank > 0` (else return model unchanged).
+    Only the adapters (and a scalar model's ``score`` head, via ``modules_to_save``) train."""
     if not lora_cfg or lora_cfg.rank <= 0:
         return model
     from peft import LoraConfig, get_peft_model
@@ -133,12 +220,90 @@ def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
 
 
 def merge_lora_for_save(model: nn.Module) -> nn.Module:
-    """A plain HF model with adapters merged (a copy; the training model keeps its adapters)."""
-    if not hasattr(model, "merge_and_unload"):
-        return model
-    import copy
+    """A plain HF model with adapters merged; the training model keeps its adapters.
 
-    return copy.deepcopy(model).merge_and_unload()
+    The merged model is built on the meta device and takes the tensors of
+    `merged_named_parameters` (plus the base's buffers): only the adapted weights are new
+    tensors, the rest is shared with `model`, so no second full copy is made. Returns `model`
+    itself when it has no adapters.
+    """
+    if not is_lora(model):
+        return model
+    base = model.get_base_model()
+    with torch.device("meta"):
+        plain = type(base)(copy.deepcopy(base.config))
+    plain.load_state_dict(dict(merged_named_parameters(model)), strict=False, assign=True)
+    for name, buf in _plain_buffers(model).items():
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buf
+    if getattr(plain.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"merging LoRA left tensors unset: {left[:5]}")
+    if getattr(base, "generation_config", None) is not None:
+        plain.generation_config = copy.deepcopy(base.generation_config)
+    return plain.eval()
+
+
+def _lora_layout(model: nn.Module):
+    """(base model, adapter name, LoraLayer class, ModulesToSaveWrapper class) of a peft model."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return model.get_base_model(), model.active_adapter, LoraLayer, ModulesToSaveWrapper
+
+
+def merged_named_parameters(model: nn.Module):
+    """(plain HF name, tensor) of every parameter with the LoRA adapters merged,
+    ``W + scaling·B·A`` (peft's `get_delta_weight`), computed module by module without copying
+    the model: what a rollout engine or an export needs. A model without adapters yields its own
+    ``named_parameters()``. Tensors of non-adapted parameters are the model's own (no grad)."""
+    if not is_lora(model):
+        yield from model.named_parameters()
+        return
+    base, adapter, LoraLayer, Wrapper = _lora_layout(model)
+    skip: list[str] = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for mname, module in base.named_modules():
+            if any(mname.startswith(p) for p in skip):
+                continue
+            pre = f"{mname}." if mname else ""
+            if isinstance(module, LoraLayer):
+                skip.append(pre)
+                layer = module.get_base_layer()
+                w = layer.weight
+                if adapter in getattr(module, "lora_A", {}) and adapter not in module.merged_adapters:
+                    w = w + module.get_delta_weight(adapter).to(w.dtype)
+                yield pre + "weight", w.detach()
+                if getattr(layer, "bias", None) is not None:
+                    yield pre + "bias", layer.bias.detach()
+            elif isinstance(module, Wrapper):
+                skip.append(pre)
+                active = module.modules_to_save[adapter] if adapter in module.modules_to_save else module.original_module
+                for n, p in active.named_parameters():
+                    yield pre + n, p.detach()
+            else:
+                for n, p in module.named_parameters(recurse=False):
+                    if id(p) not in seen:                       # tied weights: the first name only
+                        seen.add(id(p))
+                        yield pre + n, p.detach()
+
+
+def _plain_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    base, adapter, LoraLayer, Wrapper = _lora_layout(model)
+    out = {}
+    for name, buf in base.named_buffers():
+        out[name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+            .replace(".original_module.", ".")] = buf
+    return out
+
+
+def adapters_disabled(model: nn.Module):
+    """Context manager: `model` with its LoRA adapters switched off (peft ``disable_adapter``),
+    i.e. the frozen base it started from; a no-op for a model without adapters."""
+    return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
 
 
 def env_threads(n: int = 0) -> int:

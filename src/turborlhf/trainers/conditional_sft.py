@@ -32,15 +32,13 @@ import torch
 from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
-from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
-                                    set_rng_state, set_threads)
-from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer
+from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
+from turborlhf.engine.run import plan_steps, print_batch_table, setup_run
+from turborlhf.engine.train import seed_everything, set_threads
+from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
 from turborlhf.rewards.model import score_texts
 from turborlhf.trainers.rejection_sampling import encode_samples
-from turborlhf.trainers.sft import evaluate_nll, sft_loss_on_batch
+from turborlhf.trainers.sft import fit
 
 __all__ = ["train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
            "load_tag_info", "load_examples", "sample_policy_examples", "evaluate_conditional", "TAG_FILE"]
@@ -312,10 +310,7 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples (data responses, optionally the policy's own samples), their scores on the
     #    untagged prompts and their bins: computed once, reused on resume
@@ -334,54 +329,9 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     print_batch_table("csft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
                                ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
 
-    # 5. optimizer, schedule, resume state
-    optim = make_optimizer(model, cfg.optim)
-    sched = make_scheduler(optim, cfg.optim, len(plan))
-    start = 0
-    if ckpt:
-        state = load_trainer_state(ckpt)
-        optim.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"[csft] resumed from {ckpt} at step {start}", flush=True)
-    log = MetricsLogger(out, "csft", len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
-                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
-
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, {
-            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
-            keep=T.keep_checkpoints)
-
-    # 6. training loop (as `turborlhf sft`): micro-batches share the step's token count
-    for step in range(start, len(plan)):
-        t0 = time.perf_counter()
-        batch = [train_enc[i] for i in plan[step]]
-        num_tokens = sum(sum(e["loss_mask"]) for e in batch)
-        step_loss = 0.0
-        for s in range(0, len(batch), T.micro_batch_size):
-            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
-            loss.backward()
-            step_loss += float(loss.detach())
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(e["input_ids"]) for e in batch)
-        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        done = step + 1
-        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
-            metrics[M.EVAL_LOSS] = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
-
-    # 7. final tagged NLL, resumable checkpoint, exported HF model (+ the tag mapping beside it)
-    if test_enc:
-        log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)})
-    checkpoint(len(plan))
-    export_model(model, tok, out)
-    log.close()
+    # 5-7. the SFT loop of `turborlhf sft` (micro-batches share the step's token count; resumable
+    #      checkpoints; final tagged NLL; exported HF model, the tag mapping beside it)
+    fit(cfg, model, tok, train_enc, test_enc, plan, out, ckpt, "csft")
     print(f"[csft] saved policy and {TAG_FILE} to {out}", flush=True)
     return out
 

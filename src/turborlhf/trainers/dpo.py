@@ -36,14 +36,10 @@ Implementation details (docs/algorithms/dpo.md has the equations and the peer co
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import gc
-import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -53,31 +49,26 @@ import torch
 from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.data.tokenize import encode_prompt_response, pad_batch, pad_masks
-from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.data.tokenize import encode_prompt_response
+from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (autocast, clip_and_step, count_parameters, make_optimizer, make_scheduler,
-                                    rng_state, seed_everything, set_rng_state, set_threads)
+from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
+                                    seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.forward import response_logprobs
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
-from turborlhf.models.zoo import resolve_model_path
+from turborlhf.models.forward import sequence_logps, summed_logps
+from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
+from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "eval_dpo", "eval_dpo_main", "encode_pair", "summed_logps", "sequence_logps",
-           "reference_logps", "compute_reference_logps", "REF_CACHE"]
+__all__ = ["train", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
 
 # config name → turborlhf.algo.DPO_VARIANTS key (one explicit table, no if/elif ladder)
 LOSS_VARIANTS = {"dpo": "sigmoid", "cdpo": "cdpo", "robust": "robust", "ipo": "ipo"}
 
-# DPO/KTO metric names (TRL's, singular); shared names come from turborlhf.metrics.M
-R_CHOSEN, R_REJECTED, R_ACC, R_MARGIN = "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"
-LOGP_CHOSEN, LOGP_REJECTED, NLL = "logps/chosen", "logps/rejected", "train/nll"
-
-REF_CACHE = "ref_logps.pt"
+NLL = "train/nll"
 
 
 # ----------------------------------------------------------------------------------------------
-# Encoding and log-probs (shared with turborlhf.trainers.kto)
+# Encoding
 # ----------------------------------------------------------------------------------------------
 
 def _cut_prompt(enc: dict, k: int) -> dict:
@@ -99,98 +90,6 @@ def encode_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_len: int
     r = encode_prompt_response(tokenizer, prompt, rejected, max_len)
     p = min(c["prompt_len"], r["prompt_len"])
     return {"chosen": _cut_prompt(c, c["prompt_len"] - p), "rejected": _cut_prompt(r, r["prompt_len"] - p)}
-
-
-def summed_logps(model, pad_id: int, seqs: Sequence[dict], dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One forward pass over right-padded `seqs` (records with ``input_ids``/``loss_mask``).
-
-    Returns ``(logp_B, logp_BT, mask_BT)``: summed response log-probs (fp32, differentiable when
-    grad is enabled), the per-token log-probs and the 0/1 response mask (B rows, T padded).
-    """
-    ids_BT, attn_BT = pad_batch([s["input_ids"] for s in seqs], pad_id)
-    mask_BT = pad_masks([s["loss_mask"] for s in seqs])
-    with autocast(dtype):
-        logp_BT, _ = response_logprobs(model, ids_BT, attn_BT, mask_BT)
-    return logp_BT.sum(-1), logp_BT, mask_BT
-
-
-@torch.no_grad()
-def sequence_logps(model, pad_id: int, seqs: Sequence[dict], dtype: str, batch_size: int) -> torch.Tensor:
-    """Summed response log-probs ``N`` of `seqs` without grad, in length-sorted batches (order kept)."""
-    was_training = model.training
-    model.eval()
-    out = torch.zeros(len(seqs))
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["input_ids"]))
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        out[idx] = summed_logps(model, pad_id, [seqs[i] for i in idx], dtype)[0].float()
-    model.train(was_training)
-    return out
-
-
-def _fingerprint(reference: str, dtype: str, seq_sets: dict[str, Sequence[dict]]) -> str:
-    """sha256 over the reference weights' identity, the compute dtype and every token id/mask."""
-    h = hashlib.sha256()
-    path = Path(resolve_model_path(reference))
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) if path.is_dir() else []
-    ident = [str(path.resolve()), dtype] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    h.update(json.dumps(ident).encode())
-    for name in sorted(seq_sets):
-        h.update(f"|{name}:{len(seq_sets[name])}".encode())
-        for s in seq_sets[name]:
-            h.update(array.array("q", s["input_ids"]).tobytes())
-            h.update(array.array("b", s["loss_mask"]).tobytes())
-    return h.hexdigest()
-
-
-def compute_reference_logps(model, pad_id: int, seq_sets: dict[str, Sequence[dict]], dtype: str,
-                            batch_size: int) -> dict[str, torch.Tensor]:
-    """Summed reference log-probs of every named set of sequences (no grad). Tests count calls."""
-    return {name: sequence_logps(model, pad_id, seqs, dtype, batch_size) for name, seqs in seq_sets.items()}
-
-
-def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Sequence[dict]], dtype: str,
-                    batch_size: int, initial_policy=None, tag: str = "dpo") -> dict[str, torch.Tensor]:
-    """Reference log-probs for `seq_sets`, computed once and cached in ``<out>/ref_logps.pt``.
-
-    Args:
-        out: run directory.
-        reference: reference model (HF dir or zoo name); part of the cache fingerprint.
-        tokenizer: gives the pad id.
-        seq_sets: name → encoded sequences (``input_ids``/``loss_mask``).
-        dtype: compute dtype (``bf16`` autocast or ``fp32``), as the policy's.
-        batch_size: sequences per no-grad forward.
-        initial_policy: the untrained policy when it *is* the reference: it computes the
-            log-probs itself (no second model). Otherwise the reference is loaded (fp32 weights,
-            same autocast as the policy), used, and freed.
-        tag: prefix of log lines.
-
-    Returns:
-        name → ``N`` fp32 tensor, in the order of ``seq_sets[name]``.
-    """
-    t0 = time.perf_counter()
-    key = _fingerprint(reference, dtype, seq_sets)
-    path = out / REF_CACHE
-    if path.exists():
-        blob = torch.load(path, weights_only=False)
-        if blob.get("key") == key:
-            print(f"[{tag}] reference log-probs loaded from {path}", flush=True)
-            return blob["logps"]
-        print(f"[{tag}] {path} belongs to other data or another reference; recomputing", flush=True)
-    n = sum(len(v) for v in seq_sets.values())
-    if initial_policy is not None:
-        logps = compute_reference_logps(initial_policy, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
-    else:
-        ref = load_causal_lm(reference, tokenizer).eval().requires_grad_(False)
-        logps = compute_reference_logps(ref, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
-        del ref
-        gc.collect()
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{REF_CACHE}.")
-    os.close(fd)
-    torch.save({"key": key, "reference": reference, "dtype": dtype, "logps": logps}, tmp)
-    os.replace(tmp, path)
-    print(f"[{tag}] reference log-probs of {n} sequences in {time.perf_counter() - t0:.1f}s → {path}", flush=True)
-    return logps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,8 +153,8 @@ def evaluate(model, tokenizer, pairs: Sequence[dict], ref: dict[str, torch.Tenso
 
 
 def _eval_metrics(ev: dict) -> dict:
-    return {M.EVAL_LOSS: ev["loss"], M.EVAL_ACC: ev["accuracy"], "eval/" + R_MARGIN: ev["margin"],
-            "eval/" + R_CHOSEN: ev["chosen_reward_mean"], "eval/" + R_REJECTED: ev["rejected_reward_mean"]}
+    return {M.EVAL_LOSS: ev["loss"], M.EVAL_ACC: ev["accuracy"], "eval/" + M.R_MARGIN: ev["margin"],
+            "eval/" + M.R_CHOSEN: ev["chosen_reward_mean"], "eval/" + M.R_REJECTED: ev["rejected_reward_mean"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,8 +171,7 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. pairs → token ids (shared prompt truncation); deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok)
@@ -295,10 +193,8 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
         ref = {k: torch.zeros(len(v)) for k, v in sets.items()}
     else:
         reference = cfg.reference or cfg.model.name_or_path
-        reuse = model if (reference == cfg.model.name_or_path and ckpt is None) else None
+        reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
         ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "dpo")
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
     print_batch_table("dpo", [("pairs", len(train_enc)), ("test_pairs", len(test_enc)),
                               ("pairs_per_step", T.pairs_per_step),
                               ("micro_batch_size (pairs)", T.micro_batch_size),
@@ -309,22 +205,13 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     # 5. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    start = 0
-    if ckpt:
-        state = load_trainer_state(ckpt)
-        optim.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"[dpo] resumed from {ckpt} at step {start}", flush=True)
-    log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, R_ACC, R_MARGIN, M.EVAL_ACC, M.LR),
+    start = restore(ckpt, optim, sched, "dpo")
+    log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, M.R_ACC, M.R_MARGIN, M.EVAL_ACC, M.LR),
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, {
-            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
-            keep=T.keep_checkpoints)
+        save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
 
     # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count
     for step in range(start, len(plan)):
@@ -343,10 +230,10 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
         gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
         dt = time.perf_counter() - t0
         n_tok = sum(len(train_enc[i]["chosen"]["input_ids"]) + len(train_enc[i]["rejected"]["input_ids"]) for i in idx)
-        metrics = {M.LOSS: sums["loss"] / n_pairs, R_CHOSEN: sums["chosen"] / n_pairs,
-                   R_REJECTED: sums["rejected"] / n_pairs, R_ACC: sums["correct"] / n_pairs,
-                   R_MARGIN: (sums["chosen"] - sums["rejected"]) / n_pairs, LOGP_CHOSEN: sums["logp_c"] / n_pairs,
-                   LOGP_REJECTED: sums["logp_r"] / n_pairs, M.LR: lr, M.GRAD_NORM: gnorm,
+        metrics = {M.LOSS: sums["loss"] / n_pairs, M.R_CHOSEN: sums["chosen"] / n_pairs,
+                   M.R_REJECTED: sums["rejected"] / n_pairs, M.R_ACC: sums["correct"] / n_pairs,
+                   M.R_MARGIN: (sums["chosen"] - sums["rejected"]) / n_pairs, M.LOGP_CHOSEN: sums["logp_c"] / n_pairs,
+                   M.LOGP_REJECTED: sums["logp_r"] / n_pairs, M.LR: lr, M.GRAD_NORM: gnorm,
                    M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
         if "nll" in sums:
             metrics[NLL] = sums["nll"] / n_pairs

@@ -38,15 +38,14 @@ from turborlhf.algo import kto_kl_estimate, kto_loss, reduce_seq_loss
 from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
-from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler, rng_state,
-                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
+                                    seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
-# shared with DPO: encoding/log-prob helpers and the once-only reference cache
-from turborlhf.trainers.dpo import (LOGP_CHOSEN, LOGP_REJECTED, R_CHOSEN, R_MARGIN, R_REJECTED, reference_logps,
-                                    sequence_logps, summed_logps)
+from turborlhf.models.forward import sequence_logps, summed_logps
+from turborlhf.models.load import load_tokenizer, load_trainable
+from turborlhf.models.reference import reference_logps, reuses_policy
 
 __all__ = ["train", "mismatch_sources", "check_weights"]
 
@@ -107,13 +106,13 @@ def _summary(sums: dict, n: int, prefix: str = "") -> dict:
     """Per-step (or per-eval) means; reward/logp means over the examples of each label (TRL)."""
     out = {f"{prefix}loss" if prefix else M.LOSS: sums["loss"] / n}
     if sums["n_chosen"]:
-        out[prefix + R_CHOSEN] = sums["chosen"] / sums["n_chosen"]
-        out[prefix + LOGP_CHOSEN] = sums["logp_c"] / sums["n_chosen"]
+        out[prefix + M.R_CHOSEN] = sums["chosen"] / sums["n_chosen"]
+        out[prefix + M.LOGP_CHOSEN] = sums["logp_c"] / sums["n_chosen"]
     if sums["n_rejected"]:
-        out[prefix + R_REJECTED] = sums["rejected"] / sums["n_rejected"]
-        out[prefix + LOGP_REJECTED] = sums["logp_r"] / sums["n_rejected"]
+        out[prefix + M.R_REJECTED] = sums["rejected"] / sums["n_rejected"]
+        out[prefix + M.LOGP_REJECTED] = sums["logp_r"] / sums["n_rejected"]
     if sums["n_chosen"] and sums["n_rejected"]:
-        out[prefix + R_MARGIN] = out[prefix + R_CHOSEN] - out[prefix + R_REJECTED]
+        out[prefix + M.R_MARGIN] = out[prefix + M.R_CHOSEN] - out[prefix + M.R_REJECTED]
     return out
 
 
@@ -144,8 +143,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples → token ids; deterministic plan; each step's mismatched (KL) pairs
     rows = load_kto(cfg.data.train_file, tok)
@@ -172,10 +170,8 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
         offsets.append(offsets[-1] + len(kl))
     sets = {"train": train_enc, "train_kl": [s for kl in step_kl for s in kl], "test": test_enc, "test_kl": test_kl}
     reference = cfg.reference or cfg.model.name_or_path
-    reuse = model if (reference == cfg.model.name_or_path and ckpt is None) else None
+    reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
     ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "kto")
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
     print_batch_table("kto", [("examples", len(train_enc)), ("desirable", n_des), ("undesirable", len(rows) - n_des),
                               ("test_examples", len(test_enc)), ("examples_per_step", T.examples_per_step),
                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan)),
@@ -184,21 +180,12 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     # 5. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    start = 0
-    if ckpt:
-        state = load_trainer_state(ckpt)
-        optim.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"[kto] resumed from {ckpt} at step {start}", flush=True)
-    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, R_MARGIN, M.LR), tensorboard=cfg.log.tensorboard,
+    start = restore(ckpt, optim, sched, "kto")
+    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), tensorboard=cfg.log.tensorboard,
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, {
-            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
-            keep=T.keep_checkpoints)
+        save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
 
     # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step
     for step in range(start, len(plan)):

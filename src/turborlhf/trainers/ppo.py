@@ -308,7 +308,11 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
     rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
     old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P)
-    ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P) if cluster.get("reference") else None
+    ref = None
+    if cluster.get("reference"):
+        ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
+    elif cfg.algo.needs_reference and lora_reference(cfg):
+        ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
     val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R) if cluster.get("critic") else None
     rew = _submit_rows(cluster["reward"], "score", B, mb,
                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
@@ -452,6 +456,14 @@ def ptx_step(actor: torch.nn.Module, tok, cfg: PPOConfig, batch: list[dict], n_t
 # Setup and the loop
 # ----------------------------------------------------------------------------------------------
 
+def lora_reference(cfg: PPOConfig) -> bool:
+    """With a LoRA actor whose reference is its own starting model, the reference is the actor with
+    its adapters disabled (`ActorWorker.ref_logprobs`): no reference worker, no second copy."""
+    from turborlhf.models.reference import same_model
+
+    return cfg.actor.lora.rank > 0 and same_model(cfg.reference or cfg.actor.name_or_path, cfg.actor.name_or_path)
+
+
 def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1):
     """Place the roles (`turborlhf.distributed.placement.launch`): actor (trainable); critic
     (trainable, gae only, from the RM by default); reward sources; reference (frozen, only when a
@@ -465,7 +477,7 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1):
     if A.needs_critic:
         specs["critic"] = RoleSpec(W.CriticWorker, (cfg, c, total_updates, threads))
     specs["reward"] = RoleSpec(W.RewardWorker, (cfg, threads))
-    if A.needs_reference:
+    if A.needs_reference and not lora_reference(cfg):
         specs["reference"] = RoleSpec(W.ReferenceWorker, (cfg, threads))
     specs["rollout"] = RoleSpec(W.RolloutWorker, (cfg, c, threads))
     return launch(cfg.distributed, specs, threads=threads)
@@ -557,7 +569,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                               ("num_mini_batches", A.num_mini_batches), ("ppo_epochs", A.ppo_epochs),
                               ("micro_batch_size", cfg.train.micro_batch_size), ("ppo_steps", len(plan)),
                               ("advantage_estimator", A.advantage_estimator), ("critic", cluster.get("critic") is not None),
-                              ("reference", cluster.get("reference") is not None),
+                              ("reference", "actor, adapters off (LoRA)" if A.needs_reference and lora_reference(cfg)
+                               else cluster.get("reference") is not None),
                               ("reward sources", ", ".join(f"{n}×{w:g}" for n, w in cluster["reward"].run("sources")[0])),
                               ("ptx examples", info["ptx_examples"]),
                               ("rollout_engine", cluster["rollout"].run("engine_name")[0]),
@@ -576,6 +589,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         set_rng_state(st["rng"])
         gen.set_state(st["gen"])
         start = st["step"]
+        if (ckpt / "actor" / "adapter_config.json").exists():
+            sync_weights(cluster)       # the engines started from the base: push the merged LoRA actor
         print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)

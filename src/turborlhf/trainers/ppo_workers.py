@@ -134,7 +134,7 @@ class ActorWorker(_Trainable):
 
     def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
         from turborlhf.data.loaders import load_sft
-        from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
+        from turborlhf.models.load import load_tokenizer, load_trainable
         from turborlhf.trainers.ppo import EmaModel, PtxStream
         from turborlhf.trainers.sft import encode_examples
 
@@ -142,9 +142,9 @@ class ActorWorker(_Trainable):
         A = cfg.algo
         self.cfg, self.device = cfg, _device(cfg)
         self.tok = load_tokenizer(cfg.actor.name_or_path)
-        path = str(Path(ckpt) / "actor") if ckpt else cfg.actor.name_or_path
-        model = load_causal_lm(path, self.tok, gradient_checkpointing=cfg.actor.gradient_checkpointing)
-        self.model = self._wrap(apply_lora(model, cfg.actor.lora))
+        # LoRA / QLoRA / gradient checkpointing as cfg.actor says; resumes from the checkpoint's actor
+        self.model = self._wrap(load_trainable("causal", cfg.actor, self.tok,
+                                               ckpt_dir=Path(ckpt) / "actor" if ckpt else None))
         if A.ema_beta is not None and is_fsdp(self.model):
             raise ValueError("algo.ema_beta with distributed.dp_strategy=fsdp is not supported; use ddp")
         self.opt = make_optimizer(self.model, cfg.optim)
@@ -177,6 +177,15 @@ class ActorWorker(_Trainable):
         with autocast(self.cfg.actor.dtype):
             return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
                                                      target[s])[0][:, P:].cpu(), B, self.cfg.train.micro_batch_size)
+
+    @torch.no_grad()
+    def ref_logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
+        """Reference log-probs ``B×R`` from the LoRA actor with its adapters disabled (the frozen base
+        is the initial policy): PPO's reference without a second copy of the model."""
+        from turborlhf.models.reference import LoraReference, reference_view
+
+        with reference_view(LoraReference(self.model)):
+            return self.logprobs(ids_BT, attn_BT, mask_BR, P)
 
     def train(self, exp, schedule: list, kl_coef: float) -> tuple[dict, int]:
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
@@ -212,7 +221,9 @@ class ActorWorker(_Trainable):
             return sd if dp_rank_world()[0] == 0 else None
         if dp_rank_world()[0] != 0:
             return None
-        return {n: p.detach().cpu() for n, p in self.model.named_parameters()}
+        from turborlhf.models.load import merged_named_parameters
+
+        return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # LoRA merged
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
@@ -221,7 +232,7 @@ class ActorWorker(_Trainable):
         model, opt_state = self._savable(), self._optim_state(self.opt)
         if dp_rank_world()[0] != 0:
             return
-        _write_hf(model, self.tok, Path(out_dir))
+        _write_hf(model, self.tok, Path(out_dir), merge=False)     # LoRA: the adapter directory
         torch.save({"opt": opt_state, "sched": self.sched.state_dict(),
                     "ema": self.ema.state_dict() if self.ema else None, "ptx_pos": self.ptx.pos if self.ptx else 0},
                    Path(out_dir) / STATE_FILE)
@@ -246,15 +257,15 @@ class CriticWorker(_Trainable):
     """The value model (gae only) and its optimizer; initialised from `cfg.critic_init`."""
 
     def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
-        from turborlhf.models.load import apply_lora, load_scalar_model, load_tokenizer
+        from turborlhf.config import ModelCfg
+        from turborlhf.models.load import load_tokenizer, load_trainable
 
         _setup(cfg, threads)
         self.cfg, self.device = cfg, _device(cfg)
         self.tok = load_tokenizer(cfg.actor.name_or_path)
-        model = load_scalar_model(str(Path(ckpt) / "critic") if ckpt else cfg.critic_init, self.tok,
-                                  gradient_checkpointing=bool(cfg.critic and cfg.critic.gradient_checkpointing))
-        model = apply_lora(model, cfg.critic.lora) if cfg.critic else model
-        self.model = self._wrap(model)
+        # without a critic section: full fine-tuning of the critic_init model, no checkpointing
+        self.model = self._wrap(load_trainable("scalar", cfg.critic or ModelCfg(name_or_path=cfg.critic_init), self.tok,
+                                               init=cfg.critic_init, ckpt_dir=Path(ckpt) / "critic" if ckpt else None))
         self.opt = make_optimizer(self.model, cfg.optim, lr=cfg.algo.critic_lr)
         self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
         if ckpt:
@@ -288,7 +299,7 @@ class CriticWorker(_Trainable):
         model, opt_state = self._savable(), self._optim_state(self.opt)
         if dp_rank_world()[0] != 0:
             return
-        _write_hf(model, self.tok, Path(out_dir))
+        _write_hf(model, self.tok, Path(out_dir), merge=False)     # LoRA: the adapter directory
         torch.save({"opt": opt_state, "sched": self.sched.state_dict()}, Path(out_dir) / STATE_FILE)
 
 
@@ -389,7 +400,10 @@ class RolloutWorker:
     def __init__(self, cfg, ckpt: Optional[str], threads: int = 0) -> None:
         _setup(cfg, threads)
         self.cfg = cfg
-        self.path = str(Path(ckpt) / "actor") if ckpt else cfg.actor.name_or_path
+        # a LoRA checkpoint holds only adapters: start from the base; the driver pushes the merged
+        # weights right after a resume
+        lora_ckpt = ckpt and (Path(ckpt) / "actor" / "adapter_config.json").exists()
+        self.path = str(Path(ckpt) / "actor") if ckpt and not lora_ckpt else cfg.actor.name_or_path
         self.engine = self._build()
 
     def _build(self):

@@ -44,11 +44,12 @@ from turborlhf.engine.run import export_model, plan_steps, print_batch_table, se
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model, load_tokenizer, merge_lora_for_save
+from turborlhf.models.load import (load_scalar_model, load_tokenizer, load_trainable, merge_lora_for_save,
+                                   merged_named_parameters)
 from turborlhf.rewards.model import score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.sft import sft_loss_on_batch
+from turborlhf.trainers.sft import sft_step
 
 __all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows"]
 
@@ -124,12 +125,7 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
     lr = sched.get_last_lr()[0]
     for step, idx in enumerate(plan):
         batch = [enc[i] for i in idx]
-        num_tokens = max(1, sum(sum(e["loss_mask"]) for e in batch))
-        step_loss = 0.0
-        for s in range(0, len(batch), T.micro_batch_size):
-            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
-            loss.backward()
-            step_loss += float(loss.detach())
+        step_loss = sft_step(model, tok, batch, T.micro_batch_size, cfg.model.dtype)
         lr = sched.get_last_lr()[0]
         gnorms.append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
         losses.append(step_loss)
@@ -214,9 +210,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
 
     # 2. policy (from the last finished round when resuming), frozen reward model, rollout engine
     tok = load_tokenizer(cfg.model.name_or_path)
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
-    model = apply_lora(model, cfg.model.lora)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
     rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
@@ -282,7 +276,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
         t_train = time.perf_counter() - t0
         # 4.5 weight sync, metrics, checkpoint
         if train_rows:
-            engine.load_weights(merge_lora_for_save(model).named_parameters())
+            engine.load_weights(merged_named_parameters(model))
         metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
                         M.T_STEP: time.perf_counter() - t_round})
         atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))

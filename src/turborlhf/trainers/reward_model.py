@@ -19,12 +19,12 @@ import torch
 from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler, rng_state,
-                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
+                                    seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import apply_lora, backbone_of, load_scalar_model, load_tokenizer
+from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
 __all__ = ["train", "evaluate_pairs"]
@@ -59,12 +59,9 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     # 2. tokenizer and scalar model (new head on a causal LM, or a saved RM to continue)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_scalar_model(str(ckpt / "reward_model") if ckpt else cfg.model.name_or_path, tok,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+    model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
     if T.freeze_embeddings:
         backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
 
     # 3. pairs → token ids; deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok)
@@ -81,21 +78,12 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     # 4. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    start = 0
-    if ckpt:
-        state = load_trainer_state(ckpt)
-        optim.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"[rm] resumed from {ckpt} at step {start}", flush=True)
+    start = restore(ckpt, optim, sched, "rm")
     log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), tensorboard=cfg.log.tensorboard,
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"reward_model": model}, tok, {
-            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
-            keep=T.keep_checkpoints)
+        save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
 
     # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
     for step in range(start, len(plan)):

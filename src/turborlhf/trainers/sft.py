@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -17,15 +18,15 @@ from turborlhf.algo import reduce_loss, sft_nll_loss
 from turborlhf.config import SFTConfig
 from turborlhf.data.loaders import load_sft
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
-from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
-from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, rng_state,
-                                    seed_everything, set_rng_state, set_threads)
+from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
+                                    set_threads)
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs
-from turborlhf.models.load import apply_lora, load_causal_lm, load_tokenizer
+from turborlhf.models.load import load_tokenizer, load_trainable
 
-__all__ = ["train", "encode_examples", "sft_loss_on_batch"]
+__all__ = ["train", "fit", "sft_step", "encode_examples", "sft_loss_on_batch", "evaluate_nll"]
 
 
 def encode_examples(tokenizer, rows: list[dict], max_len: int) -> list[dict]:
@@ -56,19 +57,74 @@ def evaluate_nll(model, tokenizer, encoded: list[dict], dtype: str, batch_size: 
     return total / max(count, 1)
 
 
+def sft_step(model, tokenizer, batch: list[dict], micro_batch_size: int, dtype: str) -> float:
+    """Backward of one optimizer step's `batch` in micro-batches of `micro_batch_size`; every
+    micro-batch divides by the step's token count, so the accumulated gradient is the whole
+    batch's token mean. Returns the step's loss."""
+    num_tokens = sum(sum(e["loss_mask"]) for e in batch)
+    step_loss = 0.0
+    for s in range(0, len(batch), micro_batch_size):
+        loss, _ = sft_loss_on_batch(model, tokenizer, batch[s:s + micro_batch_size], num_tokens, dtype)
+        loss.backward()
+        step_loss += float(loss.detach())
+    return step_loss
+
+
+def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan: list[list[int]], out: Path,
+        ckpt: Optional[Path], tag: str = "sft") -> None:
+    """The SFT loop shared by `turborlhf sft` and `turborlhf conditional-sft`: optimizer and
+    schedule (resumed from `ckpt`), `plan`'s optimizer steps (`sft_step`), periodic and final
+    held-out NLL, checkpoints (model saved as ``policy``) and the exported model in `out`.
+
+    cfg: any config with ``model.dtype``, ``optim`` (`OptimCfg`), ``train`` (`SFTTrainCfg`) and
+    ``log`` (`LogCfg`). train_enc/test_enc: `encode_examples` records; plan: `plan_steps` output.
+    """
+    T = cfg.train
+    optim = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(optim, cfg.optim, len(plan))
+    start = restore(ckpt, optim, sched, tag)
+    log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
+                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step),
+                        keep=T.keep_checkpoints)
+
+    for step in range(start, len(plan)):
+        t0 = time.perf_counter()
+        batch = [train_enc[i] for i in plan[step]]
+        step_loss = sft_step(model, tokenizer, batch, T.micro_batch_size, cfg.model.dtype)
+        lr = sched.get_last_lr()[0]
+        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+        dt = time.perf_counter() - t0
+        n_tok = sum(len(e["input_ids"]) for e in batch)
+        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+        done = step + 1
+        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+            metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)
+        if done % cfg.log.every == 0 or done == len(plan):
+            log.log(done, metrics)
+        if T.save_every and done % T.save_every == 0 and done < len(plan):
+            checkpoint(done)
+
+    if test_enc:
+        log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)})
+    checkpoint(len(plan))
+    export_model(model, tokenizer, out)
+    log.close()
+
+
 def train(cfg: SFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
 
-    # 2. tokenizer and model (fp32 master weights; bf16 autocast compute)
+    # 2. tokenizer and model (fp32 master weights, bf16 autocast compute; LoRA/QLoRA/checkpointing
+    #    as model.* says)
     tok = load_tokenizer(cfg.model.name_or_path)
     ckpt = latest_checkpoint(out) if resume else None
-    model = load_causal_lm(str(ckpt / "policy") if ckpt else cfg.model.name_or_path, tok,
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
-    model = apply_lora(model, cfg.model.lora)
-    model.train()
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. data → token ids + response masks; a deterministic plan of optimizer steps
     rows = load_sft(cfg.data.train_file, tok)
@@ -81,54 +137,8 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
     print_batch_table("sft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
 
-    # 4. optimizer, schedule, resume state
-    optim = make_optimizer(model, cfg.optim)
-    sched = make_scheduler(optim, cfg.optim, len(plan))
-    start = 0
-    if ckpt:
-        state = load_trainer_state(ckpt)
-        optim.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"[sft] resumed from {ckpt} at step {start}", flush=True)
-    log = MetricsLogger(out, "sft", len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
-                        progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
-
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, {
-            "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), "step": step},
-            keep=T.keep_checkpoints)
-
-    # 5. training loop: micro-batches share the step's token count as denominator
-    for step in range(start, len(plan)):
-        t0 = time.perf_counter()
-        batch = [train_enc[i] for i in plan[step]]
-        num_tokens = sum(sum(e["loss_mask"]) for e in batch)
-        step_loss = 0.0
-        for s in range(0, len(batch), T.micro_batch_size):
-            loss, _ = sft_loss_on_batch(model, tok, batch[s:s + T.micro_batch_size], num_tokens, cfg.model.dtype)
-            loss.backward()
-            step_loss += float(loss.detach())
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(e["input_ids"]) for e in batch)
-        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        done = step + 1
-        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
-            metrics[M.EVAL_LOSS] = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
-
-    # 6. final evaluation, resumable checkpoint, exported HF model
-    if test_enc:
-        final_loss = evaluate_nll(model, tok, test_enc, cfg.model.dtype, T.micro_batch_size)
-        log.log(len(plan), {M.EVAL_LOSS: final_loss})
-    checkpoint(len(plan))
-    export_model(model, tok, out)
-    log.close()
+    # 4-6. optimizer, schedule and resume state; the loop (micro-batches share the step's token
+    #      count as denominator); final evaluation, resumable checkpoint, exported HF model
+    fit(cfg, model, tok, train_enc, test_enc, plan, out, ckpt, "sft")
     print(f"[sft] saved policy to {out}", flush=True)
     return out

@@ -1,0 +1,919 @@
+"""`turborlhf plan --config X`: memory per role and per device, estimated before launch.
+
+The planner reads the same YAML as the trainers, loads only each model's ``config.json`` (the
+parameter count comes from building the model on PyTorch's meta device: shapes, no storage) and
+adds up, per role:
+
+- weights: fp32 master weights of trained models (4 B/param), the configured dtype of frozen
+  ones (reference and reward in bf16: 2 B/param), QLoRA bases in NF4 (~0.52 B/param);
+- gradients: 4 B per trainable parameter (LoRA: adapters only);
+- optimizer states: AdamW exp_avg + exp_avg_sq, 8 B per trainable parameter, in host memory
+  with ``optim.offload`` (plus a 4 B fp32 copy);
+- activations of the configured micro-batch at the configured lengths (the worst case: every
+  sequence at ``max_len``, every response at ``max_new_tokens``): the bytes autograd saves for
+  backward, from `train_activation_bytes`, whose terms were read off the tensors the model code
+  saves (tests compare the formula with the exact saved-tensor bytes of tiny models), plus the
+  transient of the LM-head chunk in backward;
+- the rollout engine: its own weights (``rollout.dtype``) and the static KV cache
+  ``2·layers·rows·kv_heads·ceil64(prompt+new)·head_dim``.
+
+Roles are then placed on devices: one process for ``distributed.backend: local`` (the default
+and the only placement of the non-PPO commands), or one worker per device of each role for
+``backend: ray`` with the colocation options (``colocate_actor_ref``, ``colocate_critic_reward``,
+``colocate_all_models``, ``ref_reward_offload``, ``rollout_sleep``, ``dp_strategy: fsdp``).
+A device's peak is its persistent memory (weights, optimizer states) plus the largest phase
+(generation, experience, training of each role, optimizer step) and, on the CPU, the measured
+memory of a Python process with torch and transformers imported (`PROCESS_BASELINE`).
+
+Accuracy: on this machine's CPU the estimates were compared with the peak RSS of real SmolLM2
+runs (docs/memory.md). GPU figures use the same formulas plus `CUDA_CONTEXT` per process and were
+not measured (no GPU here).
+
+    turborlhf plan --config configs/hh_smollm2/ppo.yaml
+    turborlhf plan --config configs/hh_smollm2/dpo.yaml --json
+    turborlhf plan --config X --device-memory 24GiB      # will it fit on a 24 GiB GPU?
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["ModelShape", "model_shape", "train_activation_bytes", "inference_activation_bytes",
+           "kv_cache_bytes", "Role", "Device", "Plan", "plan_config", "main", "PROCESS_BASELINE",
+           "CUDA_CONTEXT", "parse_bytes"]
+
+GIB = 2 ** 30
+# RSS of `python -m turborlhf <command>` after importing torch, transformers and the trainer and
+# loading a tokenizer, before any model: measured on this machine (torch 2.13 CPU, transformers
+# 5.23), docs/memory.md. Added once per process.
+PROCESS_BASELINE = int(0.40 * GIB)
+# glibc malloc keeps freed activation chunks (< its 32 MiB mmap threshold) in the heap, so peak RSS
+# exceeds the live-tensor peak; measured on SmolLM2 SFT steps: +0.97 GiB over a 3.3 GiB activation
+# peak once the heap has settled (docs/memory.md). Added on CPU devices only.
+CPU_ALLOCATOR_RETENTION = 0.30
+# CUDA context and kernels per process on a GPU: the commonly reported 0.3-0.6 GiB; not measured here.
+CUDA_CONTEXT = int(0.5 * GIB)
+# Chunk of response positions that goes through the LM head at once (models.forward.response_logprobs).
+HEAD_CHUNK = 1024
+# NF4 weight + double-quantised block constants (QLoRA paper: 4.127 bits per parameter).
+NF4_BYTES = 4.127 / 8
+KV_BUCKET = 64           # FastEngine rounds the cache length up to this multiple
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"80GB"``, ``"512MiB"``, ``"1e9"`` → bytes. Raises ValueError otherwise."""
+    units = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+             "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in units or not num:
+        raise ValueError(f"cannot read a memory size from {text!r} (examples: 24GiB, 80GB, 512MiB)")
+    return int(float(num) * units[unit])
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Model shapes from config.json only
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory formulas need of a decoder-only model (Llama-family names).
+
+    params: parameters of the causal LM (a tied embedding counted once); layer_linear: weights of
+    the Linear layers of all decoder layers (what bf16 autocast casts); lm_head: V·E;
+    lora_in_out: Σ (in_features + out_features) over the Linear layers whose name is a LoRA
+    target, so a rank-r adapter set has ``r · lora_in_out`` parameters.
+    """
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    params: int
+    layer_linear: int
+    lm_head: int
+    lora_in_out: int
+
+    def scalar_params(self) -> int:
+        """Parameters of the reward-model/critic form: no LM head, a scalar ``score`` head (E)."""
+        return self.params - (0 if self.tied else self.lm_head) + self.hidden
+
+
+def model_shape(name_or_path: str, lora_targets: tuple[str, ...] = ()) -> ModelShape:
+    """Shape of a model from its config only: `AutoConfig`, then the model built on the meta
+    device (no memory, no weights read) to count parameters exactly.
+
+    Raises FileNotFoundError when a local path has no config.json (e.g. the output of a stage
+    that has not run yet).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from turborlhf.models.zoo import is_zoo_name, resolve_model_path
+
+    path = resolve_model_path(name_or_path, fetch=False) if is_zoo_name(name_or_path) else name_or_path
+    if (os.sep in str(path) or str(path).startswith(".")) and not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{name_or_path}: no config.json there (not trained yet?)")
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    seen: set[int] = set()
+    params = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params += p.numel()
+    layer_linear = lora = 0
+    targets = set(lora_targets)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            layer_linear += mod.weight.numel()
+            if name.rsplit(".", 1)[-1] in targets:
+                lora += mod.in_features + mod.out_features
+    E, H = cfg.hidden_size, cfg.num_attention_heads
+    return ModelShape(
+        name=str(name_or_path), vocab=cfg.vocab_size, hidden=E, layers=cfg.num_hidden_layers, heads=H,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or H,
+        head_dim=getattr(cfg, "head_dim", None) or E // H, intermediate=cfg.intermediate_size,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)), params=params, layer_linear=layer_linear,
+        lm_head=cfg.vocab_size * E, lora_in_out=lora)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations: bytes autograd keeps for backward (validated against saved-tensor bytes in tests)
+# ----------------------------------------------------------------------------------------------
+
+def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, lora_rank: int = 0) -> int:
+    """Bytes one decoder layer saves for backward per token (HF Llama code, torch SDPA).
+
+    bf16 autocast: the fp32 residual stream and RMSNorm inputs (4·4E), two rsqrt (8), the bf16
+    casts of the q/k/v and gate/up inputs (5·2E), the MLP (3·2I + 2I), q and the attention
+    output (2·2·HD), k and v (2·2·KV·D) and the attention log-sum-exp (4H). fp32: 4-byte tensors
+    and no casts (the norm outputs are shared: 2·4E). With a 4-D mask (shared-prefix pairs) k and
+    v are expanded to H heads and the additive mask is kept per layer (row length L per token).
+    LoRA (all seven projections adapted): frozen norms keep only 2 fp32 E tensors, the o_proj
+    input is kept for its adapter (2·HD in bf16), and each adapter keeps its r-dim output (7·r).
+    """
+    E, I, H, KV, D = s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim
+    w = 2 if dtype == "bf16" else 4
+    if lora_rank:
+        resid = 8 * E + 8 + (10 * E + 2 * H * D if dtype == "bf16" else 8 * E) + 7 * w * lora_rank
+    else:
+        resid = 16 * E + 8 + (10 * E if dtype == "bf16" else 8 * E)
+    mlp = 4 * w * I
+    attn = 2 * w * H * D + (2 * w * H * D if packed_row_len else 2 * w * KV * D) + 4 * H
+    mask = w * packed_row_len
+    return resid + mlp + attn + mask
+
+
+def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: int, dtype: str = "bf16",
+                           head: str = "lm", packed: bool = False, gradient_checkpointing: bool = False,
+                           lora_rank: int = 0) -> dict[str, int]:
+    """Activation memory of one training micro-batch (bytes).
+
+    Args:
+        s: the model.
+        rows: sequences (or packed pair rows) in the micro-batch.
+        row_len: tokens per row (padded length).
+        resp_tokens: positions that go through the LM head (head="lm"); ignored otherwise.
+        dtype: "bf16" (autocast over fp32 weights) or "fp32".
+        head: "lm" (log-probs of response tokens), "values" (critic: scalar at every token) or
+            "score" (reward model: scalar at the last token).
+        packed: rows are shared-prefix pairs with a 4-D attention mask (RM).
+        gradient_checkpointing: only each layer's input is kept; one layer is recomputed at a time.
+        lora_rank: LoRA adapters of rank r on all seven projections (`_layer_bytes_per_token`).
+
+    Returns ``{"saved": ..., "casts": ..., "transient": ..., "peak": ...}``: the bytes saved for
+    backward (the bf16 weight casts included, and also listed as "casts"), the largest
+    short-lived buffer on top of them (the LM-head chunk's logit gradients in backward; with
+    checkpointing, a recomputed layer, or every layer's weight cast held by the autocast cache
+    until the forward ends), and "peak" = saved + transient. Raises ValueError for an unknown
+    head or dtype.
+    """
+    if head not in ("lm", "values", "score") or dtype not in ("bf16", "fp32"):
+        raise ValueError(f"head must be lm|values|score and dtype bf16|fp32, got {head!r}, {dtype!r}")
+    E, V, D = s.hidden, s.vocab, s.head_dim
+    w = 2 if dtype == "bf16" else 4
+    N = rows * row_len
+    per_layer = _layer_bytes_per_token(s, dtype, row_len if packed else 0, lora_rank) * N
+    casts = 2 * (s.layer_linear + lora_rank * s.lora_in_out) if dtype == "bf16" else 0
+    # embeddings, final norm, positions (nothing of it when LoRA freezes them), target mask
+    const = N * ((0 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
+    rope = N * 8 * D                                                # cos/sin, kept outside checkpointed layers
+    if head == "lm":
+        hidden = 0 if lora_rank else w * E                          # a frozen head needs no input for its grad
+        out = resp_tokens * (4 * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
+        transient = min(resp_tokens, HEAD_CHUNK) * V * (4 + 4 + w)
+    elif head == "values":
+        out, transient = N * w * E, 0
+    else:
+        out, transient = rows * (2 if packed else 1) * w * E, 0
+    if gradient_checkpointing:
+        saved = s.layers * N * 4 * E + const + out
+        layer_casts = casts // max(s.layers, 1)
+        transient = max(transient, per_layer + layer_casts, casts)
+        return {"saved": saved, "casts": casts, "transient": transient, "peak": saved + transient}
+    saved = s.layers * per_layer + casts + const + rope + out
+    if lora_rank and dtype == "bf16":   # the first layer needs no input grad: no q/k/v weight casts kept
+        saved -= 2 * E * (s.heads + 2 * s.kv_heads) * D + 4 * N
+    return {"saved": saved, "casts": casts, "transient": transient, "peak": saved + transient}
+
+
+def inference_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: int = 0,
+                               dtype: str = "bf16", head: str = "lm") -> int:
+    """Peak transient bytes of a no-grad forward (experience, reference log-probs, RM scoring):
+    one layer's working set (fp32 residual, bf16 q/k/v, MLP intermediates) and the LM-head chunk
+    (bf16 and fp32 logits and the log-sum-exp buffer) for head="lm"."""
+    E, I, V = s.hidden, s.intermediate, s.vocab
+    w = 2 if dtype == "bf16" else 4
+    N = rows * row_len
+    layer = N * (12 * E + 4 * w * I + 2 * w * (s.heads + 2 * s.kv_heads) * s.head_dim)
+    headb = min(resp_tokens, HEAD_CHUNK) * V * (w + 8) if head == "lm" else N * 4 * E
+    return N * 8 * E + layer + headb
+
+
+def kv_cache_bytes(s: ModelShape, rows: int, prompt_len: int, new_tokens: int, dtype: str = "bf16") -> int:
+    """Static KV cache of the embedded engine: K and V for every layer, row and KV head over
+    ``ceil64(prompt + new)`` positions."""
+    T = -(-(prompt_len + new_tokens) // KV_BUCKET) * KV_BUCKET
+    return 2 * s.layers * rows * s.kv_heads * T * s.head_dim * (2 if dtype in ("bf16", "fp16") else 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Roles, devices, phases
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Role:
+    """Memory of one role (bytes). Persistent: weights, optimizer (device part); per phase:
+    gradients (while its backward runs until the optimizer step), activations, KV cache."""
+
+    name: str
+    model: str
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    optimizer_host: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+    trainable_params: int = 0
+    notes: list[str] = field(default_factory=list)
+    offloaded: bool = False          # weights live in host memory between uses (ref_reward_offload)
+    sleeps: bool = False             # rollout engine frees its weights while training (rollout_sleep)
+
+
+@dataclass
+class Device:
+    """One device (or the host CPU of a process) and the roles placed on it."""
+
+    name: str
+    kind: str                        # cpu | gpu
+    capacity: Optional[int]
+    roles: list[str]
+    processes: int
+    persistent: int = 0
+    phases: dict[str, int] = field(default_factory=dict)
+    peak: int = 0
+    peak_phase: str = ""
+    allocator: int = 0               # CPU: freed activation memory glibc keeps resident
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.capacity is None else self.peak <= self.capacity
+
+
+@dataclass
+class Plan:
+    command: str
+    roles: list[Role]
+    devices: list[Device]
+    assumptions: list[str]
+    stage: str = ""
+
+    def to_dict(self) -> dict:
+        return {"command": self.command, "stage": self.stage, "assumptions": self.assumptions,
+                "roles": [asdict(r) for r in self.roles],
+                "devices": [{**asdict(d), "fits": d.fits} for d in self.devices]}
+
+
+def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool, device_kind: str) -> Role:
+    """Weights/grads/optimizer of a trained model under `model_cfg` (LoRA, QLoRA) and `optim_cfg`."""
+    total = shape.scalar_params() if scalar else shape.params
+    r = model_cfg.lora.rank
+    role = Role(name=name, model=shape.name)
+    if r > 0:
+        lora = r * shape.lora_in_out
+        head = 2 * shape.hidden if scalar else 0     # modules_to_save: a trainable copy of `score`
+        trainable = lora + head
+        if model_cfg.load_in_4bit:
+            quant = shape.layer_linear
+            role.weights = int(quant * NF4_BYTES) + 4 * (total - quant) + 4 * trainable
+            role.notes.append("QLoRA: NF4 base (~0.52 B/param), GPU only")
+        else:
+            role.weights = 4 * total + 4 * trainable
+        role.notes.append(f"LoRA r={r}: {trainable / 1e6:.2f}M trainable of {total / 1e6:.1f}M")
+    else:
+        trainable = total
+        role.weights = 4 * total
+    role.trainable_params = trainable
+    role.grads = 4 * trainable
+    if getattr(optim_cfg, "offload", False) and device_kind == "gpu":
+        role.optimizer_host = 12 * trainable
+        role.notes.append("optimizer states offloaded to host memory")
+    else:
+        role.optimizer = 8 * trainable
+        if getattr(optim_cfg, "offload", False):
+            role.notes.append("optim.offload: parameters already in CPU memory, no effect")
+    return role
+
+
+def _frozen_role(name: str, shape: ModelShape, dtype: str, scalar: bool) -> Role:
+    total = shape.scalar_params() if scalar else shape.params
+    return Role(name=name, model=shape.name, weights=(2 if dtype == "bf16" else 4) * total)
+
+
+def _step_transient(role: Role) -> int:
+    """foreach AdamW keeps one fp32 temporary per parameter (sqrt of exp_avg_sq) during the step."""
+    return 4 * role.trainable_params
+
+
+# ----------------------------------------------------------------------------------------------
+# Per command
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Spec:
+    """What a command builds: roles and the phases, each phase = {role: transient bytes}."""
+
+    roles: dict[str, Role]
+    phases: dict[str, dict[str, int]]
+    assumptions: list[str]
+
+
+def _shape(name: str, lora_cfg, resolver) -> ModelShape:
+    return resolver(name, tuple(lora_cfg.target_modules) if lora_cfg is not None else ())
+
+
+def _sft_like(cfg, shape: ModelShape, kind: str, rows: int, row_len: int, resp: int, tag: str) -> _Spec:
+    policy = _train_role(tag, shape, cfg.model, cfg.optim, scalar=False, device_kind=kind)
+    act = train_activation_bytes(shape, rows, row_len, resp, cfg.model.dtype, "lm",
+                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank)
+    policy.activations = act["peak"]
+    return _Spec({tag: policy}, {"train": {tag: policy.grads + act["peak"]},
+                                 "optimizer step": {tag: policy.grads + _step_transient(policy)}}, [])
+
+
+def _spec_sft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
+    T = cfg.train
+    s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
+    mb = min(T.micro_batch_size, T.sequences_per_step)
+    rows, L, resp = (data["rows"], data["row_len"], data["resp"]) if data else (mb, cfg.data.max_len,
+                                                                                mb * cfg.data.max_len)
+    sp = _sft_like(cfg, s, kind, rows, L, resp, "policy")
+    sp.assumptions.append(data["note"] if data else f"micro-batch of {mb} sequences × {cfg.data.max_len} tokens, "
+                          "every token a response token (worst case)")
+    return sp
+
+
+def _spec_rm(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
+    T = cfg.train
+    s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
+    rm = _train_role("reward_model", s, cfg.model, cfg.optim, scalar=True, device_kind=kind)
+    mb = min(T.micro_batch_size, T.pairs_per_step)
+    L = 2 * cfg.data.max_len
+    if data:
+        mb, L = data["rows"], data["row_len"]
+    act = train_activation_bytes(s, mb, L, 0, cfg.model.dtype, "score", packed=True,
+                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank)
+    rm.activations = act["peak"]
+    return _Spec({"reward_model": rm}, {"train": {"reward_model": rm.grads + act["peak"]},
+                                        "optimizer step": {"reward_model": rm.grads + _step_transient(rm)}},
+                 [data["note"] if data else f"micro-batch of {mb} pairs packed as rows of ≤ {L} tokens (chosen + "
+                  "rejected, prompt shared)"])
+
+
+def _spec_pref(cfg, resolve, kind, name: str, data: Optional[dict] = None) -> _Spec:
+    """DPO (pairs: 2 sequences each) and KTO (single examples + a no-grad z0 pass)."""
+    T = cfg.train
+    s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
+    per_step = T.pairs_per_step if name == "dpo" else T.examples_per_step
+    mb = min(T.micro_batch_size, per_step)
+    rows = 2 * mb if name == "dpo" else mb
+    Lm = cfg.data.max_len
+    if data:
+        sp = _sft_like(cfg, s, kind, data["rows"], data["row_len"], data["resp"], "policy")
+    else:
+        sp = _sft_like(cfg, s, kind, rows, Lm, rows * Lm, "policy")
+    ref_rows = 4 * T.micro_batch_size
+    infer = inference_activation_bytes(s, ref_rows, Lm, ref_rows * Lm, cfg.model.dtype)
+    ref_free = getattr(getattr(cfg, "algo", None), "reference_free", False)
+    if not ref_free:
+        phase = {"policy": infer}
+        if cfg.reference is not None and not _same(cfg.reference, cfg.model.name_or_path):
+            ref = _frozen_role("reference", _shape(cfg.reference, None, resolve), "fp32", scalar=False)
+            ref.notes.append("loaded for the one-off reference pass, then freed")
+            phase["reference"] = ref.weights
+            sp.roles["reference"] = Role(name="reference", model=ref.model, notes=ref.notes)
+        else:
+            sp.roles["policy"].notes.append("the policy computes the reference log-probs itself "
+                                            "(adapters disabled with LoRA): no second copy")
+        sp.phases = {"reference log-probs (once)": phase, **sp.phases}
+    if name == "kto":
+        sp.phases["z0 (no grad)"] = {"policy": inference_activation_bytes(s, 2 * T.micro_batch_size, Lm,
+                                                                          2 * T.micro_batch_size * Lm, cfg.model.dtype)}
+    sp.assumptions.append((data["note"] + "; " if data else f"training forward of {rows} sequences × {Lm} tokens; ")
+                          + f"reference pass in batches of {ref_rows} sequences")
+    return sp
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        from turborlhf.models.reference import same_model
+
+        return same_model(a, b)
+    except Exception:
+        return a == b
+
+
+def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
+    A, R, T = cfg.algo, cfg.rollout, cfg.train
+    actor_s = _shape(cfg.actor.name_or_path, cfg.actor.lora, resolve)
+    rows = A.prompts_per_step * A.n_samples_per_prompt
+    mb = min(T.micro_batch_size, rows)
+    prompt_len = data["prompt_len"] if data else R.max_prompt_len
+    L = prompt_len + R.max_new_tokens
+    roles: dict[str, Role] = {}
+    actor = _train_role("actor", actor_s, cfg.actor, cfg.optim, scalar=False, device_kind=kind)
+    act_a = train_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype, "lm",
+                                   gradient_checkpointing=cfg.actor.gradient_checkpointing,
+                                   lora_rank=cfg.actor.lora.rank)
+    actor.activations = act_a["peak"]
+    roles["actor"] = actor
+    phases: dict[str, dict[str, int]] = {}
+    train_a = {"actor": actor.grads + act_a["peak"]}
+    if A.ptx_coef > 0:
+        ptx = train_activation_bytes(actor_s, mb, cfg.data.ptx_max_len, mb * cfg.data.ptx_max_len, cfg.actor.dtype,
+                                     "lm", gradient_checkpointing=cfg.actor.gradient_checkpointing,
+                                     lora_rank=cfg.actor.lora.rank)
+        train_a["actor"] = actor.grads + max(act_a["peak"], ptx["peak"])
+    if A.ema_beta is not None:
+        actor.notes.append("EMA: an fp32 copy of the actor")
+        actor.weights += 4 * actor_s.params
+    frozen_dtype = cfg.actor.dtype
+    exp = {"actor": inference_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype)}
+    step = {"actor": actor.grads + _step_transient(actor)}
+    if A.needs_critic:
+        from turborlhf.config import ModelCfg
+
+        ccfg = cfg.critic or ModelCfg(name_or_path=cfg.critic_init)
+        critic_s = _shape(cfg.critic_init, ccfg.lora, resolve)
+        critic = _train_role("critic", critic_s, ccfg, cfg.optim, scalar=True, device_kind=kind)
+        act_c = train_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, "values",
+                                       gradient_checkpointing=ccfg.gradient_checkpointing, lora_rank=ccfg.lora.rank)
+        critic.activations = act_c["peak"]
+        roles["critic"] = critic
+        exp["critic"] = inference_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, head="values")
+        phases["train actor"] = train_a
+        phases["train critic"] = {"actor": actor.grads, "critic": critic.grads + act_c["peak"]}
+        step = {"actor": actor.grads + _step_transient(actor), "critic": critic.grads}
+    else:
+        phases["train actor"] = train_a
+    rm_paths = ([cfg.reward_model] if cfg.reward_model else []) + [r.path for r in cfg.rewards if r.kind == "model"]
+    for i, p in enumerate(rm_paths):
+        rs = _shape(p, None, resolve)
+        name = "reward" if i == 0 else f"reward{i}"
+        roles[name] = _frozen_role(name, rs, frozen_dtype, scalar=True)
+        exp[name] = inference_activation_bytes(rs, mb, L, 0, frozen_dtype, head="score")
+    if A.needs_reference:
+        ref_path = cfg.reference or cfg.actor.name_or_path
+        if cfg.actor.lora.rank > 0 and _same(ref_path, cfg.actor.name_or_path):
+            roles["reference"] = Role(name="reference", model=actor_s.name,
+                                      notes=["the LoRA actor with adapters disabled: no second copy"])
+        else:
+            rs = _shape(ref_path, None, resolve)
+            roles["reference"] = _frozen_role("reference", rs, frozen_dtype, scalar=False)
+        exp["reference"] = exp["actor"]
+    engine = Role(name="rollout", model=actor_s.name, weights=(2 if R.dtype == "bf16" else 4) * actor_s.params)
+    gen_rows = min(rows, R.batch_size)
+    engine.kv_cache = kv_cache_bytes(actor_s, gen_rows, prompt_len, R.max_new_tokens, R.dtype)
+    prefill = (kv_cache_bytes(actor_s, gen_rows, prompt_len, 0, R.dtype)
+               + inference_activation_bytes(actor_s, gen_rows, prompt_len, 0, R.dtype, head="score")
+               + gen_rows * prompt_len ** 2)
+    engine.activations = prefill
+    engine.notes.append(f"KV cache for {gen_rows} rows × {prompt_len}+{R.max_new_tokens} tokens")
+    roles["rollout"] = engine
+    phases = {"generate": {"rollout": engine.kv_cache + prefill}, "experience (no grad)": exp, **phases,
+              "optimizer step": step}
+    return _Spec(roles, phases, [f"rollout batch {rows} sequences, micro-batch {mb} × ({prompt_len} prompt + "
+                                 f"{R.max_new_tokens} response tokens), responses at max_new_tokens (worst case)"
+                                 + (f"; {data['note']}" if data else "")])
+
+
+def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
+    R, T = cfg.rollout, cfg.train
+    s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
+    mb = min(T.micro_batch_size, T.sequences_per_step)
+    sp = _sft_like(cfg, s, kind, mb, cfg.data.max_len, mb * cfg.data.max_len, "policy")
+    pol = sp.roles["policy"]
+    # a fresh AdamW per round: its states exist only during the SFT phase, not while generating
+    sp.phases["train"]["policy"] += pol.optimizer
+    sp.phases["optimizer step"]["policy"] += pol.optimizer
+    pol.notes.append("AdamW re-created every round: states only during the SFT phase")
+    pol.optimizer = 0
+    sp.assumptions.append(f"SFT micro-batch of {mb} sequences × {cfg.data.max_len} tokens (worst case); "
+                          f"{cfg.algo.n_samples_per_prompt} samples per prompt generated "
+                          f"{min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)} at once")
+    rm_s = _shape(cfg.reward_model, None, resolve)
+    sp.roles["reward"] = _frozen_role("reward", rm_s, cfg.model.dtype, scalar=True)
+    rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)
+    engine = Role(name="rollout", model=s.name, weights=(2 if R.dtype == "bf16" else 4) * s.params,
+                  kv_cache=kv_cache_bytes(s, rows, R.max_prompt_len, R.max_new_tokens, R.dtype))
+    sp.roles["rollout"] = engine
+    L = R.max_prompt_len + R.max_new_tokens
+    sp.phases = {"generate": {"rollout": engine.kv_cache + inference_activation_bytes(
+                     s, rows, R.max_prompt_len, 0, R.dtype, head="score")},
+                 "score": {"reward": inference_activation_bytes(rm_s, cfg.algo.score_batch_size, L, 0,
+                                                                cfg.model.dtype, head="score")},
+                 **sp.phases}
+    return sp
+
+
+def _spec_csft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
+    sp = _spec_sft(cfg, resolve, kind)
+    rm_s = _shape(cfg.reward_model, None, resolve)
+    rm = _frozen_role("reward", rm_s, cfg.model.dtype, scalar=True)
+    rm.notes.append("loaded for the one-off scoring pass, then freed")
+    sp.roles["reward"] = Role(name="reward", model=rm.model, notes=rm.notes)
+    sp.phases = {"score (once)": {"reward": rm.weights + inference_activation_bytes(
+        rm_s, cfg.data.score_batch_size, cfg.data.max_len, 0, cfg.model.dtype, head="score")}, **sp.phases}
+    return sp
+
+
+SPECS = {"sft": _spec_sft, "rm": _spec_rm, "dpo": lambda c, r, k, d=None: _spec_pref(c, r, k, "dpo", d),
+         "kto": lambda c, r, k, d=None: _spec_pref(c, r, k, "kto", d), "ppo": _spec_ppo,
+         "rejection-sampling": _spec_rs, "conditional-sft": _spec_csft}
+
+
+# ----------------------------------------------------------------------------------------------
+# --from-data: the run's own batches (tokenizer and data files, no weights)
+# ----------------------------------------------------------------------------------------------
+
+def _heaviest(cands: list[dict], key) -> Optional[dict]:
+    return max(cands, key=key) if cands else None
+
+
+def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
+    """The heaviest training micro-batch of the run `cfg` describes, from its data files and the
+    same encoding and deterministic step plan as the trainer: ``{"rows", "row_len", "resp",
+    "note"}`` (PPO: ``{"prompt_len", "note"}``, the longest prompt of the planned steps; the
+    responses stay at max_new_tokens). None for commands whose batches depend on generation.
+    """
+    from turborlhf.engine.run import plan_steps
+    from turborlhf.models.load import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    T = cfg.train
+
+    def micro(plan, mb):
+        for step in plan:
+            for s0 in range(0, len(step), mb):
+                yield step[s0:s0 + mb]
+
+    if command == "sft":
+        from turborlhf.data.loaders import load_sft
+        from turborlhf.trainers.sft import encode_examples
+
+        rows = load_sft(cfg.data.train_file, tok)
+        rows = rows[:cfg.data.max_samples] if cfg.data.max_samples else rows
+        enc = encode_examples(tok, rows, cfg.data.max_len)
+        plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
+        cands = [{"rows": len(b), "row_len": max(len(enc[i]["input_ids"]) for i in b),
+                  "resp": sum(sum(enc[i]["loss_mask"]) for i in b)} for b in micro(plan, T.micro_batch_size)]
+        unit = "sequences"
+    elif command in ("dpo", "kto"):
+        if command == "dpo":
+            from turborlhf.data.loaders import load_pairs
+            from turborlhf.trainers.dpo import encode_pair
+
+            items = load_pairs(cfg.data.train_file, tok)
+            items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
+            enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in items]
+            seqs = lambda i: [enc[i]["chosen"], enc[i]["rejected"]]
+            per_step = T.pairs_per_step
+        else:
+            from turborlhf.data.loaders import load_kto
+            from turborlhf.data.tokenize import encode_prompt_response
+
+            items = load_kto(cfg.data.train_file, tok)
+            items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
+            enc = [encode_prompt_response(tok, r["prompt"], r["completion"], cfg.data.max_len) for r in items]
+            seqs = lambda i: [enc[i]]
+            per_step = T.examples_per_step
+        plan = plan_steps([max(len(x["input_ids"]) for x in seqs(i)) for i in range(len(enc))], per_step, T.epochs,
+                          T.max_steps, T.seed)
+        cands = []
+        for b in micro(plan, T.micro_batch_size):
+            ss = [x for i in b for x in seqs(i)]
+            cands.append({"rows": len(ss), "row_len": max(len(x["input_ids"]) for x in ss),
+                          "resp": sum(sum(x["loss_mask"]) for x in ss)})
+        unit = "sequences"
+    elif command == "rm":
+        from turborlhf.data.loaders import load_pairs
+        from turborlhf.models.forward import pack_shared_prefix
+        from turborlhf.rewards.model import encode_pairs
+
+        items = load_pairs(cfg.data.train_file, tok)
+        items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
+        enc = encode_pairs(tok, items, cfg.data.max_len)
+        plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in enc], T.pairs_per_step, T.epochs,
+                          T.max_steps, T.seed)
+        cands = []
+        for b in micro(plan, T.micro_batch_size):
+            packed = pack_shared_prefix([enc[i]["chosen"] for i in b], [enc[i]["rejected"] for i in b], 0)
+            cands.append({"rows": len(b), "row_len": packed.ids_BL.shape[1], "resp": 0})
+        unit = "pair rows"
+    elif command == "ppo":
+        from turborlhf.data.loaders import load_prompts
+        from turborlhf.data.tokenize import encode_prompt
+
+        prompts = load_prompts(cfg.data.prompts_file, tok)
+        prompts = prompts[:cfg.data.max_samples] if cfg.data.max_samples else prompts
+        ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
+        plan = plan_steps([len(p) for p in ids], cfg.algo.prompts_per_step, T.epochs, T.max_steps, T.seed)
+        P = max(max(len(ids[i]) for i in step) for step in plan)
+        return {"prompt_len": P, "note": f"from the data: longest prompt of the {len(plan)} planned steps {P} tokens"}
+    else:
+        return None
+    best = _heaviest(cands, key=lambda c: c["rows"] * c["row_len"] * 1000 + c["resp"])
+    return {**best, "note": f"from the data: heaviest micro-batch of the {len(plan)} planned steps is {best['rows']} "
+                            f"{unit} × {best['row_len']} tokens, {best['resp']} response tokens"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Placement
+# ----------------------------------------------------------------------------------------------
+
+def _placement(cfg, roles: dict[str, Role]) -> tuple[str, list[tuple[str, list[str], int]], dict]:
+    """(device kind, [(group name, roles, workers)], options) from ``cfg.distributed`` when the
+    config has one (PPO), else one local process."""
+    d = getattr(cfg, "distributed", None)
+    kind = getattr(d, "device", "cpu") if d is not None else "cpu"
+    opts = {"offload": bool(getattr(d, "ref_reward_offload", False)), "sleep": bool(getattr(d, "rollout_sleep", False)),
+            "fsdp": getattr(d, "dp_strategy", "ddp") == "fsdp", "backend": getattr(d, "backend", "local")}
+    names = list(roles)
+    if d is None or opts["backend"] == "local":
+        return kind, [("local", names, 1)], opts
+    size = {r: getattr(getattr(d, r, None), "world_size", 1) for r in ("actor", "critic", "reward", "reference",
+                                                                     "rollout")}
+    groups: list[list[str]] = []
+    if getattr(d, "colocate_all_models", False):
+        groups = [names]
+    else:
+        if getattr(d, "colocate_actor_ref", False):
+            groups.append([r for r in ("actor", "reference") if r in roles])
+        if getattr(d, "colocate_critic_reward", False):
+            groups.append([r for r in names if r == "critic" or r.startswith("reward")])
+        placed = {r for g in groups for r in g}
+        groups += [[r] for r in names if r not in placed]
+    out = []
+    for g in groups:
+        workers = max(size.get(r if not r.startswith("reward") else "reward", 1) for r in g)
+        out.append(("+".join(g), g, workers))
+    return kind, out, opts
+
+
+def _assemble(command: str, spec: _Spec, cfg, device_memory: Optional[int], host_memory: int) -> Plan:
+    """Place the roles (`_placement`) and add up each device group: persistent memory (weights and
+    optimizer states of resident roles, one process overhead per worker process), each phase's
+    transient memory, and on the CPU the allocator's retention."""
+    kind, groups, opts = _placement(cfg, spec.roles)
+    ray = opts["backend"] == "ray"
+    devices = []
+    trained = ("actor", "critic", "policy", "reward_model")
+    for gname, members, workers in groups:
+        shard = workers if opts["fsdp"] else 1
+        persistent, host_extra = 0, 0
+        for r in members:
+            role = spec.roles[r]
+            role.offloaded = opts["offload"] and (r == "reference" or r.startswith("reward"))
+            role.sleeps = opts["sleep"] and r == "rollout"
+            if not (role.offloaded or role.sleeps):
+                persistent += (role.weights + role.optimizer) // (shard if r in trained else 1)
+            host_extra += role.optimizer_host // (shard if r in trained else 1)
+        processes = len(members) if ray else 1
+        overhead = (PROCESS_BASELINE if kind == "cpu" else CUDA_CONTEXT) * processes
+        phases = {}
+        for ph, parts in spec.phases.items():
+            mine = {r: b for r, b in parts.items() if r in members}
+            if not mine:
+                continue
+            extra = 0
+            for r, b in mine.items():
+                role = spec.roles[r]
+                if role.offloaded or (role.sleeps and ph == "generate"):
+                    extra += role.weights                  # brought to the device for this phase only
+                extra += b // (shard if r in trained and ph != "generate" else 1)
+            phases[ph] = extra
+        retained = 0
+        if kind == "cpu":
+            retained = int(CPU_ALLOCATOR_RETENTION * max((spec.roles[r].activations for r in members), default=0))
+        peak_phase, peak_extra = max(phases.items(), key=lambda kv: kv[1]) if phases else ("idle", 0)
+        cap = device_memory if device_memory is not None else (host_memory if kind == "cpu" else None)
+        label = f"{kind}:{gname}" + (f" (each of {workers} workers)" if workers > 1 else "")
+        dev = Device(name=label, kind=kind, capacity=cap, roles=members, processes=processes,
+                     persistent=persistent + overhead, phases=phases, peak_phase=peak_phase, allocator=retained)
+        dev.peak = dev.persistent + peak_extra + retained
+        devices.append(dev)
+        if host_extra:
+            devices.append(Device(name=f"host:{gname}", kind="cpu", capacity=host_memory, roles=members, processes=0,
+                                  persistent=host_extra, peak=host_extra, peak_phase="offloaded optimizer states"))
+    assumptions = list(spec.assumptions)
+    if kind == "cpu":
+        assumptions.append(f"per process: {_gib(PROCESS_BASELINE)} GiB measured baseline (python, torch, "
+                           f"transformers, tokenizer); glibc keeps ~{CPU_ALLOCATOR_RETENTION:.0%} of the largest "
+                           "activation peak as freed-but-resident memory (measured, docs/memory.md)")
+    else:
+        assumptions.append(f"per process: {_gib(CUDA_CONTEXT)} GiB CUDA context (not measured); the caching "
+                           "allocator's fragmentation is not modelled; written for GPUs, never run on one here")
+    return Plan(command=command, roles=list(spec.roles.values()), devices=devices, assumptions=assumptions)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------
+
+def _host_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _resolver(model_config: Optional[str]):
+    cache: dict = {}
+
+    def resolve(name: str, targets: tuple[str, ...]) -> ModelShape:
+        key = (name, targets)
+        if key not in cache:
+            try:
+                cache[key] = model_shape(name, targets)
+            except (FileNotFoundError, OSError) as e:
+                if model_config is None:
+                    raise FileNotFoundError(
+                        f"{e}. The plan needs only the architecture: pass --model-config NAME_OR_DIR (e.g. "
+                        f"smollm2-135m-instruct) to use that model's config.json for paths that do not exist yet"
+                    ) from None
+                cache[key] = model_shape(model_config, targets)
+        return cache[key]
+
+    return resolve
+
+
+def guess_command(path: Optional[str], tree: dict) -> str:
+    """The command a config file belongs to: from its keys, else from the file name. Raises
+    ValueError when neither tells."""
+    keys = set(tree)
+    if {"run_dir", "stages"} & keys:
+        return "pipeline"
+    if "actor" in keys:
+        return "ppo"
+    if "tags" in keys:
+        return "conditional-sft"
+    algo = tree.get("algo") or {}
+    if "rounds" in algo or ("reward_model" in keys and "rollout" in keys):
+        return "rejection-sampling"
+    if "desirable_weight" in algo or "examples_per_step" in (tree.get("train") or {}):
+        return "kto"
+    if "loss" in algo or "reference" in keys:
+        return "dpo"
+    stem = Path(path).stem.lower().replace("_", "-") if path else ""
+    for cmd in ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo"):
+        if stem == cmd or stem.startswith(cmd + "-") or stem.endswith("-" + cmd):
+            return "ppo" if cmd in ("grpo", "rloo") else cmd
+    if "pairs_per_step" in (tree.get("train") or {}):
+        return "rm"
+    if "sequences_per_step" in (tree.get("train") or {}):
+        return "sft"
+    raise ValueError(f"cannot tell which command {path} is for; pass --command "
+                     f"({', '.join(sorted(SPECS))}, pipeline)")
+
+
+def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_config: Optional[str] = None,
+                host_memory: Optional[int] = None, from_data: bool = False) -> list[Plan]:
+    """Plans for a validated config of `command` (a list: one per stage for ``pipeline``).
+
+    `from_data`: size activations by the run's own heaviest micro-batch (`batches_from_data`)
+    instead of the configured maxima."""
+    resolve = _resolver(model_config)
+    host = host_memory if host_memory is not None else _host_memory()
+    if command == "pipeline":
+        from turborlhf.pipeline import stage_configs
+
+        out = []
+        resolve = _resolver(model_config or cfg.model)      # later stages start from earlier outputs
+        for stage, scfg in stage_configs(cfg, cfg.model).items():
+            if stage in cfg.stages:
+                kind = getattr(getattr(scfg, "distributed", None), "device", "cpu")
+                p = _assemble(stage, SPECS[stage](scfg, resolve, kind), scfg, device_memory, host)
+                p.stage = stage
+                out.append(p)
+        return out
+    kind = getattr(getattr(cfg, "distributed", None), "device", "cpu")
+    data = None
+    if from_data:
+        model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
+        tok_path = model if _has_tokenizer(model) else (model_config or model)
+        data = batches_from_data(command, cfg, tok_path)
+    spec = SPECS[command](cfg, resolve, kind, data)
+    if from_data and data is None:
+        spec.assumptions.append(f"--from-data: {command}'s batches come from generation; configured maxima used")
+    return [_assemble(command, spec, cfg, device_memory, host)]
+
+
+def _has_tokenizer(name: str) -> bool:
+    from turborlhf.models.zoo import is_zoo_name
+
+    return is_zoo_name(name) or (Path(name) / "tokenizer_config.json").exists() or not Path(name).parent.exists()
+
+
+def format_plan(plans: list[Plan]) -> str:
+    lines = []
+    for p in plans:
+        lines.append(f"== turborlhf {p.command}" + (f" (pipeline stage {p.stage})" if p.stage else "") + " ==")
+        lines.append(f"{'role':<14}{'weights':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'KV':>9}  GiB  notes")
+        for r in p.roles:
+            opt = _gib(r.optimizer) + ("*" if r.optimizer_host else "")
+            lines.append(f"{r.name:<14}{_gib(r.weights):>9}{_gib(r.grads):>9}{opt:>9}{_gib(r.activations):>9}"
+                         f"{_gib(r.kv_cache):>9}       {'; '.join(r.notes)}")
+        for d in p.devices:
+            cap = f"{_gib(d.capacity)} GiB" if d.capacity else "unknown (pass --device-memory)"
+            verdict = {True: "fits", False: "WILL NOT FIT", None: "?"}[d.fits]
+            lines.append(f"device {d.name}: roles {', '.join(d.roles)}; persistent {_gib(d.persistent)} GiB; "
+                         f"peak {_gib(d.peak)} GiB in '{d.peak_phase}' of {cap}: {verdict}")
+            for ph, b in d.phases.items():
+                lines.append(f"    {ph:<28} {_gib(d.persistent + b + d.allocator):>7} GiB")
+            if d.allocator:
+                lines.append(f"    (phases include {_gib(d.allocator)} GiB of allocator retention)")
+            if d.fits is False:
+                lines.append(f"    over by {_gib(d.peak - d.capacity)} GiB: try gradient checkpointing "
+                             "(model.gradient_checkpointing), a smaller train.micro_batch_size, LoRA "
+                             "(model.lora.rank), optim.offload on a GPU, or colocation/offload options")
+        for a in p.assumptions:
+            lines.append(f"  assumes: {a}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from turborlhf import config as C
+    from turborlhf.cli import TRAIN_COMMANDS, _split_overrides
+
+    p = argparse.ArgumentParser(prog="turborlhf plan", description="estimate memory per role and per device "
+                                "before launching a run (reads only model configs, no weights)")
+    p.add_argument("--config", required=True, help="the YAML file the training command would get")
+    p.add_argument("--command", choices=sorted(SPECS) + ["pipeline"], help="which command the config is for "
+                   "(default: guessed from its keys and file name)")
+    p.add_argument("--device-memory", help="memory of one device, e.g. 24GiB or 80GB (default: this machine's "
+                   "RAM for CPU placements)")
+    p.add_argument("--model-config", help="model (zoo name or directory) whose config.json stands in for model "
+                   "paths that do not exist yet (outputs of earlier stages)")
+    p.add_argument("--from-data", action="store_true", help="size activations by the heaviest micro-batch of the "
+                   "run's own data and step plan (tokenizer and data files are read; default: every sequence at "
+                   "the configured maximum length)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args, rest = p.parse_known_args(argv)
+    try:
+        import yaml
+
+        tree = yaml.safe_load(Path(args.config).read_text()) or {}
+        command = args.command or guess_command(args.config, tree)
+        cls = getattr(C, TRAIN_COMMANDS[command][2])
+        cfg = C.load_config(cls, args.config, _split_overrides(rest))
+        dev = parse_bytes(args.device_memory) if args.device_memory else None
+        plans = plan_config(command, cfg, dev, args.model_config, from_data=args.from_data)
+    except (C.ConfigError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps([pl.to_dict() for pl in plans], indent=2) if args.json else format_plan(plans))
+    return 0 if all(d.fits is not False for pl in plans for d in pl.devices) else 1

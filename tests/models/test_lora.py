@@ -1,0 +1,179 @@
+"""LoRA/QLoRA loading, merged weights, the adapter-disabled reference, gradient checkpointing and
+optimizer-state offload, on the tiny random Llama."""
+import pytest
+import torch
+
+from turborlhf.config import ConfigError, LoraCfg, ModelCfg, OptimCfg, load_config, SFTConfig
+from turborlhf.data.tokenize import pad_batch
+from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.train import CPUOffloadAdamW, clip_and_step, make_optimizer
+from turborlhf.models.forward import last_token_scores, response_logprobs
+from turborlhf.models.load import (adapters_disabled, is_lora, load_causal_lm, load_tokenizer, load_trainable,
+                                   merge_lora_for_save, merged_named_parameters)
+from turborlhf.models.reference import LoraReference, reference_view
+
+LORA = ModelCfg(name_or_path="unused", lora=LoraCfg(rank=4, alpha=8.0))
+
+
+def _batch(seed=0, n=3, lo=5, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+    ids, attn = pad_batch(seqs, 0)
+    return ids, attn, attn.clone()
+
+
+def _perturb_adapters(model, seed=0):
+    """LoRA starts with B = 0 (merged == base); give the adapters values as training would."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _logp(model, batch):
+    with torch.no_grad():
+        return response_logprobs(model, *batch)[0]
+
+
+def test_load_trainable_lora_trains_only_adapters(tiny_model):
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    assert is_lora(m) and m.training
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    with pytest.raises(ValueError, match="kind"):
+        load_trainable("value", LORA, tok, init=str(tiny_model))
+
+
+def test_merged_weights_equal_the_adapted_model_and_share_the_rest(tiny_model):
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    _perturb_adapters(m)
+    batch = _batch()
+    plain = merge_lora_for_save(m)
+    assert not is_lora(plain)
+    ref_names = [n for n, _ in load_causal_lm(str(tiny_model)).named_parameters()]
+    assert [n for n, _ in merged_named_parameters(m)] == ref_names          # plain HF names, same order
+    assert torch.allclose(_logp(plain, batch), _logp(m, batch), atol=1e-5)
+    base = m.get_base_model()
+    # no full copy: the embeddings (not adapted) are the training model's own tensor
+    assert plain.get_input_embeddings().weight.data_ptr() == base.get_input_embeddings().weight.data_ptr()
+    # and the training model still has working adapters after the merge
+    assert is_lora(m) and not torch.allclose(_logp(m, batch), _logp(load_causal_lm(str(tiny_model)), batch))
+
+
+def test_scalar_lora_merge_keeps_the_trained_head(tiny_model):
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("scalar", LORA, tok, init=str(tiny_model))
+    _perturb_adapters(m, seed=1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "score" in n and p.requires_grad:
+                p.add_(0.3)                                                   # modules_to_save copy
+    ids, attn, _ = _batch(seed=2)
+    with torch.no_grad():
+        assert torch.allclose(last_token_scores(merge_lora_for_save(m), ids, attn),
+                              last_token_scores(m, ids, attn), atol=1e-5)
+
+
+def test_adapter_disabled_actor_is_the_initial_policy(tiny_model):
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    _perturb_adapters(m, seed=3)
+    batch = _batch(seed=4)
+    base_logp = _logp(load_causal_lm(str(tiny_model), tok), batch)
+    with reference_view(LoraReference(m)) as ref:
+        assert torch.equal(_logp(ref, batch), base_logp)
+    with adapters_disabled(m):
+        assert torch.equal(_logp(m, batch), base_logp)
+    assert not torch.allclose(_logp(m, batch), base_logp)                    # adapters back on
+    with pytest.raises(ValueError):
+        LoraReference(load_causal_lm(str(tiny_model)))
+
+
+def test_lora_checkpoint_holds_adapters_and_resumes_exactly(tiny_model, tmp_path):
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    _perturb_adapters(m, seed=5)
+    _write_hf(m, tok, tmp_path / "policy", merge=False)
+    assert (tmp_path / "policy" / "adapter_config.json").exists()
+    assert not (tmp_path / "policy" / "model.safetensors").exists()          # adapters only
+    r = load_trainable("causal", LORA, tok, init=str(tiny_model), ckpt_dir=tmp_path / "policy")
+    a = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    b = [(n, p) for n, p in r.named_parameters() if p.requires_grad]
+    assert [n for n, _ in a] == [n for n, _ in b]                             # optimizer state lines up
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(a, b))
+    batch = _batch(seed=6)
+    assert torch.equal(_logp(m, batch), _logp(r, batch))
+
+
+def test_qlora_is_refused_with_a_clear_error_where_it_cannot_run(tiny_model):
+    with pytest.raises(ConfigError, match="lora.rank"):
+        load_config(SFTConfig, None, ["data.train_file=x", "model.load_in_4bit=true"])
+    cfg = ModelCfg(name_or_path=str(tiny_model), lora=LoraCfg(rank=4), load_in_4bit=True)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the guard does not apply")
+    with pytest.raises(RuntimeError, match="CUDA GPU with bitsandbytes"):
+        load_trainable("causal", cfg, None)
+
+
+def _saved_bytes(model, batch) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward during one forward."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = response_logprobs(model, *batch)[0]
+    logp.sum().backward()
+    return sum(seen.values())
+
+
+def test_gradient_checkpointing_flag_saves_activation_memory_and_keeps_gradients(tiny_model):
+    tok = load_tokenizer(str(tiny_model))
+    batch = _batch(seed=7, n=4, lo=60, hi=90)
+    grads, saved = {}, {}
+    for gc in (False, True):
+        m = load_trainable("causal", ModelCfg(name_or_path=str(tiny_model), gradient_checkpointing=gc), tok)
+        assert m.is_activation_checkpointing == gc
+        saved[gc] = _saved_bytes(m, batch)
+        grads[gc] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert saved[True] < 0.6 * saved[False]
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.allclose(grads[True][k], grads[False][k], atol=1e-6) for k in grads[True])
+
+
+def _adam_run(tiny_model, offload: bool, steps: int = 3, state=None):
+    torch.manual_seed(0)
+    m = load_causal_lm(str(tiny_model)).train()
+    opt = make_optimizer(m, OptimCfg(lr=1e-2, weight_decay=0.1), force_offload=offload)
+    if state is not None:
+        opt.load_state_dict(state)
+    batch = _batch(seed=8, n=2)
+    for _ in range(steps):
+        (-response_logprobs(m, *batch)[0].sum()).backward()
+        clip_and_step(m, opt, None, 1.0)
+    return m, opt
+
+
+def test_optimizer_offload_update_equals_plain_adamw(tiny_model):
+    plain, opt_p = _adam_run(tiny_model, offload=False)
+    off, opt_o = _adam_run(tiny_model, offload=True)
+    assert isinstance(opt_o, CPUOffloadAdamW) and not isinstance(opt_p, CPUOffloadAdamW)
+    for (n, p), (_, q) in zip(plain.named_parameters(), off.named_parameters()):
+        assert torch.equal(p, q), n
+    # the states live in the optimizer's own copies, not on the model's parameters
+    model_ids = {id(p) for p in off.parameters()}
+    assert all(id(p) not in model_ids for g in opt_o.param_groups for p in g["params"])
+    # same state-dict layout: a checkpoint of one resumes the other
+    sp, so = opt_p.state_dict(), opt_o.state_dict()
+    assert sp["param_groups"] == so["param_groups"]
+    assert all(torch.equal(sp["state"][i]["exp_avg_sq"], so["state"][i]["exp_avg_sq"]) for i in sp["state"])
+    # on the CPU the config flag alone keeps plain AdamW (nothing to offload)
+    m = load_causal_lm(str(tiny_model))
+    assert type(make_optimizer(m, OptimCfg(offload=True))) is torch.optim.AdamW
