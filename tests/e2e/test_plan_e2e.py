@@ -79,7 +79,8 @@ def test_placement_colocation_and_offload_from_a_distributed_section(tiny_model)
                                dp_strategy="ddp")
         for k, v in opts.items():
             setattr(dist, k, v)
-        view = SimpleNamespace(**{k: getattr(cfg, k) for k in type(cfg).model_fields}, distributed=dist)
+        view = SimpleNamespace(**{k: getattr(cfg, k) for k in type(cfg).model_fields if k != "distributed"},
+                               distributed=dist)
         return _assemble("ppo", SPECS["ppo"](cfg, _resolver(None), "gpu"), view, 10 * 2 ** 30, 2 ** 36)
 
     alone = plan()
@@ -132,3 +133,15 @@ def test_plan_matches_the_measured_peak_rss_of_a_tiny_sft_run(tmp_path_factory, 
     live = _measured_peak_rss(["sft", "--config", TINY / "sft.yaml", *over, f"output_dir={out / 'b'}"],
                               {"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert abs(dev.peak - dev.allocator - live) <= 0.10 * live, ((dev.peak - dev.allocator) / 2 ** 30, live / 2 ** 30)
+
+
+def test_plan_reads_the_real_distributed_section(tiny_model, capsys):
+    """The same placement figures come from the PPO config's own `distributed` fields."""
+    from turborlhf.cli import main
+
+    rc = main(["plan", "--config", str(TINY / "ppo.yaml"), f"actor.name_or_path={tiny_model}",
+               f"reward_model={tiny_model}", "data.prompts_file=x", "distributed.backend=ray",
+               "distributed.colocate_actor_ref=true", "distributed.actor.devices_per_node=2",
+               "distributed.reference.devices_per_node=2"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "actor+reference" in out, out
