@@ -45,6 +45,10 @@ class M:
     T_EXPERIENCE = "timing/experience"
     T_TRAIN = "timing/train"
     T_STEP = "timing/step"
+    T_WEIGHT_PUSH = "timing/weight_push"
+    T_SYNC_VERIFY = "timing/sync_verify"
+    SYNC_LOGP_DIFF = "sync/logprob_mean_diff"
+    SYNC_TOKEN_DIFF = "sync/logprob_token_diff"
 
 
 def format_duration(seconds: float) -> str:

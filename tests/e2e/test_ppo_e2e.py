@@ -34,6 +34,8 @@ def test_ppo_end_to_end_metrics_checkpoint_resume(tiny_model, tiny_rm, tiny_data
     for r in rows:
         for k in REQUIRED:
             assert k in r and math.isfinite(r[k]), (k, r.get(k))
+    synced = [r["sync/logprob_mean_diff"] for r in rows if "sync/logprob_mean_diff" in r]
+    assert synced and all(0 <= d <= 0.05 for d in synced)                    # every push was verified
     assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6          # the actor moved
     AutoModelForCausalLM.from_pretrained(out)
     AutoModelForSequenceClassification.from_pretrained(out / "checkpoints" / "step-000003" / "critic")

@@ -59,6 +59,7 @@ from turborlhf.models.load import apply_lora, load_causal_lm, load_scalar_model,
 from turborlhf.rewards.combine import CombinedReward, RewardInputs, build_reward
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout import make_engine
+from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.sft import encode_examples, sft_loss_on_batch
 
@@ -501,6 +502,7 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
+    canary = start_sync_check(roles.engine, roles.actor, prompt_ids, cfg.rollout.verify_sync, cfg.rollout.sync_tolerance)
 
     def checkpoint(step: int) -> None:
         models = {"actor": roles.actor, **({"critic": roles.critic} if roles.critic is not None else {})}
@@ -527,13 +529,15 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
         t_train = time.perf_counter() - t0
         # 6. weight sync, KL controller, metrics, checkpoint
         t0 = time.perf_counter()
-        if train_actor:
-            roles.engine.load_weights(roles.actor.named_parameters())
+        sync_metrics = {}
+        if train_actor:  # push + canary check; WeightSyncError if the engine disagrees with the actor
+            sync_metrics = push_weights(roles.engine, roles.actor, canary, cfg.rollout.sync_tolerance).metrics()
         t_sync = time.perf_counter() - t0
         metrics = _rollout_metrics(exp, kl_ctl.value)
         if M.KL in metrics:
             kl_ctl.update(metrics[M.KL], len(exp.scores_B))
         metrics.update(stats)
+        metrics.update(sync_metrics)
         metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                         M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
                         float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: up.actor_sched.get_last_lr()[0]})
