@@ -1,7 +1,7 @@
 """Rollout speed: FastEngine vs HF `generate`, alternating, in one process (issue 4, part 2).
 
 usage: python benchmarks/rollout_speed.py MODEL_DIR [--bs 1,8,32] [--new 64] [--repeats 3]
-           [--threads 2] [--compile] [--json out.json]
+           [--threads 2] [--compile] [--int8 N] [--json out.json]
 
 Setting (same as shared/peers/hf_generate.py): SmolLM2 chat-templated questions (8, cycled), left
 padding, exactly `--new` sampled tokens (min_new_tokens = max_new_tokens), temperature 1, bf16,
@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also run FastEngine(compile=True)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    ap.add_argument("--int8", type=int, default=0, help="also run FastEngine(int8_max_batch=N)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -63,6 +64,9 @@ def main():
     t0 = time.perf_counter()
     engines["fast"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss))
     res = {"build_fast_s": time.perf_counter() - t0, "tok_s": {}, "load_before": os.getloadavg()[0]}
+    if a.int8:
+        engines["fast-int8"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss),
+                                          int8_max_batch=a.int8)
     if a.compile:
         engines["fast-compile"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False,
                                              max_batch_size=max(bss), compile=True, compact=False)

@@ -305,3 +305,26 @@ def test_compiled_step_matches_eager_fp32(model, prompts):
     out = eng.generate(prompts, GREEDY)
     assert eng._compiled_step is not None and eng.compile_seconds
     assert out.response_ids == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_int8_small_batch_decode(model, prompts):
+    """int8 weight-only decode for small batches: close to bf16, re-quantized by load_weights,
+    larger batches and scoring untouched."""
+    from turborlhf.rollout.fast import _quantize_int8
+    w = torch.randn(16, 32)
+    q, s = _quantize_int8(w, torch.float32)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert (q.float() * s[:, None] - w).abs().max() <= s.max() / 2 + 1e-6   # rounding error <= half a step
+    eng = FastEngine(model, dtype="bf16", int8_max_batch=2)
+    ref = FastEngine(model, dtype="bf16")
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2, return_logprobs=True)
+    out = eng.generate(prompts[:1], sp)                                   # batch 1 → int8 steps
+    d = _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids))
+    assert 1e-3 < d < 0.3                                                 # quantized, but close
+    big = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2)
+    assert eng.generate(prompts, big).response_ids == ref.generate(prompts, big).response_ids  # batch 5: bf16
+    other = tiny_llama(7)
+    eng.load_weights(other.named_parameters())
+    ref = FastEngine(other, dtype="bf16")
+    out = eng.generate(prompts[:1], sp)
+    assert _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids)) < 0.3

@@ -113,6 +113,15 @@ def _rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def _quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: w ≈ q · scale[:, None], |q| <= 127. Returns (q int8 N×K,
+    scale N in `dtype`, the activation dtype `torch._weight_int8pack_mm` expects)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(dtype)
+
+
 def mkldnn_packing_available() -> bool:
     """True if this torch build has oneDNN and the linear weight-packing ops Inductor uses."""
     try:
@@ -167,14 +176,21 @@ class FastEngine:
     dedupe_prompts: prefill identical prompts once (always exact up to float rounding).
     linear_backend: 'auto' (oneDNN pre-packed weights in bf16 when available, else dense),
         'mkldnn' (require them) or 'dense' (`F.linear`; what the fp32 exactness tests use).
+    int8_max_batch: decode steps with at most this many rows use int8 weight-only linears
+        (symmetric per-output-row scales, re-quantized by every `load_weights`; half the weight
+        bytes of bf16, for memory-bound small batches). 0 = off (default). This samples from an
+        approximation of the policy: prefill, `score_logprobs` and larger batches stay exact.
     Raises ValueError for an unsupported architecture or an unknown/unavailable backend.
     """
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 32,
                  compile: bool = False, kv_bucket: int = 64, compact: bool = True,
                  dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                 linear_backend: str = "auto"):
+                 linear_backend: str = "auto", int8_max_batch: int = 0):
         self.dtype = resolve_dtype(dtype)
+        self.int8_max_batch = int(int8_max_batch)
+        if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
+            raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
         if linear_backend not in ("auto", "mkldnn", "dense"):
             raise ValueError(f"linear_backend must be 'auto', 'mkldnn' or 'dense', got {linear_backend!r}")
         if linear_backend == "mkldnn" and not mkldnn_packing_available():
@@ -218,6 +234,7 @@ class FastEngine:
         self._packed: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
         self._pbias: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
         self._out_features: list[int] = [0] * (5 * self.n_layers + 1)
+        self._q8: list[Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = [None] * (5 * self.n_layers + 1)
         self._key = id(self)
         _ENGINES[self._key] = self
         self.last_weight_update: dict = {}
@@ -349,6 +366,12 @@ class FastEngine:
                     if self._mkl:
                         self._packed[slot] = _pack(w)
                         self._pbias[slot] = None if b is None else b.contiguous()
+                if self.int8_max_batch:
+                    q8 = ([(5 * L, self.lm_head_VE, None)] if g == L else
+                          [(5 * g + _QKV, ly.wqkv, ly.bqkv), (5 * g + _O, ly.wo, ly.bo),
+                           (5 * g + _GATE, ly.wgu, ly.bgu), (5 * g + _DOWN, ly.wd, ly.bd)])  # gate·up fused
+                    for slot, w, b in q8:
+                        self._q8[slot] = (*_quantize_int8(w, self.dtype), b)
 
     # ------------------------------------------------------------------ model maths
     def _plin(self, x: torch.Tensor, other: Optional[torch.Tensor], slot: int, attr: str) -> torch.Tensor:
@@ -359,15 +382,29 @@ class FastEngine:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, attr, [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, attr)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def _lin8(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """int8 weight-only linear of slot `slot` (x: 2-D)."""
+        q, scale, b = self._q8[slot]
+        y = torch._weight_int8pack_mm(x, q, scale)
+        return y if b is None else y + b
+
+    def _head(self, h: torch.Tensor, int8: bool = False) -> torch.Tensor:
         """LM head → float32 logits."""
+        if int8:
+            return self._lin8(h, 5 * self.n_layers).float()
         if self._mkl:
             return self._plin(h, None, 5 * self.n_layers, "none").float()
         return F.linear(h, self.lm_head_VE).float()
 
-    def _attn_mlp_out(self, l: int, ly: _Layer, x: torch.Tensor, a: torch.Tensor, graph: bool) -> torch.Tensor:
+    def _attn_mlp_out(self, l: int, ly: _Layer, x: torch.Tensor, a: torch.Tensor, graph: bool,
+                      int8: bool = False) -> torch.Tensor:
         """x + o_proj(a), then x + down(silu(gate(h)) · up(h)) with h = RMSNorm(x): the rest of
-        layer l after attention. `graph`: call the packed linears through the custom op."""
+        layer l after attention. `graph`: call the packed linears through the custom op;
+        `int8`: int8 weight-only linears."""
+        if int8:
+            x = x + self._lin8(a, 5 * l + _O)
+            g, u = self._lin8(_rms(x, ly.ln2, self.eps), 5 * l + _GATE).chunk(2, dim=-1)
+            return x + self._lin8(F.silu(g) * u, 5 * l + _DOWN)
         if self._mkl:
             lin = ((lambda x_, o_, s_, a_: torch.ops.turborlhf.packed_linear(x_, o_, self._key, s_, a_))
                    if graph else self._plin)
@@ -381,7 +418,9 @@ class FastEngine:
         g, u = F.linear(h, ly.wgu, ly.bgu).chunk(2, dim=-1)
         return x + F.linear(F.silu(g) * u, ly.wd, ly.bd)
 
-    def _qkv(self, l: int, ly: _Layer, h: torch.Tensor, graph: bool) -> torch.Tensor:
+    def _qkv(self, l: int, ly: _Layer, h: torch.Tensor, graph: bool, int8: bool = False) -> torch.Tensor:
+        if int8:
+            return self._lin8(h, 5 * l + _QKV)
         if not self._mkl:
             return F.linear(h, ly.wqkv, ly.bqkv)
         if graph:
@@ -422,13 +461,14 @@ class FastEngine:
         B = ids_B.shape[0]
         H, KV, G, D = self.n_heads, self.n_kv, self.group, self.head_dim
         scale = 1.0 / math.sqrt(D)
+        i8 = 0 < B <= self.int8_max_batch and not graph             # int8 weight-only small batches
         x = self.embed_VE[ids_B]                                    # B×E
         cos = self._cos_PD[pos_B][:, None]                          # B×1×D
         sins = self._sins_PD[pos_B][:, None]
         m = maskadd_BT[:, None, None, :]                            # B×1×1×T
         for l, ly in enumerate(self.layers):
             h = _rms(x, ly.ln1, self.eps)
-            qkv = self._qkv(l, ly, h, graph)                        # B×(H+2KV)D
+            qkv = self._qkv(l, ly, h, graph, i8)                    # B×(H+2KV)D
             qk = _rope_signed(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sins)  # q and k at once
             Kl, Vl = K_LBKTD[l], V_LBKTD[l]                          # B×KV×Tmax×D
             Kl[:, :, col] = qk[:, H:]
@@ -437,11 +477,11 @@ class FastEngine:
             s = torch.matmul(qk[:, :H].reshape(B, KV, G, D), Kl[:, :, :T].transpose(-1, -2))  # B×KV×G×T
             p = torch.softmax(torch.add(m, s, alpha=scale), dim=-1).to(x.dtype)  # float32 softmax
             a = torch.matmul(p, Vl[:, :, :T])                        # B×KV×G×D
-            x = self._attn_mlp_out(l, ly, x, a.reshape(B, H * D), graph)
+            x = self._attn_mlp_out(l, ly, x, a.reshape(B, H * D), graph, i8)
         h = _rms(x, self.norm_E, self.eps)
         if self._mkl and graph:
             return torch.ops.turborlhf.packed_linear(h, None, self._key, 5 * self.n_layers, "none").float()
-        return self._head(h)
+        return self._head(h, i8)
 
     def _step_graph(self, ids_B, pos_B, col_1, K_LBKTD, V_LBKTD, maskadd_BT):
         """The compiled step: the cache column is a tensor and attention covers the whole
