@@ -6,7 +6,7 @@ import torch
 from rollout_helpers import tiny_llama
 from turborlhf.rollout.fast import FastEngine
 from turborlhf.rollout.hf import HFEngine
-from turborlhf.rollout.sync import (Canary, WeightSyncError, make_canary, policy_weights, push_weights,
+from turborlhf.rollout.sync import (Canary, WeightSyncError, make_canary, policy_weights, push_weights, start_sync_check,
                                     trainer_logprobs, verify_sync)
 
 ENGINES = {
@@ -131,3 +131,14 @@ def test_wrong_length_scores_fail(model):
             return [[0.0] for _ in prompts]
     with pytest.raises(WeightSyncError, match="Liar"):
         verify_sync(Liar(), model, Canary(((1, 2),), ((3, 4),)), 0.05)
+
+
+def test_start_sync_check(prompts, capsys):
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype="fp32")
+    assert start_sync_check(eng, model, prompts, verify=False) is None
+    canary = start_sync_check(eng, model, prompts, verify=True, tol=1e-3, n=2, response_tokens=5)
+    assert len(canary.prompts) == 2 and "matches the trainer" in capsys.readouterr().out
+    bad = FastEngine(tiny_llama(1), dtype="fp32")                 # an engine built from other weights
+    with pytest.raises(WeightSyncError):
+        start_sync_check(bad, model, prompts, verify=True, tol=0.05)
