@@ -328,3 +328,16 @@ def test_int8_small_batch_decode(model, prompts):
     ref = FastEngine(other, dtype="bf16")
     out = eng.generate(prompts[:1], sp)
     assert _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids)) < 0.3
+
+
+def test_unpadded_small_batch_attention_path(model, prompts):
+    """Rows without left padding and B <= 4 attend through SDPA over the used columns: same
+    greedy tokens as HF, same log-probs as scoring."""
+    fast = FastEngine(model, dtype="fp32")
+    same_len = [prompts[2], prompts[2][::-1], [p + 1 for p in prompts[2]]]  # 3 rows, no padding
+    for batch in ([prompts[4]], same_len):
+        out = fast.generate(batch, GREEDY)
+        assert out.response_ids == [hf_greedy(model, p, 16) for p in batch]
+        sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, return_logprobs=True)
+        s = fast.generate(batch, sp)
+        assert _max_diff(s.logprobs, fast.score_logprobs(batch, s.response_ids)) < 1e-4
