@@ -140,6 +140,10 @@ class RolloutCfg(Cfg):
     max_prompt_len: int = Field(256, ge=1, description="prompts are cut from the left to this many tokens")
     batch_size: int = Field(32, ge=1, description="sequences generated together")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="weights precision inside the engine")
+    verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
+                                                "canary batch against the trainer's (rollout/sync.py)")
+    sync_tolerance: float = Field(0.05, gt=0, description="max |difference| of the mean per-token log-prob "
+                                                          "(nats) on any canary row; bf16 engines measure ~0.01-0.02")
 
 
 # ----------------------------------------------------------------------------------------------

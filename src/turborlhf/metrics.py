@@ -52,6 +52,10 @@ class M:
     R_MARGIN = "rewards/margin"
     LOGP_CHOSEN = "logps/chosen"
     LOGP_REJECTED = "logps/rejected"
+    T_WEIGHT_PUSH = "timing/weight_push"
+    T_SYNC_VERIFY = "timing/sync_verify"
+    SYNC_LOGP_DIFF = "sync/logprob_mean_diff"
+    SYNC_TOKEN_DIFF = "sync/logprob_token_diff"
 
 
 def format_duration(seconds: float) -> str:

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 
@@ -25,6 +26,8 @@ def test_ppo_end_to_end_metrics_checkpoint_resume(tiny_model, tiny_rm, tiny_data
     for r in rows:
         for k in REQUIRED:
             assert k in r and math.isfinite(r[k]), (k, r.get(k))
+    synced = [r["sync/logprob_mean_diff"] for r in rows if "sync/logprob_mean_diff" in r]
+    assert synced and all(0 <= d <= 0.05 for d in synced)                    # every push was verified
     assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6          # the actor moved
     AutoModelForCausalLM.from_pretrained(out)
     AutoModelForSequenceClassification.from_pretrained(out / "checkpoints" / "step-000003" / "critic")
@@ -44,3 +47,24 @@ def test_ppo_options_adaptive_kl_samples_entropy(tiny_model, tiny_rm, tiny_data,
     assert len(rows) == 2
     assert rows[0]["policy/kl_coef"] != rows[1]["policy/kl_coef"]  # adaptive controller moved β
     assert "policy/loss" not in rows[0] and "policy/loss" in rows[1]  # critic warm-up step
+
+
+def test_ppo_stops_when_a_weight_push_goes_wrong(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
+    """Every push is checked on the canary batch: an engine that silently drops a tensor update
+    stops the run with an error naming the rollout worker and the log-prob discrepancy."""
+    from turborlhf.trainers import ppo_workers
+
+    real = ppo_workers.RolloutWorker.load_weights
+
+    def stale_embedding(self, state):           # a sync bug: one tensor is never refreshed
+        real(self, {k: (v + 0.5 if "embed_tokens" in k else v) for k, v in state.items()})
+
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
+    with pytest.raises(AssertionError, match="exited with 1"):
+        _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "train.max_steps=1")
+    assert re.search(r"rollout failed in check_sync: WeightSyncError: FastEngine: weights out of sync with the "
+                     r"trainer after a push", capsys.readouterr().err)
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", real)
+    _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "good", "train.max_steps=1")
+    row = [r for r in metrics(tmp_path / "good") if "sync/logprob_mean_diff" in r][-1]
+    assert row["sync/logprob_mean_diff"] <= 0.05

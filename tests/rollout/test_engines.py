@@ -230,3 +230,114 @@ def test_fast_engine_from_directory(model, prompts, tmp_path):
     eng = make_engine("auto", str(tmp_path), dtype="fp32")
     assert isinstance(eng, FastEngine)
     assert eng.generate(prompts, GREEDY).response_ids == [hf_greedy(model, p, 16) for p in prompts]
+
+
+# ---------------------------------------------------------------- oneDNN pre-packed backend (bf16)
+from turborlhf.rollout.fast import mkldnn_packing_available  # noqa: E402
+
+needs_mkldnn = pytest.mark.skipif(not mkldnn_packing_available(), reason="torch built without oneDNN")
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@needs_mkldnn
+def test_packed_backend_matches_dense_bf16(model, prompts):
+    dense = FastEngine(model, dtype="bf16", linear_backend="dense")
+    packed = FastEngine(model, dtype="bf16", linear_backend="mkldnn")
+    assert packed.linear_backend == "mkldnn" and dense.linear_backend == "dense"
+    assert FastEngine(model, dtype="bf16").linear_backend == "mkldnn"   # the bf16 default
+    assert FastEngine(model, dtype="fp32").linear_backend == "dense"    # fp32 stays exact
+    resps = dense.generate(prompts, GREEDY).response_ids
+    # fused post-ops round once instead of twice: bf16-level differences only
+    assert _max_diff(dense.score_logprobs(prompts, resps), packed.score_logprobs(prompts, resps)) < 0.1
+    # the decode step (packed, fused) and the full forward (packed) agree on sampled tokens
+    out = packed.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, return_logprobs=True))
+    assert _max_diff(out.logprobs, packed.score_logprobs(prompts, out.response_ids)) < 0.1
+
+
+@needs_mkldnn
+def test_packed_backend_sees_weight_updates(model, prompts):
+    """load_weights must re-pack: a full swap, then a single-tensor partial update."""
+    eng = FastEngine(model, dtype="bf16", linear_backend="mkldnn")
+    other = tiny_llama(7)
+    resps = FastEngine(other, dtype="fp32").generate(prompts, GREEDY).response_ids
+    eng.load_weights(other.named_parameters())
+    assert eng.last_weight_update["tensors"] == len(list(other.named_parameters()))
+    assert eng.last_weight_update["repack_s"] >= 0
+    ref = FastEngine(other, dtype="bf16", linear_backend="dense")
+    assert _max_diff(eng.score_logprobs(prompts, resps), ref.score_logprobs(prompts, resps)) < 0.1
+    # partial: perturb one MLP matrix of layer 1 only
+    with torch.no_grad():
+        w = other.model.layers[1].mlp.down_proj.weight
+        w.add_(torch.randn_like(w, generator=torch.Generator().manual_seed(0)) * 0.3)
+    before = eng.score_logprobs(prompts, resps)
+    eng.load_weights([("model.layers.1.mlp.down_proj.weight", w)])
+    after = eng.score_logprobs(prompts, resps)
+    ref = FastEngine(other, dtype="bf16", linear_backend="dense")
+    assert _max_diff(before, after) > 0.1
+    assert _max_diff(after, ref.score_logprobs(prompts, resps)) < 0.1
+
+
+def test_linear_backend_errors(model):
+    with pytest.raises(ValueError, match="linear_backend"):
+        FastEngine(model, linear_backend="nope")
+
+
+def test_compile_failure_falls_back_to_eager(model, prompts):
+    eager = FastEngine(model, dtype="fp32").generate(prompts, GREEDY).response_ids
+    eng = FastEngine(model, dtype="fp32", compile=True)
+
+    def broken(*a, **k):
+        raise RuntimeError("inductor exploded")
+    eng._compiled_step = broken
+    with pytest.warns(UserWarning, match="decoding eagerly"):
+        out = eng.generate(prompts, GREEDY)
+    assert out.response_ids == eager
+    assert eng._compiled_step is None
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager_fp32(model, prompts):
+    """One cold compile (~25 s on a 2-core CPU): the compiled step gives HF's greedy tokens."""
+    eng = FastEngine(model, dtype="fp32", compile=True)
+    out = eng.generate(prompts, GREEDY)
+    assert eng._compiled_step is not None and eng.compile_seconds
+    assert out.response_ids == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_int8_small_batch_decode(model, prompts):
+    """int8 weight-only decode for small batches: close to bf16, re-quantized by load_weights,
+    larger batches and scoring untouched."""
+    from turborlhf.rollout.fast import _quantize_int8
+    w = torch.randn(16, 32)
+    q, s = _quantize_int8(w, torch.float32)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert (q.float() * s[:, None] - w).abs().max() <= s.max() / 2 + 1e-6   # rounding error <= half a step
+    eng = FastEngine(model, dtype="bf16", int8_max_batch=2)
+    ref = FastEngine(model, dtype="bf16")
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2, return_logprobs=True)
+    out = eng.generate(prompts[:1], sp)                                   # batch 1 → int8 steps
+    d = _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids))
+    assert 1e-3 < d < 0.3                                                 # quantized, but close
+    big = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2)
+    assert eng.generate(prompts, big).response_ids == ref.generate(prompts, big).response_ids  # batch 5: bf16
+    other = tiny_llama(7)
+    eng.load_weights(other.named_parameters())
+    ref = FastEngine(other, dtype="bf16")
+    out = eng.generate(prompts[:1], sp)
+    assert _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids)) < 0.3
+
+
+def test_unpadded_small_batch_attention_path(model, prompts):
+    """Rows without left padding and B <= 4 attend through SDPA over the used columns: same
+    greedy tokens as HF, same log-probs as scoring."""
+    fast = FastEngine(model, dtype="fp32")
+    same_len = [prompts[2], prompts[2][::-1], [p + 1 for p in prompts[2]]]  # 3 rows, no padding
+    for batch in ([prompts[4]], same_len):
+        out = fast.generate(batch, GREEDY)
+        assert out.response_ids == [hf_greedy(model, p, 16) for p in batch]
+        sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, return_logprobs=True)
+        s = fast.generate(batch, sp)
+        assert _max_diff(s.logprobs, fast.score_logprobs(batch, s.response_ids)) < 1e-4

@@ -1,5 +1,6 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): `FastEngine` (embedded decode loop
-for Llama-family models), `HFEngine` (transformers `generate`, any causal LM) and, later, vLLM.
+for Llama-family models), `HFEngine` (transformers `generate`, any causal LM) and `VLLMEngine`
+(vLLM's offline `LLM`, optional extra). `sync.py` pushes trainer weights and verifies them.
 
 Heavy modules are imported lazily so `import turborlhf.rollout` stays cheap.
 """
@@ -27,17 +28,13 @@ def make_engine(kind: str, model_or_path, dtype: str = "bf16", **kw) -> RolloutE
           'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily).
     model_or_path: a loaded transformers causal LM (weights copied) or an HF directory.
     dtype: 'bf16' | 'fp32' | 'fp16'. kw: passed to the engine constructor.
-    Raises ValueError for an unknown kind, NotImplementedError if the vLLM backend is absent.
+    Raises ValueError for an unknown kind; ImportError (with install instructions) for 'vllm'
+    when the vllm package is not installed.
     """
     if kind not in _KINDS:
         raise ValueError(f"unknown rollout engine kind {kind!r}; choose one of {_KINDS}")
     if kind == "vllm":
-        try:
-            from .vllm import VLLMEngine  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise NotImplementedError(
-                "the vLLM rollout backend (turborlhf.rollout.vllm) is not available: "
-                f"{e}. Use kind='auto' (embedded FastEngine/HFEngine) instead.") from e
+        from .vllm import VLLMEngine  # vllm itself is imported by the constructor
         return VLLMEngine(model_or_path, dtype=dtype, **kw)
     if kind == "hf":
         from .hf import HFEngine

@@ -9,21 +9,29 @@ What makes it fast on a CPU, compared with `transformers` `generate` (benchmarks
 measures both in one process):
 - the engine owns a converted copy of the weights (bf16 by default) with q/k/v fused into one
   matrix and gate/up fused into one, refreshed in place by `load_weights` (no disk);
+- in bf16 the linears run on oneDNN with weights pre-packed into its blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's freezing uses), about 2× faster
+  than `F.linear` for the 1-32 rows of a decode step; the residual add, SiLU and gate·up product
+  are fused into the oneDNN calls as post-ops. `load_weights` re-packs the layers it touched
+  (~0.1 s for all of SmolLM2-135M), so a policy update never needs a recompile;
 - a static KV cache `K_LBKTD` allocated once per call; prompts are left-padded into columns
   [0, P) and generated token t is written at column P + t for every row;
 - identical prompts (and the n samples of a prompt) are prefilled once and their cache rows
   copied;
 - decode attention is grouped-query attention done as one matmul per KV head (the G query heads
   that share a KV head form the "query length" dimension) instead of repeat_kv + SDPA;
+- RoPE as x·cos + roll(x)·sin± (sin with the rotate-half sign folded in): 4 ops, exact;
 - sampling by inverse CDF (see `sampling.py`), ~20× faster than `torch.multinomial`;
 - finished rows are dropped: when half the rows are done the batch is compacted (cache rows
   gathered), and the loop stops when all rows are done;
 - optional `torch.compile` of the decode step (`compile=True`, off by default): the step then
   attends over the whole (bucketed) cache with a mask so its shapes repeat: (batch bucket,
-  cache-length bucket). Inductor freezing is deliberately not used: it bakes the weights into the
-  compiled code, so every `load_weights` would need a recompile. As measured so far the compiled
-  step is slower than eager at batch 8/32 (cold compile 85-450 s per shape on a loaded machine);
-  keep it off until that is understood.
+  cache-length bucket). The packed linears enter the graph as an opaque custom op
+  (`turborlhf::packed_linear`) that reads the engine's current packed weights, so weight updates
+  need no recompile (Inductor freezing would bake the weights into the compiled code). If
+  compiling fails the engine warns and decodes eagerly. As measured (docs/rollout.md) the
+  compiled step is not faster than the eager one on the 2-core CPU and each (batch, cache) bucket
+  costs about a minute of cold compile, hence off by default.
 
 Notation: L layers, B rows, S prompt positions, T cache length, H query heads, KV key/value
 heads, G = H / KV, D head dim, E hidden size, I MLP size, V vocabulary.
@@ -33,6 +41,8 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
+import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -97,8 +107,59 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
+def _rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Same value as `_rope`, bit for bit: rotate_half(x)·sin == roll(x, D/2)·sin± where sin± is
+    sin with its first half negated (negation is exact). 4 ops instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: w ≈ q · scale[:, None], |q| <= 127. Returns (q int8 N×K,
+    scale N in `dtype`, the activation dtype `torch._weight_int8pack_mm` expects)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(dtype)
+
+
+def mkldnn_packing_available() -> bool:
+    """True if this torch build has oneDNN and the linear weight-packing ops Inductor uses."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """Dense out×in weight → oneDNN blocked layout (an opaque MKLDNN tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+# ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
+# packed weights at run time (weights change after every policy update; no recompile)
+_ENGINES: "weakref.WeakValueDictionary[int, FastEngine]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("turborlhf::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, other: Optional[torch.Tensor], engine: int, slot: int,
+                      attr: str) -> torch.Tensor:
+    """attr(x @ W[slot]ᵀ + b[slot], other) with W, b the packed weights of engine `engine`."""
+    return _ENGINES[engine]._plin(x, other, slot, attr)
+
+
+@_packed_linear_op.register_fake
+def _(x, other, engine, slot, attr):
+    return x.new_empty(*x.shape[:-1], _ENGINES[engine]._out_features[slot])
+
+
 class _Layer:
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+
+# packed slots per layer: qkv, o, gate, up, down; the LM head is slot 5·L
+_QKV, _O, _GATE, _UP, _DOWN = range(5)
 
 
 class FastEngine:
@@ -113,13 +174,30 @@ class FastEngine:
     kv_bucket: cache length is rounded up to a multiple of this (compiled shapes repeat).
     compact: drop finished rows (gather the cache) once half of the rows are done.
     dedupe_prompts: prefill identical prompts once (always exact up to float rounding).
-    Raises ValueError for an unsupported architecture.
+    linear_backend: 'auto' (oneDNN pre-packed weights in bf16 when available, else dense),
+        'mkldnn' (require them) or 'dense' (`F.linear`; what the fp32 exactness tests use).
+    int8_max_batch: decode steps with at most this many rows use int8 weight-only linears
+        (symmetric per-output-row scales, re-quantized by every `load_weights`; half the weight
+        bytes of bf16, for memory-bound small batches). 0 = off (default). This samples from an
+        approximation of the policy: prefill, `score_logprobs` and larger batches stay exact.
+    Raises ValueError for an unsupported architecture or an unknown/unavailable backend.
     """
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 32,
                  compile: bool = False, kv_bucket: int = 64, compact: bool = True,
-                 dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)):
+                 dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 linear_backend: str = "auto", int8_max_batch: int = 0):
         self.dtype = resolve_dtype(dtype)
+        self.int8_max_batch = int(int8_max_batch)
+        if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
+            raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
+        if linear_backend not in ("auto", "mkldnn", "dense"):
+            raise ValueError(f"linear_backend must be 'auto', 'mkldnn' or 'dense', got {linear_backend!r}")
+        if linear_backend == "mkldnn" and not mkldnn_packing_available():
+            raise ValueError("linear_backend='mkldnn' but this torch build lacks oneDNN linear packing")
+        self._mkl = linear_backend == "mkldnn" or (
+            linear_backend == "auto" and self.dtype == torch.bfloat16 and mkldnn_packing_available())
+        self.linear_backend = "mkldnn" if self._mkl else "dense"
         if isinstance(model_or_path, torch.nn.Module):
             config = copy.deepcopy(model_or_path.config)
             state = model_or_path.state_dict()
@@ -153,6 +231,13 @@ class FastEngine:
         self._o_bias = attn_bias
         self._mlp_bias = bool(getattr(c, "mlp_bias", False))
         self._alloc_weights()
+        self._packed: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
+        self._pbias: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
+        self._out_features: list[int] = [0] * (5 * self.n_layers + 1)
+        self._q8: list[Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = [None] * (5 * self.n_layers + 1)
+        self._key = id(self)
+        _ENGINES[self._key] = self
+        self.last_weight_update: dict = {}
         self.load_weights(state.items())
         missing = self._unloaded
         if missing:
@@ -163,13 +248,16 @@ class FastEngine:
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos_PD = (emb.cos() * att_scale).to(self.dtype)
         self._sin_PD = (emb.sin() * att_scale).to(self.dtype)
+        h = self.head_dim // 2
+        self._sins_PD = torch.cat((-self._sin_PD[:, :h], self._sin_PD[:, h:]), dim=-1)  # sin±
         self._compile = compile
         self._compiled_step = None
+        self.compile_seconds: dict = {}       # (batch, cache length) → first-call seconds
         if compile:
             import torch._dynamo.config as dcfg
             dcfg.recompile_limit = max(dcfg.recompile_limit, 64)
             dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, 512)
-            self._compiled_step = torch.compile(self._step, dynamic=False, fullgraph=True)
+            self._compiled_step = torch.compile(self._step_graph, dynamic=False, fullgraph=True)
 
     # ------------------------------------------------------------------ weights
     def _alloc_weights(self):
@@ -187,6 +275,11 @@ class FastEngine:
             "model.norm.weight": (self.norm_E, None),
             "lm_head.weight": (self.lm_head_VE, None),
         }
+        # name → which packed group must be re-packed after it changes (layer i, or L = LM head)
+        L = self.n_layers
+        self._pack_group: dict[str, int] = {"lm_head.weight": L}
+        if self.tied:
+            self._pack_group["model.embed_tokens.weight"] = L
         for i in range(self.n_layers):
             ly = _Layer()
             ly.ln1, ly.ln2 = z(E), z(E)
@@ -199,6 +292,9 @@ class FastEngine:
             self.layers.append(ly)
             p = f"model.layers.{i}."
             s = self._slots
+            for nm in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                self._pack_group[p + nm + ".weight"] = self._pack_group[p + nm + ".bias"] = i
             s[p + "input_layernorm.weight"] = (ly.ln1, None)
             s[p + "post_attention_layernorm.weight"] = (ly.ln2, None)
             qs, ks, vs = slice(0, H * D), slice(H * D, (H + KV) * D), slice((H + KV) * D, qkv)
@@ -220,9 +316,14 @@ class FastEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF parameter name, tensor) pairs into the engine's weights in place (cast to the
-        engine dtype). Partial updates are allowed. Wrapper prefixes ('module.', '_orig_mod.')
-        are stripped; rotary buffers are ignored. With tied embeddings 'lm_head.weight' writes
-        the shared embedding. Raises KeyError on an unknown name, ValueError on a bad shape."""
+        engine dtype), then re-pack the oneDNN weights of the layers touched. Partial updates
+        are allowed. Wrapper prefixes ('module.', '_orig_mod.') are stripped; rotary buffers
+        are ignored. With tied embeddings 'lm_head.weight' writes the shared embedding.
+        Seconds spent are left in `last_weight_update` ({'copy_s', 'repack_s', 'tensors'}).
+        Raises KeyError on an unknown name, ValueError on a bad shape."""
+        t0 = time.perf_counter()
+        dirty: set[int] = set()
+        n = 0
         with torch.no_grad():
             for name, t in named_tensors:
                 name = strip_wrapper_prefixes(name)
@@ -237,10 +338,94 @@ class FastEngine:
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(dst.shape)}")
                 dst.copy_(t.detach())
                 self._unloaded.discard(name)
+                n += 1
+                g = self._pack_group.get(name)
+                if g is not None:
+                    dirty.add(g)
+        t1 = time.perf_counter()
+        self._repack(dirty)
+        self.last_weight_update = {"copy_s": t1 - t0, "repack_s": time.perf_counter() - t1, "tensors": n}
+
+    def _repack(self, groups: Iterable[int]) -> None:
+        """Rebuild the packed oneDNN weights of layers `groups` (L = the LM head) from the dense
+        copies. Dense backend: only records output sizes."""
+        L, I = self.n_layers, self.config.intermediate_size
+        with torch.no_grad():
+            for g in sorted(groups):
+                if g == L:
+                    mats = [(5 * L, self.lm_head_VE, None)]
+                else:
+                    ly = self.layers[g]
+                    bg = ly.bgu[:I] if ly.bgu is not None else None
+                    bu = ly.bgu[I:] if ly.bgu is not None else None
+                    mats = [(5 * g + _QKV, ly.wqkv, ly.bqkv), (5 * g + _O, ly.wo, ly.bo),
+                            (5 * g + _GATE, ly.wgu[:I], bg), (5 * g + _UP, ly.wgu[I:], bu),
+                            (5 * g + _DOWN, ly.wd, ly.bd)]
+                for slot, w, b in mats:
+                    self._out_features[slot] = w.shape[0]
+                    if self._mkl:
+                        self._packed[slot] = _pack(w)
+                        self._pbias[slot] = None if b is None else b.contiguous()
+                if self.int8_max_batch:
+                    q8 = ([(5 * L, self.lm_head_VE, None)] if g == L else
+                          [(5 * g + _QKV, ly.wqkv, ly.bqkv), (5 * g + _O, ly.wo, ly.bo),
+                           (5 * g + _GATE, ly.wgu, ly.bgu), (5 * g + _DOWN, ly.wd, ly.bd)])  # gate·up fused
+                    for slot, w, b in q8:
+                        self._q8[slot] = (*_quantize_int8(w, self.dtype), b)
 
     # ------------------------------------------------------------------ model maths
-    def _linear(self, x, w, b):
-        return F.linear(x, w, b)
+    def _plin(self, x: torch.Tensor, other: Optional[torch.Tensor], slot: int, attr: str) -> torch.Tensor:
+        """Packed oneDNN linear of slot `slot` with a fused post-op:
+        attr 'none' → xWᵀ+b; 'swish' → silu(xWᵀ+b); 'add' → xWᵀ+b+other; 'mul' → (xWᵀ+b)·other."""
+        w, b = self._packed[slot], self._pbias[slot]
+        if other is None:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, attr, [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, attr)
+
+    def _lin8(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """int8 weight-only linear of slot `slot` (x: 2-D)."""
+        q, scale, b = self._q8[slot]
+        y = torch._weight_int8pack_mm(x, q, scale)
+        return y if b is None else y + b
+
+    def _head(self, h: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """LM head → float32 logits."""
+        if int8:
+            return self._lin8(h, 5 * self.n_layers).float()
+        if self._mkl:
+            return self._plin(h, None, 5 * self.n_layers, "none").float()
+        return F.linear(h, self.lm_head_VE).float()
+
+    def _attn_mlp_out(self, l: int, ly: _Layer, x: torch.Tensor, a: torch.Tensor, graph: bool,
+                      int8: bool = False) -> torch.Tensor:
+        """x + o_proj(a), then x + down(silu(gate(h)) · up(h)) with h = RMSNorm(x): the rest of
+        layer l after attention. `graph`: call the packed linears through the custom op;
+        `int8`: int8 weight-only linears."""
+        if int8:
+            x = x + self._lin8(a, 5 * l + _O)
+            g, u = self._lin8(_rms(x, ly.ln2, self.eps), 5 * l + _GATE).chunk(2, dim=-1)
+            return x + self._lin8(F.silu(g) * u, 5 * l + _DOWN)
+        if self._mkl:
+            lin = ((lambda x_, o_, s_, a_: torch.ops.turborlhf.packed_linear(x_, o_, self._key, s_, a_))
+                   if graph else self._plin)
+            s = 5 * l
+            x = lin(a, x, s + _O, "add")                               # x + a·Woᵀ
+            h = _rms(x, ly.ln2, self.eps)
+            g = lin(h, None, s + _GATE, "swish")                       # silu(h·Wgᵀ)
+            return lin(lin(h, g, s + _UP, "mul"), x, s + _DOWN, "add")  # x + (h·Wuᵀ · g)·Wdᵀ
+        x = x + F.linear(a, ly.wo, ly.bo)
+        h = _rms(x, ly.ln2, self.eps)
+        g, u = F.linear(h, ly.wgu, ly.bgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(g) * u, ly.wd, ly.bd)
+
+    def _qkv(self, l: int, ly: _Layer, h: torch.Tensor, graph: bool, int8: bool = False) -> torch.Tensor:
+        if int8:
+            return self._lin8(h, 5 * l + _QKV)
+        if not self._mkl:
+            return F.linear(h, ly.wqkv, ly.bqkv)
+        if graph:
+            return torch.ops.turborlhf.packed_linear(h, None, self._key, 5 * l + _QKV, "none")
+        return self._plin(h, None, 5 * l + _QKV, "none")
 
     def _forward_full(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, allow_BSS: torch.Tensor,
                       K_LBKTD: Optional[torch.Tensor] = None, V_LBKTD: Optional[torch.Tensor] = None
@@ -251,57 +436,88 @@ class FastEngine:
         B, S = ids_BS.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = self.embed_VE[ids_BS]                                   # B×S×E
-        cos = self._cos_PD[pos_BS][:, None]                         # B×1×S×D
-        sin = self._sin_PD[pos_BS][:, None]
+        cos = self._cos_PD[pos_BS][:, :, None]                      # B×S×1×D
+        sins = self._sins_PD[pos_BS][:, :, None]
         mask = allow_BSS[:, None]                                   # B×1×S×S
         for l, ly in enumerate(self.layers):
             h = _rms(x, ly.ln1, self.eps)
-            qkv = self._linear(h, ly.wqkv, ly.bqkv)                 # B×S×(H+2KV)D
-            q = qkv[..., : H * D].view(B, S, H, D).transpose(1, 2)  # B×H×S×D
-            k = qkv[..., H * D:(H + KV) * D].view(B, S, KV, D).transpose(1, 2)
+            qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D
+            qk = _rope_signed(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sins).transpose(1, 2)
+            q, k = qk[:, :H], qk[:, H:]                             # B×H×S×D, B×KV×S×D
             v = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             if K_LBKTD is not None:
                 K_LBKTD[l, :, :, :S] = k
                 V_LBKTD[l, :, :, :S] = v
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.group > 1)
-            x = x + self._linear(a.transpose(1, 2).reshape(B, S, H * D), ly.wo, ly.bo)
-            h = _rms(x, ly.ln2, self.eps)
-            g, u = self._linear(h, ly.wgu, ly.bgu).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, ly.wd, ly.bd)
+            x = self._attn_mlp_out(l, ly, x, a.transpose(1, 2).reshape(B, S, H * D), False)
         return _rms(x, self.norm_E, self.eps)
 
-    def _step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, col_1: torch.Tensor,
-              maskadd_BT: torch.Tensor, K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor) -> torch.Tensor:
-        """One decode step: token ids_B at positions pos_B, K/V written at cache column col_1,
-        attention over the first T' = maskadd_BT.shape[1] columns (additive float mask).
-        Returns float32 logits B×V."""
+    def _step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, col: int, T: int,
+              K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, maskadd_BT: torch.Tensor,
+              graph: bool = False, nopad: bool = False) -> torch.Tensor:
+        """One decode step: token ids_B at positions pos_B, K/V written at cache column `col`.
+        Returns float32 logits B×V. `graph`: traced by torch.compile (custom-op linears).
+
+        Attention, two ways (as measured per layer on the 2-core CPU, benchmarks in
+        docs/rollout.md): rows without left padding (`nopad`) and B <= 4 use SDPA over the first
+        T = col + 1 columns, no mask (29 µs vs 94 µs at B=1); otherwise grouped-query matmuls
+        over the whole allocated cache with the additive mask maskadd_BT (B×Tmax): a contiguous
+        cache avoids the copy a [:T] slice costs (292 µs vs 441 µs at B=32)."""
         B = ids_B.shape[0]
         H, KV, G, D = self.n_heads, self.n_kv, self.group, self.head_dim
-        T = maskadd_BT.shape[1]
         scale = 1.0 / math.sqrt(D)
+        i8 = 0 < B <= self.int8_max_batch and not graph             # int8 weight-only small batches
+        sdpa = nopad and B <= 4 and not graph
         x = self.embed_VE[ids_B]                                    # B×E
         cos = self._cos_PD[pos_B][:, None]                          # B×1×D
-        sin = self._sin_PD[pos_B][:, None]
+        sins = self._sins_PD[pos_B][:, None]
         m = maskadd_BT[:, None, None, :]                            # B×1×1×T
         for l, ly in enumerate(self.layers):
             h = _rms(x, ly.ln1, self.eps)
-            qkv = self._linear(h, ly.wqkv, ly.bqkv)                 # B×(H+2KV)D
-            qk = _rope(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sin)  # q and k at once
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KV) * D:].view(B, KV, D)
+            qkv = self._qkv(l, ly, h, graph, i8)                    # B×(H+2KV)D
+            qk = _rope_signed(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sins)  # q and k at once
             Kl, Vl = K_LBKTD[l], V_LBKTD[l]                          # B×KV×Tmax×D
-            Kl.index_copy_(2, col_1, k[:, :, None, :])
-            Vl.index_copy_(2, col_1, v[:, :, None, :])
-            # grouped-query attention: the G query heads of a KV head are one matmul
-            s = torch.matmul(q.view(B, KV, G, D), Kl[:, :, :T].transpose(-1, -2))  # B×KV×G×T
-            p = torch.softmax(s.float() * scale + m, dim=-1).to(x.dtype)
-            a = torch.matmul(p, Vl[:, :, :T])                        # B×KV×G×D
-            x = x + self._linear(a.reshape(B, H * D), ly.wo, ly.bo)
-            h = _rms(x, ly.ln2, self.eps)
-            g, u = self._linear(h, ly.wgu, ly.bgu).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, ly.wd, ly.bd)
-        return F.linear(_rms(x, self.norm_E, self.eps), self.lm_head_VE).float()
+            Kl[:, :, col] = qk[:, H:]
+            Vl[:, :, col] = qkv[:, (H + KV) * D:].view(B, KV, D)
+            if sdpa:
+                a = F.scaled_dot_product_attention(qk[:, :H, None], Kl[:, :, :T], Vl[:, :, :T],
+                                                   enable_gqa=G > 1)  # B×H×1×D
+            else:
+                # grouped-query attention: the G query heads of a KV head are one matmul
+                s = torch.matmul(qk[:, :H].reshape(B, KV, G, D), Kl.transpose(-1, -2))  # B×KV×G×Tmax
+                p = torch.softmax(torch.add(m, s, alpha=scale), dim=-1).to(x.dtype)  # float32 softmax
+                a = torch.matmul(p, Vl)                              # B×KV×G×D
+            x = self._attn_mlp_out(l, ly, x, a.reshape(B, H * D), graph, i8)
+        h = _rms(x, self.norm_E, self.eps)
+        if self._mkl and graph:
+            return torch.ops.turborlhf.packed_linear(h, None, self._key, 5 * self.n_layers, "none").float()
+        return self._head(h, i8)
+
+    def _step_graph(self, ids_B, pos_B, col_1, K_LBKTD, V_LBKTD, maskadd_BT):
+        """The compiled step: the cache column is a tensor and attention covers the whole
+        (bucketed) cache, so one graph serves every step of a (batch, cache-length) bucket."""
+        B = ids_B.shape[0]
+        L, T = self.n_layers, K_LBKTD.shape[3]
+        H, KV, G, D = self.n_heads, self.n_kv, self.group, self.head_dim
+        scale = 1.0 / math.sqrt(D)
+        x = self.embed_VE[ids_B]
+        cos = self._cos_PD[pos_B][:, None]
+        sins = self._sins_PD[pos_B][:, None]
+        m = maskadd_BT[:, None, None, :]
+        for l, ly in enumerate(self.layers):
+            h = _rms(x, ly.ln1, self.eps)
+            qkv = self._qkv(l, ly, h, True)
+            qk = _rope_signed(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sins)
+            Kl, Vl = K_LBKTD[l], V_LBKTD[l]
+            Kl.index_copy_(2, col_1, qk[:, H:, None, :])
+            Vl.index_copy_(2, col_1, qkv[:, (H + KV) * D:].view(B, KV, 1, D))
+            s = torch.matmul(qk[:, :H].reshape(B, KV, G, D), Kl.transpose(-1, -2))
+            p = torch.softmax(torch.add(m, s, alpha=scale), dim=-1).to(x.dtype)
+            x = self._attn_mlp_out(l, ly, x, torch.matmul(p, Vl).reshape(B, H * D), True)
+        h = _rms(x, self.norm_E, self.eps)
+        if self._mkl:
+            return torch.ops.turborlhf.packed_linear(h, None, self._key, 5 * L, "none").float()
+        return F.linear(h, self.lm_head_VE).float()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
@@ -326,6 +542,23 @@ class FastEngine:
                 lps += lp
         timings["generate_s"] = time.perf_counter() - t0
         return RolloutOutput(resp, fin, lps if params.return_logprobs else None, timings=timings)
+
+    def _compiled_call(self, ids_B, pos_B, col_1, K, V, maskadd_BT):
+        """The compiled step, timing each new (batch, cache-length) bucket's first call (cold
+        compile) into `compile_seconds`; on any compile error, warn once and decode eagerly."""
+        key = (int(ids_B.shape[0]), int(K.shape[3]))
+        t0 = time.perf_counter()
+        try:
+            out = self._compiled_step(ids_B, pos_B, col_1, K, V, maskadd_BT)
+        except Exception as e:  # noqa: BLE001 - any Dynamo/Inductor failure → eager fallback
+            warnings.warn(f"FastEngine: torch.compile of the decode step failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); decoding eagerly from now on")
+            self._compiled_step = None
+            col = int(col_1.item())
+            return self._step(ids_B, pos_B, col, col + 1, K, V, maskadd_BT)
+        if key not in self.compile_seconds:
+            self.compile_seconds[key] = time.perf_counter() - t0
+        return out
 
     def _bucket_batch(self, n: int) -> int:
         if not self._compile:
@@ -357,7 +590,7 @@ class FastEngine:
         Kp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         Vp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp, Vp)[:, -1]
-        logits = F.linear(hid_UE, self.lm_head_VE).float()
+        logits = self._head(hid_UE)
         src_t = torch.tensor(src + [src[0]] * (Bc - N))            # bucket filler rows
         K = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
         V = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
@@ -382,6 +615,7 @@ class FastEngine:
         T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
         Bc = self._bucket_batch(N)
         K, V, logits_BV, maskadd_BT, pos_B = self._prefill(reqs, P, T, Bc)
+        nopad = all(len(p) == P for p in reqs)                     # no left padding in any row
         rows_B = torch.arange(Bc)                                  # request index of each row
         rows_B[N:] = -1
         done_B = rows_B < 0
@@ -393,7 +627,6 @@ class FastEngine:
         has_stop = stop_t.numel() > 0
         timings["prefill_s"] += time.perf_counter() - tp
         td = time.perf_counter()
-        step_fn = self._compiled_step if self._compile else self._step
         col_1 = torch.zeros(1, dtype=torch.long)
         for t in range(new):
             suppress = stop_t if (has_stop and t < params.min_new_tokens) else None
@@ -424,8 +657,10 @@ class FastEngine:
             col = P + t
             col_1.fill_(col)
             maskadd_BT[:, col] = 0.0
-            mask_view = maskadd_BT if self._compile else maskadd_BT[:, : col + 1]
-            logits_BV = step_fn(ids_B, pos_B, col_1, mask_view, K, V)
+            if self._compiled_step is not None:
+                logits_BV = self._compiled_call(ids_B, pos_B, col_1, K, V, maskadd_BT)
+            else:
+                logits_BV = self._step(ids_B, pos_B, col, col + 1, K, V, maskadd_BT, nopad=nopad)
             pos_B = pos_B + 1
             timings["steps"] += 1
         timings["decode_s"] += time.perf_counter() - td
@@ -470,7 +705,7 @@ class FastEngine:
                         out.append([])
                         continue
                     a = int(pad[i]) + len(p) - 1                      # predicts response token 0
-                    lg = F.linear(hid[i, a: a + len(r)], self.lm_head_VE).float().log_softmax(-1)
+                    lg = self._head(hid[i, a: a + len(r)]).log_softmax(-1)
                     out.append(lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
         return out
 

@@ -252,11 +252,37 @@ def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int):
     return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)]
 
 
-def sync_weights(cluster) -> None:
+def sync_weights(cluster, canary=None, tol: float = 0.05) -> dict:
     """Weight sync: actor rank 0's parameters reach every live rollout engine (one object-store
-    copy read by all engines under Ray; a plain dict locally)."""
+    copy read by all engines under Ray; a plain dict locally). With a `canary`, every engine's
+    log-probs on it are checked against the actor's (`turborlhf.rollout.sync`): WeightSyncError,
+    naming the rollout worker, when one disagrees by more than `tol`. Returns the sync metrics of
+    the worst engine (empty without a canary)."""
+    t0 = time.perf_counter()
     weights = cluster["actor"].ref0("weights")
     cluster["rollout"].run_alive("load_weights", weights)
+    if canary is None:
+        return {}
+    t_push = time.perf_counter() - t0
+    return _check_engines(cluster, canary, tol) | {M.T_WEIGHT_PUSH: t_push}
+
+
+def start_sync_check(cluster, cfg: PPOConfig, prompt_ids: list[list[int]]):
+    """At start-up (`rollout.verify_sync`): build the canary on rollout worker 0 and check every
+    engine against the actor as built; returns the canary for the later checks (None when off)."""
+    if not cfg.rollout.verify_sync:
+        return None
+    canary = cluster["rollout"].run_alive("make_canary", prompt_ids)[0]
+    m = _check_engines(cluster, canary, cfg.rollout.sync_tolerance)
+    print(f"[sync] the rollout engines match the actor on {len(canary.prompts)} canary rows: max |Δ mean log-prob| "
+          f"{m[M.SYNC_LOGP_DIFF]:.4f} <= {cfg.rollout.sync_tolerance:g}", flush=True)
+    return canary
+
+
+def _check_engines(cluster, canary, tol: float) -> dict:
+    ref = next(r for r in cluster["actor"].run("canary_logprobs", canary) if r is not None)
+    reports = cluster["rollout"].run_alive("check_sync", canary, ref, tol)
+    return max(reports, key=lambda m: m.get(M.SYNC_LOGP_DIFF, 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,6 +618,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         if (ckpt / "actor" / "adapter_config.json").exists():
             sync_weights(cluster)       # the engines started from the base: push the merged LoRA actor
         print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
+    canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
@@ -606,7 +633,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     try:
         with StopRequested() as stop:
             for step in range(start, len(plan)):
-                done = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f)
+                done = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f,
+                             canary)
                 if stop.signal is not None and done < len(plan):
                     path = checkpoint(done)
                     raise RunInterrupted(f"{stop.signal} at step {done}/{len(plan)}: kept checkpoint {path}; "
@@ -629,7 +657,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f) -> int:
+          samples_f, canary=None) -> int:
     """One PPO step (numbered as in the module docstring); returns the number of steps done."""
     A = cfg.algo
     t_step = time.perf_counter()
@@ -651,13 +679,15 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
     t0 = time.perf_counter()
-    if train_actor:
-        sync_weights(cluster)
+    sync_metrics = {}
+    if train_actor:  # push, then the canary check on every engine (WeightSyncError if one disagrees)
+        sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance)
     t_sync = time.perf_counter() - t0
     metrics = _rollout_metrics(exp, kl_ctl.value)
     if M.KL in metrics:
         kl_ctl.update(metrics[M.KL], len(exp.scores_B))
     metrics.update(stats)
+    metrics.update(sync_metrics)
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                     M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
                     float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})

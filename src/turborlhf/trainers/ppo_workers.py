@@ -225,6 +225,15 @@ class ActorWorker(_Trainable):
 
         return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # LoRA merged
 
+    def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
+        """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),
+        LoRA merged as the engines see it; rank 0 only (None elsewhere)."""
+        from turborlhf.rollout.sync import trainer_logprobs
+
+        if is_fsdp(self.model) or dp_rank_world()[0] != 0:
+            return None
+        return trainer_logprobs(self.model, canary)
+
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
         from turborlhf.engine.checkpoint import _write_hf
@@ -427,6 +436,23 @@ class RolloutWorker:
         if self.engine is None:
             self.engine = self._build()
         self.engine.load_weights(state.items())
+
+    def make_canary(self, prompts: list[list[int]]):
+        """Fixed canary batch for the weight-sync checks (`turborlhf.rollout.sync.make_canary`)."""
+        from turborlhf.rollout.sync import make_canary
+
+        if self.engine is None:
+            self.engine = self._build()
+        return make_canary(self.engine, prompts)
+
+    def check_sync(self, canary, trainer_logprobs: list[list[float]], tol: float) -> dict:
+        """Compare this engine's canary log-probs with the trainer's; WeightSyncError if they
+        disagree by more than `tol` (the run then stops naming this rollout worker)."""
+        from turborlhf.rollout.sync import check_engine
+
+        if self.engine is None:
+            self.engine = self._build()
+        return check_engine(self.engine, trainer_logprobs, canary, tol).metrics()
 
     def sleep(self) -> None:
         if self.cfg.distributed.rollout_sleep:

