@@ -32,6 +32,7 @@ OTHER_COMMANDS: dict[str, str] = {
     "eval-policy": "generate for prompts and score with a reward model",
     "eval-dpo": "implicit-reward accuracy and margin of a DPO policy on preference pairs",
     "serve-rm": "serve a reward model over HTTP with request batching",
+    "bench": "time ppo/dpo/rm/grpo/generate against a peer (TRL, HF generate) side by side",
 }
 
 
@@ -146,6 +147,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from turborlhf.rewards.server import main as serve_main
 
         return serve_main(rest)
+    if cmd == "bench":
+        from turborlhf.bench.cli import main as bench_main
+
+        return bench_main(rest)
     print(f"error: unknown command '{cmd}' (see turborlhf --help)", file=sys.stderr)
     return 2
 
