@@ -56,10 +56,10 @@ def load_hh_pairs(path: str | Path, n: int) -> list[dict]:
     Raises ValueError for a malformed line (naming it) or if the file has fewer than `n` usable pairs.
     """
     rows: list[dict] = []
-    for r in iter_hh_pairs(path):
+    for r in iter_hh_pairs(path) if n > 0 else ():
+        rows.append(r)
         if len(rows) >= n:
             break
-        rows.append(r)
     if len(rows) < n:
         raise ValueError(f"{path}: only {len(rows)} usable pairs, {n} needed")
     return rows
@@ -85,13 +85,13 @@ def write_bench_data(hh_path: str | Path, out_dir: str | Path, n_pairs: int, n_p
     pairs = load_hh_pairs(hh_path, n_pairs) if n_pairs else []
     prompts: list[str] = []
     seen: set[str] = set()
-    for r in iter_hh_pairs(hh_path):
-        if len(prompts) >= n_prompts:
-            break
+    for r in iter_hh_pairs(hh_path) if n_prompts > 0 else ():
         turn = first_user_turn(r["prompt"])
         if turn and turn not in seen:
             seen.add(turn)
             prompts.append(turn)
+            if len(prompts) >= n_prompts:
+                break
     if len(prompts) < n_prompts:
         raise ValueError(f"{hh_path}: only {len(prompts)} distinct first turns, {n_prompts} needed")
     paths = {"pairs": out / "pairs.jsonl", "prompts": out / "prompts.jsonl"}
