@@ -18,7 +18,7 @@ def test_bench_rm_ours_only_prints_table_then_json(tiny_model, tmp_path, capsys)
     rc, out, r = _run(capsys, "rm", "--vs", "none", "--model", tiny_model, "--warmup", "1", "--steps", "2",
                       "--reps", "1", "--threads", "1", "--out", tmp_path / "b", "--json")
     assert rc == 0
-    assert any(line.startswith("| s/step (mean) |") for line in out)
+    assert any(line.startswith("| s/step (median) |") for line in out)
     for key in ("ours_s_per_step", "peer_s_per_step", "speedup", "ours_peak_rss_gib", "peer_peak_rss_gib"):
         assert key in r
     assert r["ours_s_per_step"] > 0 and len(r["ours_step_times"]) == 2 and 0.1 < r["ours_peak_rss_gib"] < 6

@@ -81,13 +81,13 @@ def _training_result(**kw):
 
 def test_training_table_shows_ratio_targets_and_errors():
     t = R.format_table(_training_result())
-    assert "| s/step (mean) | 4.00 | 16.00 | 4.00× | ≥ 3× | yes |" in t
+    assert "| s/step (median) | 4.00 | 16.00 | 4.00× | ≥ 3× | yes |" in t
     assert "| peak RSS GiB | 3.00 | 10.00 | ours/peer 0.30 | ≤ 0.6 | yes |" in t
     assert "| samples/s | 2.000 | 0.500 |" in t
     t = R.format_table(_training_result(peer_s_per_step=None, speedup=None, peer_peak_rss_gib=None,
                                         rss_ratio=None, peer_steps=None, target_met={},
                                         peer_error="could not be installed: no network"))
-    assert "| s/step (mean) | 4.00 | — | — |" in t
+    assert "| s/step (median) | 4.00 | — | — |" in t
     assert "TRL 1.12.0 PPOTrainer has no numbers: could not be installed: no network" in t
 
 

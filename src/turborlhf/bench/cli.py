@@ -17,7 +17,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -33,6 +35,8 @@ from turborlhf.bench.workloads import (WORKLOADS, RunContext, SideRun, Workload,
                                        repo_root, samples_per_step)
 
 __all__ = ["main", "build_parser"]
+
+POLL_S = 0.5   # RSS sampling interval: walking the process table costs the harness ~1% of a core at this rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +88,11 @@ def _child_env(threads: int, pythonpath: list[str]) -> dict:
 class Side:
     """One side's accumulated results over the repetitions."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, threads: int):
+        self.name, self.threads = name, threads
         self.runs: list[SideRun] = []
         self.children: list[ChildResult] = []
+        self.child_info: list[dict] = []
         self.error: Optional[str] = None
 
     def fail(self, why: str) -> None:
@@ -103,10 +108,14 @@ class Side:
 
 def _run_side(side: Side, tag: str, cmd: list[str], env: dict, logs: Path, timeout: float, cwd: Path) -> Optional[ChildResult]:
     _log(f"[bench] {tag}: {' '.join(cmd[:4])} ... (log {logs / (tag + '.out')})")
-    res = run_child(cmd, logs / f"{tag}.out", logs / f"{tag}.err", env=env, cwd=cwd, timeout_s=timeout,
+    res = run_child(cmd, logs / f"{tag}.out", logs / f"{tag}.err", env=env, cwd=cwd, timeout_s=timeout, poll_s=POLL_S,
                     on_line=lambda line: line.startswith("[") and _log(f"    {tag} {line[:160]}"))
-    _log(f"[bench] {tag}: exit {res.returncode} in {res.wall_s:.0f} s, peak RSS {res.peak_rss_gib:.2f} GiB"
+    _log(f"[bench] {tag}: exit {res.returncode} in {res.wall_s:.0f} s, peak RSS {res.peak_rss_gib:.2f} GiB, "
+         f"CPU share {res.cpu_share(side.threads):.2f}, load {res.loadavg_start:.1f} → {res.loadavg_end:.1f}"
          + (" (TIMED OUT)" if res.timed_out else ""))
+    side.child_info.append({"tag": tag, "started": round(time.time() - res.wall_s, 1), "exit": res.returncode,
+                            "wall_s": round(res.wall_s, 1), "peak_rss_gib": round(res.peak_rss_gib, 3), "cpu_share": round(res.cpu_share(side.threads), 3),
+                            "loadavg_start": round(res.loadavg_start, 2), "loadavg_end": round(res.loadavg_end, 2)})
     if not res.ok:
         why = "timed out" if res.timed_out else f"exit code {res.returncode}"
         side.fail(f"{tag} failed ({why}); last stderr lines:\n{res.stderr_tail()}")
@@ -115,8 +124,22 @@ def _run_side(side: Side, tag: str, cmd: list[str], env: dict, logs: Path, timeo
     return res
 
 
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")   # run_child then kills the running child's process group
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(a)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(a)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(a: argparse.Namespace) -> int:
     w: Workload = WORKLOADS[a.command]
     repo = repo_root()
     for sub in ("benchmarks/peers", "configs/bench"):
@@ -149,7 +172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n_pairs, n_prompts = data_needed(w, base_cfg, ctx)
     ctx.data = write_bench_data(hh, out / "data", n_pairs, n_prompts)
 
-    ours, peer = Side("turborlhf"), Side(w.peer_name)
+    ours, peer = Side("turborlhf", threads), Side(w.peer_name, threads)
     src_dir = str(Path(__file__).resolve().parents[2])
     ours_env = _child_env(threads, [src_dir])
     peer_env, peer_info = None, {}
@@ -283,14 +306,14 @@ def _result(w: Workload, ctx: RunContext, a, ours: Side, peer: Side, hw_runs: li
         o_steps, o_extra = _side_steps(ours, ctx.warmup) if ours.error is None else ([], {})
         p_steps, p_extra = _side_steps(peer, ctx.warmup) if peer.error is None else ([], {})
         o_stats, p_stats = R.summarize(o_steps), R.summarize(p_steps)
-        o_s = o_stats["mean"] if o_stats else None
+        o_s = o_stats["median"] if o_stats else None
         refs = [run.extra["reference_pass"] for run in ours.runs if "reference_pass" in run.extra]
         if refs and o_s is not None:   # DPO: the one-off reference pass, amortised per step
             per_step = [x["seconds"] / (x["sequences"] / 2) * n for x in refs]
             r["ours_train_s_per_step"] = o_s
             r["ours_reference_s_per_step"] = sum(per_step) / len(per_step)
             o_s = o_s + r["ours_reference_s_per_step"]
-        p_s = p_stats["mean"] if p_stats else None
+        p_s = p_stats["median"] if p_stats else None
         r.update({"samples_per_step": n, "ours_s_per_step": o_s, "peer_s_per_step": p_s,
                   "speedup": R.ratio(p_s, o_s),
                   "ours_samples_per_s": R.ratio(float(n), o_s), "peer_samples_per_s": R.ratio(float(n), p_s),
@@ -299,6 +322,7 @@ def _result(w: Workload, ctx: RunContext, a, ours: Side, peer: Side, hw_runs: li
         for name, t in w.targets.items():
             r["target_met"][name] = R.check_target(r.get(name), t)
     r["ours_error"], r["peer_error"] = ours.error, peer.error
+    r["children"] = sorted(ours.child_info + peer.child_info, key=lambda c: c["started"])
     return r
 
 

@@ -35,6 +35,9 @@ class ChildResult:
     stdout_path: Path
     stderr_path: Path
     timed_out: bool = False
+    cpu_s: float = 0.0         # user + system CPU seconds of the child and its waited-for descendants
+    loadavg_start: float = 0.0  # 1-minute load average of the machine when the child started / ended
+    loadavg_end: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -43,6 +46,11 @@ class ChildResult:
     @property
     def peak_rss_gib(self) -> float:
         return self.peak_rss_bytes / GIB
+
+    def cpu_share(self, threads: int) -> float:
+        """CPU time / (wall time × threads): near 1 for a compute-bound child that had its cores to
+        itself; well below 1 when other processes took them (or the child waited on I/O)."""
+        return self.cpu_s / max(self.wall_s * threads, 1e-9)
 
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")
@@ -95,6 +103,7 @@ def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional
     out_p = Path(stdout_path)
     err_p = Path(stderr_path) if stderr_path else out_p.with_name(out_p.name + ".err")
     out_p.parent.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(out_p, "wb") as out_f, open(err_p, "wb") as err_f:
         proc = subprocess.Popen(list(cmd), stdout=out_f, stderr=err_f, env=env, cwd=cwd, start_new_session=True)
@@ -128,7 +137,8 @@ def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)   # reaped by wait4: tell Popen
     maxrss = int(rusage.ru_maxrss) * 1024                  # Linux reports KiB
-    return ChildResult(list(cmd), proc.returncode, wall, max(polled, maxrss), polled, maxrss, out_p, err_p, timed_out)
+    return ChildResult(list(cmd), proc.returncode, wall, max(polled, maxrss), polled, maxrss, out_p, err_p, timed_out,
+                       cpu_s=rusage.ru_utime + rusage.ru_stime, loadavg_start=load0, loadavg_end=os.getloadavg()[0])
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,7 +1,9 @@
 """Statistics, the result object printed with ``--json`` and the Markdown table.
 
-Result keys (training commands): ``ours_s_per_step``, ``peer_s_per_step`` (mean seconds per
-optimizer step over the measured steps of all repetitions), ``speedup`` (peer / ours: > 1 means
+Result keys (training commands): ``ours_s_per_step``, ``peer_s_per_step`` (median seconds per
+optimizer step over the measured steps of all repetitions: on a shared machine other processes
+only ever slow a step down, and the median ignores the odd such step; the mean is in
+``ours_steps``/``peer_steps``), ``speedup`` (peer / ours: > 1 means
 we are faster), ``ours_samples_per_s``, ``peer_samples_per_s``, ``ours_peak_rss_gib``,
 ``peer_peak_rss_gib`` (largest peak over the repetitions, whole process tree), ``rss_ratio``
 (ours / peer), ``targets`` and ``target_met``, the raw step times, per-side extras, and
@@ -103,11 +105,11 @@ def format_table(r: dict) -> str:
         unit = r["sample_unit"]
         t_speed, t_rss = r["targets"].get("speedup"), r["targets"].get("rss_ratio")
         lines += ["| metric | turborlhf | peer | peer / ours | target | met |", "| --- | --- | --- | --- | --- | --- |",
-                  f"| s/step (mean) | {fmt(r['ours_s_per_step'])} | {fmt(r['peer_s_per_step'])} "
+                  f"| s/step (median) | {fmt(r['ours_s_per_step'])} | {fmt(r['peer_s_per_step'])} "
                   f"| {fmt(r['speedup'], 2, '×')} | {_target_text(t_speed, '×')} "
                   f"| {fmt(r['target_met'].get('speedup')) if t_speed else ''} |",
                   f"| {unit}/s | {fmt(r['ours_samples_per_s'], 3)} | {fmt(r['peer_samples_per_s'], 3)} | | | |",
-                  f"| s/step median (min-max) | {_spread(r.get('ours_steps'))} | {_spread(r.get('peer_steps'))} "
+                  f"| s/step mean (min-max) | {_spread(r.get('ours_steps'))} | {_spread(r.get('peer_steps'))} "
                   "| | | |",
                   f"| peak RSS GiB | {fmt(r['ours_peak_rss_gib'])} | {fmt(r['peer_peak_rss_gib'])} "
                   f"| ours/peer {fmt(r['rss_ratio'])} | {_target_text(t_rss)} "
@@ -116,6 +118,13 @@ def format_table(r: dict) -> str:
             lines.append(f"\nours s/step = training step {fmt(r['ours_train_s_per_step'])} + one-off reference "
                          f"pass amortised per step {fmt(r['ours_reference_s_per_step'])} (TRL runs the reference "
                          "model in every step)")
+    if r.get("children"):
+        lines += ["", "| child | wall s | peak RSS GiB | CPU share | load (1 min) start → end |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {c['tag']} | {c['wall_s']:.0f} | {c['peak_rss_gib']:.2f} | {c['cpu_share']:.2f} "
+                  f"| {c['loadavg_start']:.1f} → {c['loadavg_end']:.1f} |" for c in r["children"]]
+        lines.append("(CPU share = CPU time / (wall × threads): a child whose share is well below its "
+                     "siblings' lost its cores to other processes.)")
     for side in ("ours", "peer"):
         if r.get(f"{side}_error"):
             lines.append(f"\n{'turborlhf' if side == 'ours' else r['peer']} has no numbers: {r[f'{side}_error']}")
@@ -130,4 +139,4 @@ def _get(r: dict, key: str, k: str):
 def _spread(s: Optional[dict]) -> str:
     if not s:
         return "—"
-    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}, n={s['n']})"
+    return f"{s['mean']:.2f} ({s['min']:.2f}-{s['max']:.2f}, n={s['n']})"
