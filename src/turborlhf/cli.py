@@ -33,6 +33,7 @@ OTHER_COMMANDS: dict[str, str] = {
     "eval-dpo": "implicit-reward accuracy and margin of a DPO policy on preference pairs",
     "serve-rm": "serve a reward model over HTTP with request batching",
     "plan": "estimate memory per role and device for a config before launch (reads no weights)",
+    "bench": "time ppo/dpo/rm/grpo/generate against a peer (TRL, HF generate) side by side",
 }
 
 
@@ -161,6 +162,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from turborlhf.rewards.server import main as serve_main
 
         return serve_main(rest)
+    if cmd == "bench":
+        from turborlhf.bench.cli import main as bench_main
+
+        return bench_main(rest)
     print(f"error: unknown command '{cmd}' (see turborlhf --help)", file=sys.stderr)
     return 2
 

@@ -1,0 +1,54 @@
+"""The machine's physical limits for the roofline of `turborlhf bench generate` (from
+shared/peers/hw_peak.py): bf16 matmul GFLOP/s (n x n @ n x n, best of `--iters` after 3 warm-ups)
+and memory bandwidth over a 1 GiB fp32 tensor (read: `sum`; copy: read + write), best of `--iters`,
+at `--threads`. The roofline uses the read figure (decoding reads weights).
+
+usage: python benchmarks/hw_peak.py [--threads 2] [--n 2048] [--iters 10]
+"""
+import argparse
+import json
+import time
+
+RESULT_TAG = "BENCH_RESULT "
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--mib", type=int, default=1024)
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    x = torch.randn(a.n, a.n, dtype=torch.bfloat16)
+    y = torch.randn(a.n, a.n, dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ y
+    best = float("inf")
+    for _ in range(a.iters):
+        t = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - t)
+    gflops = 2 * a.n ** 3 / best / 1e9
+    del x, y
+    buf = torch.ones(a.mib * 2 ** 20 // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(a.iters):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    read_gbs = buf.numel() * 4 / best / 1e9
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    best = float("inf")
+    for _ in range(a.iters):
+        t = time.perf_counter()
+        dst.copy_(buf)
+        best = min(best, time.perf_counter() - t)
+    copy_gbs = 2 * buf.numel() * 4 / best / 1e9   # read + write
+    print(f"bf16 matmul {a.n}: {gflops:.0f} GFLOP/s; memory read {read_gbs:.1f} GB/s, copy (read+write) "
+          f"{copy_gbs:.1f} GB/s ({a.threads} threads)", flush=True)
+    print(RESULT_TAG + json.dumps({"bf16_gflops": gflops, "read_gb_s": read_gbs, "copy_gb_s": copy_gbs,
+                                   "threads": a.threads}), flush=True)

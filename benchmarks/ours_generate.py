@@ -1,0 +1,60 @@
+"""turborlhf's rollout engine (`make_engine("fast", ...)`, as the trainers build it) throughput: the
+"ours" side of `turborlhf bench generate`. Same prompts, token counts, sampling and timing as
+peers/hf_generate.py (whose options it shares); prompts go in as unpadded token ids.
+
+Also reports the model's parameter count, from which the harness derives the roofline
+(2 FLOP per parameter per generated token; bf16 weights = 2 bytes per parameter).
+
+usage: PYTHONPATH=src python benchmarks/ours_generate.py --model DIR --data prompts.jsonl --batch-sizes 1,8,32
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import _common as C  # noqa: E402
+from hf_generate import parser  # noqa: E402
+
+if __name__ == "__main__":
+    p = parser(__doc__)
+    p.add_argument("--engine", default="fast", help="turborlhf rollout engine kind (fast | hf | auto)")
+    a = p.parse_args()
+    C.setup_threads(a.threads)
+    import torch
+
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.rollout import SamplingParams, make_engine
+
+    tok = load_tokenizer(a.model)
+    model = load_causal_lm(a.model, tok)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    t0 = time.perf_counter()
+    eng = make_engine(a.engine, model, dtype="bf16", max_batch_size=max(int(x) for x in a.batch_sizes.split(",")))
+    t_build = time.perf_counter() - t0
+    del model
+    rows = C.read_jsonl(a.data)
+    texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]
+    res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}, "n_params": n_params,
+           "engine": type(eng).__name__, "build_s": t_build}
+    for bs in [int(x) for x in a.batch_sizes.split(",")]:
+        if bs > len(ids):
+            raise SystemExit(f"batch size {bs} needs {bs} prompts; {a.data} has {len(ids)}")
+        prompts = ids[:bs]
+        res["prompt_tokens"][str(bs)] = sum(len(x) for x in prompts)
+        tps, spc = [], []
+        for i in range(a.warmup + a.calls):
+            sp = SamplingParams(max_new_tokens=a.new, min_new_tokens=a.new, temperature=1.0, top_p=1.0, top_k=0,
+                                stop_token_ids=(tok.eos_token_id,), seed=a.seed * 1000 + i)
+            t = time.perf_counter()
+            out = eng.generate(prompts, sp)
+            dt = time.perf_counter() - t
+            n = sum(len(r) for r in out.response_ids)
+            if i >= a.warmup:
+                tps.append(n / dt)
+                spc.append(dt)
+            print(f"[ours] bs={bs} call {i + 1}: {dt:.2f} s, {n / dt:.1f} tok/s"
+                  + (" (warm-up)" if i < a.warmup else ""), flush=True)
+        res["tokens_per_s"][str(bs)], res["s_per_call"][str(bs)] = tps, spc
+    res["versions"] = C.versions()
+    C.emit(res)

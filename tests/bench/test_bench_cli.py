@@ -1,0 +1,50 @@
+"""`turborlhf bench` end to end on the tiny random model, our side only or with a broken peer: the
+plumbing (configs, child processes, metrics parsing, JSON as the last line, clear peer errors).
+Times are not checked: speed is measured by real runs (docs/benchmarks.md), never asserted here."""
+import json
+import subprocess
+import sys
+
+from turborlhf.bench.cli import main
+
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr().out.strip().splitlines()
+    return rc, out, json.loads(out[-1])
+
+
+def test_bench_rm_ours_only_prints_table_then_json(tiny_model, tmp_path, capsys):
+    rc, out, r = _run(capsys, "rm", "--vs", "none", "--model", tiny_model, "--warmup", "1", "--steps", "2",
+                      "--reps", "1", "--threads", "1", "--out", tmp_path / "b", "--json")
+    assert rc == 0
+    assert any(line.startswith("| s/step (median) |") for line in out)
+    for key in ("ours_s_per_step", "peer_s_per_step", "speedup", "ours_peak_rss_gib", "peer_peak_rss_gib"):
+        assert key in r
+    assert r["ours_s_per_step"] > 0 and len(r["ours_step_times"]) == 2 and 0.1 < r["ours_peak_rss_gib"] < 6
+    assert r["peer_s_per_step"] is None and r["speedup"] is None and r["peer_peak_rss_gib"] is None
+    assert r["peer_error"] == "not requested (--vs none)" and r["ours_error"] is None
+    assert (tmp_path / "b" / "result.json").exists() and (tmp_path / "b" / "configs" / "ours-1.yaml").exists()
+    assert not (tmp_path / "b" / "runs" / "ours-1").exists()        # model files removed unless --keep-runs
+
+
+def test_a_broken_peer_gives_null_fields_and_a_reason(tiny_model, tmp_path, capsys):
+    empty = tmp_path / "empty-peer"
+    empty.mkdir()
+    rc, out, r = _run(capsys, "dpo", "--vs", "trl", "--peer-dir", empty, "--model", tiny_model, "--warmup", "0",
+                      "--steps", "1", "--reps", "1", "--threads", "1", "--out", tmp_path / "b", "--json")
+    assert rc == 0 and r["ours_s_per_step"] > 0
+    assert r["peer_s_per_step"] is None and r["speedup"] is None and r["peer_peak_rss_gib"] is None
+    assert "peer-1 failed (exit code 1)" in r["peer_error"] and "ModuleNotFoundError" in r["peer_error"]
+    assert any("has no numbers" in line for line in out)
+
+
+def test_bench_help_stays_light():
+    code = ("import sys, contextlib, io\n"
+            "from turborlhf.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: main(['bench', '--help'])\n"
+            "    except SystemExit: pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'trl') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

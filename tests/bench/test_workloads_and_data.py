@@ -1,0 +1,120 @@
+"""configs/bench/*.yaml are valid trainer configs, and the peer gets the same numbers from them;
+the inputs both sides read."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from turborlhf import config as C
+from turborlhf.bench.data import first_user_turn, load_hh_pairs, write_bench_data
+from turborlhf.bench.workloads import WORKLOADS, RunContext, data_needed, our_command, our_config, peer_args, repo_root
+
+REPO = Path(__file__).resolve().parents[2]
+HH = REPO / "data" / "hh-rlhf" / "harmless-base-1800.jsonl.gz"
+CLASSES = {"ppo": C.PPOConfig, "grpo": C.PPOConfig, "dpo": C.DPOConfig, "rm": C.RMConfig}
+
+
+def _ctx(tmp_path, **kw):
+    data = {"prompts": tmp_path / "prompts.jsonl", "pairs": tmp_path / "pairs.jsonl"}
+    return RunContext(repo=REPO, model_dir="/m/smollm2", data=data, threads=2, warmup=1, steps=3, **kw)
+
+
+def _opt(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_repo_root_is_this_checkout():
+    assert repo_root() == REPO
+
+
+@pytest.mark.parametrize("command", ["ppo", "grpo", "dpo", "rm"])
+def test_bench_configs_validate_and_feed_the_peer(command, tmp_path):
+    w, ctx = WORKLOADS[command], _ctx(tmp_path)
+    raw = our_config(w, ctx, tmp_path / "run", seed=5)
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    cfg = C.load_config(CLASSES[command], f)                 # a config our trainer accepts
+    assert cfg.output_dir == str(tmp_path / "run") and cfg.train.max_steps == 4 and cfg.train.seed == 5
+    assert cfg.train.threads == 2
+    args = peer_args(w, raw, ctx, tmp_path / "peer", seed=5)
+    assert _opt(args, "--steps") == "4" and _opt(args, "--seed") == "5" and _opt(args, "--model") == "/m/smollm2"
+    assert float(_opt(args, "--lr")) == cfg.optim.lr
+    cmd = our_command(w, ctx, f, 5)
+    assert cmd[1:4] == ["-m", "turborlhf", w.trainer]
+    if command in ("ppo", "grpo"):
+        assert cfg.actor.name_or_path == "/m/smollm2" and cfg.data.prompts_file == str(ctx.data["prompts"])
+        assert cfg.rollout.min_new_tokens == cfg.rollout.max_new_tokens and "--force-length" in args
+        assert int(_opt(args, "--batch" if command == "ppo" else "--prompts")) == cfg.algo.prompts_per_step
+    if command == "ppo":
+        assert cfg.reward_model == "/m/smollm2" and cfg.algo.needs_critic and cfg.algo.needs_reference
+        assert cfg.algo.prompts_per_step == 8 and cfg.rollout.max_new_tokens == 64 and cfg.algo.ppo_epochs == 1
+        assert int(_opt(args, "--resp-len")) == 64 and int(_opt(args, "--max-prompt-len")) == cfg.rollout.max_prompt_len
+        assert float(_opt(args, "--temperature")) == cfg.rollout.temperature
+    if command == "grpo":
+        assert not cfg.algo.needs_critic and not cfg.algo.needs_reference     # TRL's beta = 0
+        assert cfg.algo.prompts_per_step * cfg.algo.n_samples_per_prompt == 8
+        assert int(_opt(args, "--group")) == cfg.algo.n_samples_per_prompt == 4
+        assert int(_opt(args, "--new-tokens")) == cfg.rollout.max_new_tokens == 48
+        spec = cfg.rewards[0].path
+        assert Path(spec.rpartition(":")[0]).is_file()           # resolved against the checkout
+    if command in ("dpo", "rm"):
+        assert cfg.model.name_or_path == "/m/smollm2" and cfg.data.train_file == str(ctx.data["pairs"])
+        assert cfg.data.max_samples == 4 * cfg.train.pairs_per_step      # one pass over exactly these pairs
+        assert cfg.train.micro_batch_size == cfg.train.pairs_per_step    # one forward per step, as TRL
+        assert int(_opt(args, "--batch")) == cfg.train.pairs_per_step
+        assert int(_opt(args, "--max-length")) == cfg.data.max_len
+    expected = {"ppo": (8, 64), "grpo": (2, 48), "dpo": (4, 512), "rm": (8, 384)}[command]
+    if command in ("dpo", "rm"):
+        assert (cfg.train.pairs_per_step, cfg.data.max_len) == expected
+    else:
+        assert (cfg.algo.prompts_per_step, cfg.rollout.max_new_tokens) == expected
+
+
+def test_options_reach_both_sides(tmp_path):
+    ctx = _ctx(tmp_path, force_length=False, gradient_checkpointing=True)
+    raw = our_config(WORKLOADS["ppo"], ctx, tmp_path / "run", 0)
+    args = peer_args(WORKLOADS["ppo"], raw, ctx, tmp_path, 0)
+    assert raw["rollout"]["min_new_tokens"] == 0 and "--force-length" not in args
+    assert raw["actor"]["gradient_checkpointing"] and raw["critic"]["gradient_checkpointing"]
+    assert "--gradient-checkpointing" in args
+    raw = our_config(WORKLOADS["dpo"], ctx, tmp_path / "run", 0)
+    assert raw["model"]["gradient_checkpointing"]
+
+
+def test_generate_sides_share_their_options(tmp_path):
+    ctx = _ctx(tmp_path)
+    ours = our_command(WORKLOADS["generate"], ctx, None, 3)
+    peer = peer_args(WORKLOADS["generate"], None, ctx, tmp_path, 3)
+    assert ours[-len(peer):] == peer and ours[1].endswith("benchmarks/ours_generate.py")
+    assert _opt(peer, "--batch-sizes") == "1,8,32" and _opt(peer, "--new") == "64"
+    assert data_needed(WORKLOADS["generate"], None, ctx) == (0, 32)
+
+
+def test_bench_data_files(tmp_path):
+    paths = write_bench_data(HH, tmp_path, n_pairs=12, n_prompts=40)
+    pairs = [json.loads(l) for l in paths["pairs"].read_text().splitlines()]
+    prompts = [json.loads(l)["prompt"] for l in paths["prompts"].read_text().splitlines()]
+    assert len(pairs) == 12 and len(prompts) == 40
+    assert all(p["prompt"].endswith("\n\nAssistant:") and p["prompt"].startswith("\n\nHuman: ") for p in pairs)
+    assert all(p["chosen"].strip() and p["rejected"].strip() for p in pairs)
+    turns = [m[0]["content"] for m in prompts]
+    assert len(set(turns)) == 40 and all(m[0]["role"] == "user" and len(m) == 1 for m in prompts)
+    assert turns[0] == first_user_turn(pairs[0]["prompt"])
+    assert load_hh_pairs(HH, 12) == pairs
+
+
+def test_bench_data_errors(tmp_path):
+    assert first_user_turn("\n\nHuman: hi there \n\nAssistant: yes\n\nHuman: more\n\nAssistant:") == "hi there"
+    with pytest.raises(ValueError, match="not an HH prompt"):
+        first_user_turn("no turns")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: a\\n\\nAssistant: c"}\n'
+                   '{"chosen": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_hh_pairs(bad, 5)
+    assert len(load_hh_pairs(bad, 1)) == 1                  # stops before the bad line
+    one = tmp_path / "one.jsonl"
+    one.write_text(bad.read_text().splitlines()[0] + "\n")
+    with pytest.raises(ValueError, match="only 1 usable pairs, 2 needed"):
+        load_hh_pairs(one, 2)
