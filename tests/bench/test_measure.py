@@ -25,12 +25,18 @@ def test_peak_rss_of_a_child_holding_memory(tmp_path):
 def test_peak_rss_sums_the_whole_process_tree(tmp_path):
     # the child starts a grandchild holding 250 MiB while itself holding 250 MiB: only the tree sum
     # sees ~500 MiB (ru_maxrss is the largest single process)
-    tree = ("import subprocess, sys\n"
-            f"hold = {HOLD!r}\n"
-            "p = subprocess.Popen([sys.executable, '-c', hold, '250', '0'])\n"
+    # the grandchild holds its memory until the child (holding its own) closes its stdin: the
+    # two peaks overlap whatever the machine's load
+    grand = ("import sys\n"
+             "b = bytearray(250 * 2**20)\n"
+             "for i in range(0, len(b), 4096): b[i] = 1\n"
+             "print('held', flush=True); sys.stdin.read()\n")
+    tree = ("import subprocess, sys, time\n"
+            f"grand = {grand!r}\n"
+            "p = subprocess.Popen([sys.executable, '-c', grand], stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
             "b = bytearray(250 * 2**20)\n"
             "for i in range(0, len(b), 4096): b[i] = 1\n"
-            "p.wait()\n")
+            "p.stdout.readline(); time.sleep(1.0); p.stdin.close(); p.wait()\n")
     res = run_child([sys.executable, "-c", tree], tmp_path / "t.out", poll_s=0.05)
     assert res.ok
     assert res.polled_peak_bytes > 480 * MIB
