@@ -23,8 +23,9 @@ def test_peak_rss_of_a_child_holding_memory(tmp_path):
 
 
 def test_peak_rss_sums_the_whole_process_tree(tmp_path):
-    # the child starts a grandchild holding 250 MiB while itself holding 250 MiB: only the tree sum
-    # sees ~500 MiB (ru_maxrss is the largest single process)
+    # the child starts a grandchild holding 250 MiB while itself holding 250 MiB: each process
+    # holds ~270 MiB, so > 480 MiB can only come from summing the tree (the kernel's ru_maxrss
+    # bound is not asserted: it varied with load in CI)
     # the grandchild holds its memory until the child (holding its own) closes its stdin: the
     # two peaks overlap whatever the machine's load
     grand = ("import sys\n"
@@ -40,7 +41,7 @@ def test_peak_rss_sums_the_whole_process_tree(tmp_path):
     res = run_child([sys.executable, "-c", tree], tmp_path / "t.out", poll_s=0.05)
     assert res.ok
     assert res.polled_peak_bytes > 480 * MIB
-    assert res.maxrss_bytes < 400 * MIB
+    assert res.peak_rss_bytes >= res.polled_peak_bytes       # the reported peak is the tree's
 
 
 def test_exit_code_and_stderr_are_reported(tmp_path):
