@@ -193,6 +193,9 @@ def _main(a: argparse.Namespace) -> int:
 
     hw_runs: list[dict] = []
     load_start = os.getloadavg()
+    if load_start[0] > 0.5 * (os.cpu_count() or 1):
+        _log(f"[bench] warning: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs before the first child: "
+             "other processes are running, so timings will be slower and noisier (see each child's CPU share)")
     t_start = time.time()
     for rep in range(a.reps):
         seed = a.seed + rep
