@@ -22,15 +22,6 @@ TWO_PER_ROLE = ["distributed.backend=ray", "distributed.timeout_s=180"] + [
     f"distributed.{r}.devices_per_node=2" for r in ("actor", "critic", "reward", "reference", "rollout")]
 
 
-@pytest.fixture(scope="module")
-def tiny_rm(tiny_model, tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm")
-    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={tiny_model}",
-            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", "train.max_steps=2",
-            f"output_dir={out}", "log.tensorboard=false")
-    return out
-
-
 def _args(yaml: str, tiny_model, tiny_rm, tiny_data, out, *extra) -> list[str]:
     return ["ppo", "--config", str(REPO / "configs/tiny" / yaml), f"actor.name_or_path={tiny_model}",
             f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32",
