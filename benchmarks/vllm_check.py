@@ -19,9 +19,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-QS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-      "Give me three tips for sleeping better.", "What is 17 times 23?", "Name a famous painter.",
-      "Why is the sky blue?", "Suggest a name for a cat."]
+from rollout_speed import QS  # noqa: E402  (same questions as the FastEngine/HF benchmark beside it)
 
 
 def main():

@@ -5,7 +5,7 @@ Supported: `LlamaForCausalLM` (RMSNorm, RoPE of any `rope_type` transformers kno
 lm_head), `Qwen2ForCausalLM` (q/k/v biases) and `MistralForCausalLM` without a sliding window.
 Anything else → use `HFEngine` (see `turborlhf.rollout.make_engine`).
 
-What makes it fast on a CPU, compared with `transformers` `generate` (benchmarks/generate_probe.py
+What makes it fast on a CPU, compared with `transformers` `generate` (benchmarks/rollout_speed.py
 measures both in one process):
 - the engine owns a converted copy of the weights (bf16 by default) with q/k/v fused into one
   matrix and gate/up fused into one, refreshed in place by `load_weights` (no disk);
