@@ -426,7 +426,9 @@ def _spec_pref(cfg, resolve, kind, name: str, data: Optional[dict] = None) -> _S
     ref_free = getattr(getattr(cfg, "algo", None), "reference_free", False)
     if not ref_free:
         phase = {"policy": infer}
-        if cfg.reference is not None and not _same(cfg.reference, cfg.model.name_or_path):
+        from turborlhf.models.reference import same_model
+
+        if cfg.reference is not None and not same_model(cfg.reference, cfg.model.name_or_path):
             ref = _frozen_role("reference", _shape(cfg.reference, None, resolve), "fp32", scalar=False)
             ref.notes.append("loaded for the one-off reference pass, then freed")
             phase["reference"] = ref.weights
@@ -441,15 +443,6 @@ def _spec_pref(cfg, resolve, kind, name: str, data: Optional[dict] = None) -> _S
     sp.assumptions.append((data["note"] + "; " if data else f"training forward of {rows} sequences × {Lm} tokens; ")
                           + f"reference pass in batches of {ref_rows} sequences")
     return sp
-
-
-def _same(a: str, b: str) -> bool:
-    try:
-        from turborlhf.models.reference import same_model
-
-        return same_model(a, b)
-    except Exception:
-        return a == b
 
 
 def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
@@ -503,7 +496,9 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         exp[name] = inference_activation_bytes(rs, mb, L, 0, frozen_dtype, head="score")
     if A.needs_reference:
         ref_path = cfg.reference or cfg.actor.name_or_path
-        if cfg.actor.lora.rank > 0 and _same(ref_path, cfg.actor.name_or_path):
+        from turborlhf.models.reference import same_model
+
+        if cfg.actor.lora.rank > 0 and same_model(ref_path, cfg.actor.name_or_path):
             roles["reference"] = Role(name="reference", model=actor_s.name,
                                       notes=["the LoRA actor with adapters disabled: no second copy"])
         else:

@@ -25,7 +25,7 @@ import torch
 
 from turborlhf.models.forward import sequence_logps
 from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm
-from turborlhf.models.zoo import resolve_model_path
+from turborlhf.models.zoo import ModelFetchError, resolve_model_path
 
 __all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps", "LoraReference", "reference_view",
            "same_model", "reuses_policy"]
@@ -101,8 +101,14 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
 
 
 def same_model(a: str, b: str) -> bool:
-    """True when two model names/paths resolve to the same place."""
-    return a == b or Path(resolve_model_path(a)).resolve() == Path(resolve_model_path(b)).resolve()
+    """True when two model names/paths resolve to the same place. Never fetches: a zoo model that
+    is not cached yet can only equal its own name."""
+    if a == b:
+        return True
+    try:
+        return Path(resolve_model_path(a, fetch=False)).resolve() == Path(resolve_model_path(b, fetch=False)).resolve()
+    except ModelFetchError:
+        return False
 
 
 def reuses_policy(policy, policy_init: str, reference: str, resumed: bool) -> bool:
