@@ -615,8 +615,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         set_rng_state(st["rng"])
         gen.set_state(st["gen"])
         start = st["step"]
-        if (ckpt / "actor" / "adapter_config.json").exists():
-            sync_weights(cluster)       # the engines started from the base: push the merged LoRA actor
+        sync_weights(cluster)   # the engines hold the checkpoint's actor (a LoRA checkpoint: they started from the base)
         print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
