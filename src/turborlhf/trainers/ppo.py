@@ -7,7 +7,7 @@ Per step (one rollout batch of `prompts_per_step × n_samples_per_prompt` respon
 a prompt consecutive):
 
 1. generate: sample responses with the rollout engine (its own bf16 copy of the actor);
-2. experience (no grad): old log-probs (actor), reference log-probs (only if a KL term is on),
+2. experience: old log-probs (actor), reference log-probs (only if a KL term is on),
    values (critic, only for GAE), scores = Σ weight·score over the reward sources
    (`turborlhf.rewards.combine`: reward models, Python rules, remote `serve-rm` servers);
 3. rewards: score (normalised, EOS-penalised, clipped), for group estimators replaced by its
@@ -19,6 +19,8 @@ a prompt consecutive):
    (+ β·KL loss, − entropy bonus, + ptx_coef · SFT loss on one PPO-ptx micro-batch) for the actor,
    reduced by `algo.loss_reduction` with the mini-batch's global counts; clipped value loss for
    the critic; the actor's EMA (`ema_beta`) follows each actor step;
+   with a single pass over a single mini-batch (``algo.fused_update``) actor and critic
+   backpropagate through their step-2 forward instead of running it again (no forward twice);
 6. sync the new actor weights (actor rank 0) into every rollout engine; log; checkpoint.
 
 Who does what: the models live in role workers (`turborlhf.trainers.ppo_workers`: actor, critic,
@@ -323,23 +325,41 @@ def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra
     return get
 
 
-@torch.no_grad()
+def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
+    """Whether `group` (actor or critic) backpropagates through its experience forward.
+
+    With one PPO epoch of one mini-batch the update starts from the weights that produced the
+    experience, so the old log-probs (values) are exactly what the training forward computes
+    (ratio 1, value clip inactive): keeping that forward's graph saves one forward pass per role
+    and step. ``algo.fused_update=auto`` allows it only when each rank's rows fit one micro-batch
+    (no more activations held than an unfused micro-batch); ``always`` whenever the schedule allows;
+    never under FSDP (its parameters are resharded between the calls)."""
+    A = cfg.algo
+    if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
+        return False
+    if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
+        return False
+    return A.fused_update == "always" or B <= cfg.train.micro_batch_size * group.world_size
+
+
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
-                    finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments]) -> Experience:
+                    finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
+                    fused: tuple[bool, bool] = (False, False)) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
-    then rewards and advantages on the driver (`score_and_advantages`)."""
+    then rewards and advantages on the driver (`score_and_advantages`). ``fused`` = (actor,
+    critic) keep their forward's graph for the coming update (`use_fused_update`)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
     rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
-    old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P)
+    old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, fused[0])
     ref = None
     if cluster.get("reference"):
         ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
     elif cfg.algo.needs_reference and lora_reference(cfg):
         ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
-    val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R) if cluster.get("critic") else None
+    val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, fused[1]) if cluster.get("critic") else None
     rew = _submit_rows(cluster["reward"], "score", B, mb,
                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
     raw_scores, per_source = rew()
@@ -375,8 +395,12 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
 
 def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> list[torch.Tensor]:
     """Row indices of every mini-batch of the update: `ppo_epochs` shuffles of the B rows, each cut
-    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it."""
+    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it. A single pass
+    over a single mini-batch keeps the rows in order (a shuffle would change nothing but the
+    micro-batch grouping, and the fused update needs the experience's grouping)."""
     n_mini = min(A.num_mini_batches, B)
+    if A.ppo_epochs == 1 and n_mini == 1:
+        return [torch.arange(B)]
     return [mini for _ in range(A.ppo_epochs) for mini in torch.randperm(B, generator=generator).chunk(n_mini)]
 
 
@@ -418,22 +442,46 @@ def ppo_update(cluster, cfg: PPOConfig, exp: Experience, train_actor: bool, gene
     return {k: v / len(schedule) for k, v in sums.items()}
 
 
+@dataclass
+class KeptForward:
+    """A micro-batch's experience forward kept with its graph for the fused update: the input ids
+    (CPU, to check the update sees the same rows) and the outputs over all R response columns
+    (actor: log-probs and entropies; critic: values), on the worker's device."""
+
+    ids_BT: torch.Tensor
+    out_BR: torch.Tensor
+    ent_BR: Optional[torch.Tensor] = None
+
+    def take(self, sub: "Experience") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The outputs trimmed to `sub`'s response width; RuntimeError if `sub` has other rows."""
+        T = sub.ids_BT.shape[1]
+        if self.ids_BT.shape[0] != sub.ids_BT.shape[0] or not torch.equal(self.ids_BT[:, :T], sub.ids_BT.cpu()):
+            raise RuntimeError("fused update: the micro-batch differs from the experience forward's rows "
+                               "(set algo.fused_update=never and report this)")
+        r = sub.mask_BR.shape[1]
+        return self.out_BR[:, :r], (self.ent_BR[:, :r] if self.ent_BR is not None else None)
+
+
 def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict, kl_coef: float,
-                     device: torch.device = torch.device("cpu")) -> dict:
+                     device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
     """Backward of the actor's loss on one micro-batch, reduced with the mini-batch's global
     `counts` (so accumulated micro-batches, on one rank or several, give the mini-batch's gradient).
-    Returned stats are already weighted by the micro-batch's share."""
+    Returned stats are already weighted by the micro-batch's share. With `kept` (fused update) the
+    loss is taken through the experience forward's graph instead of a new forward."""
     A, P, dtype = cfg.algo, sub.P, cfg.actor.dtype
     sub = sub.to(device)
     mask = sub.mask_BR
     w = float(mask.sum()) / counts["num_tokens"]
     B = mask.shape[0]
     stats = {}
-    target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
-    with autocast(dtype):
-        logp, ent = root_forward(actor, response_logprobs, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
-                                 entropy_grad=A.entropy_coef > 0)
-    logp, ent = logp[:, P:], ent[:, P:]
+    if kept is not None:
+        logp, ent = kept.take(sub)
+    else:
+        target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
+        with autocast(dtype):
+            logp, ent = root_forward(actor, response_logprobs, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
+                                     entropy_grad=A.entropy_coef > 0)
+        logp, ent = logp[:, P:], ent[:, P:]
     pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
                                       A.dual_clip)
     pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
@@ -450,16 +498,20 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
 
 
 def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict,
-                      device: torch.device = torch.device("cpu")) -> dict:
-    """Backward of the clipped value loss (token mean over the mini-batch) on one micro-batch."""
+                      device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
+    """Backward of the clipped value loss (token mean over the mini-batch) on one micro-batch
+    (through the experience forward's graph with `kept`)."""
     A, P = cfg.algo, sub.P
     sub = sub.to(device)
     mask = sub.mask_BR
     w = float(mask.sum()) / counts["num_tokens"]
     R = mask.shape[1]
     stats = {}
-    with autocast(cfg.actor.dtype):
-        v = root_forward(critic, token_values, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
+    if kept is not None:
+        v, _ = kept.take(sub)
+    else:
+        with autocast(cfg.actor.dtype):
+            v = root_forward(critic, token_values, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
     v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
     vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
     vl.backward()
@@ -589,10 +641,14 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
 def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path]) -> Path:
     A, D = cfg.algo, cfg.distributed
     info = cluster["actor"].run("info")[0]
+    rollout_rows = A.prompts_per_step * A.n_samples_per_prompt
     print_batch_table("ppo", [("prompts", len(prompt_ids)), ("prompts_per_step", A.prompts_per_step),
                               ("n_samples_per_prompt", A.n_samples_per_prompt),
                               ("rollout_batch (sequences)", A.prompts_per_step * A.n_samples_per_prompt),
                               ("num_mini_batches", A.num_mini_batches), ("ppo_epochs", A.ppo_epochs),
+                              ("fused_update (actor, critic)", ", ".join(
+                                  str(cluster.get(r) is not None and use_fused_update(cfg, rollout_rows, cluster[r]))
+                                  for r in ("actor", "critic"))),
                               ("micro_batch_size", cfg.train.micro_batch_size), ("ppo_steps", len(plan)),
                               ("advantage_estimator", A.advantage_estimator), ("critic", cluster.get("critic") is not None),
                               ("reference", "actor, adapters off (LoRA)" if A.needs_reference and lora_reference(cfg)
@@ -669,11 +725,13 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     cluster["rollout"].run_alive("sleep")
     # 2-4. experience, rewards, advantages
     t0 = time.perf_counter()
-    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats)
+    train_actor = step >= A.critic_warmup_steps
+    fused = (train_actor and use_fused_update(cfg, len(rows_prompts), cluster["actor"]),
+             cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
+    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused)
     t_exp = time.perf_counter() - t0
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
     t0 = time.perf_counter()
-    train_actor = step >= A.critic_warmup_steps
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics

@@ -98,10 +98,28 @@ class _Trainable:
         else:
             opt.load_state_dict(st)
 
+    def _take_kept(self):
+        """A function giving the fused update's kept forwards in micro-batch order (None each call
+        when the last experience call kept none); the worker drops them so the graphs are freed
+        after this update."""
+        kept, self._kept = getattr(self, "_kept", None), None
+        if kept is None:
+            return lambda: None
+        it = iter(kept)
+
+        def take():
+            k = next(it, None)
+            if k is None:
+                raise RuntimeError("fused update: more micro-batches than experience forwards "
+                                   "(set algo.fused_update=never and report this)")
+            return k
+        return take
+
     def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn) -> tuple[dict, int]:
-        """Run `micro_fn(sub_experience, counts)` on this rank's micro-batches of every mini-batch,
-        then `step_fn()`; returns (stats summed over steps, number of optimizer steps)."""
-        from turborlhf.trainers.ppo import minibatch_counts
+        """Run `micro_fn(sub_experience, counts)` on this rank's micro-batches of every mini-batch
+        (a contiguous block of whole micro-batches, as `ppo.row_shards` gave it in the experience
+        phase), then `step_fn()`; returns (stats summed over steps, number of optimizer steps)."""
+        from turborlhf.trainers.ppo import minibatch_counts, row_shards
 
         rank, world = dp_rank_world()
         mb = self.cfg.train.micro_batch_size
@@ -113,7 +131,8 @@ class _Trainable:
 
         for mini in schedule:
             counts = minibatch_counts(exp.mask_BR[mini], self.cfg)
-            for micro in list(mini.split(mb))[rank::world]:
+            shard = row_shards(len(mini), mb, world).get(rank)     # the rows the experience gave this rank
+            for micro in (mini[shard].split(mb) if shard is not None else []):
                 add(micro_fn(exp.rows(micro), counts))
             add(step_fn())
         return sums, len(schedule)
@@ -166,17 +185,32 @@ class ActorWorker(_Trainable):
     def info(self) -> dict:
         return {"ptx_examples": len(self.ptx.examples) if self.ptx else 0, "lr": self.sched.get_last_lr()[0]}
 
-    @torch.no_grad()
-    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
-        """Log-probs ``B×R`` of the response tokens under the current actor (micro-batched)."""
-        from turborlhf.models.forward import response_logprobs
+    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int,
+                 keep_graph: bool = False) -> torch.Tensor:
+        """Log-probs ``B×R`` of the response tokens under the current actor (micro-batched).
 
-        B = ids_BT.shape[0]
+        keep_graph: fused update (`ppo.use_fused_update`): run with autograd and keep each
+        micro-batch's log-probs and entropies for the next `train`, which backpropagates through
+        them instead of a second forward. The returned tensor is detached either way."""
+        from turborlhf.models.forward import response_logprobs
+        from turborlhf.trainers.ppo import KeptForward
+
+        B, mb = ids_BT.shape[0], self.cfg.train.micro_batch_size
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
-        with autocast(self.cfg.actor.dtype):
-            return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
-                                                     target[s])[0][:, P:].cpu(), B, self.cfg.train.micro_batch_size)
+        if not keep_graph:
+            with torch.no_grad(), autocast(self.cfg.actor.dtype):
+                return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
+                                                         target[s])[0][:, P:].cpu(), B, mb)
+        self._kept, out = [], []
+        for s in range(0, B, mb):
+            sl = slice(s, s + mb)
+            with autocast(self.cfg.actor.dtype):
+                logp, ent = root_forward(self.model, response_logprobs, ids[sl], attn[sl], target[sl],
+                                         with_entropy=True, entropy_grad=self.cfg.algo.entropy_coef > 0)
+            self._kept.append(KeptForward(ids_BT[sl], logp[:, P:], ent[:, P:]))
+            out.append(logp[:, P:].detach().cpu())
+        return torch.cat(out)
 
     @torch.no_grad()
     def ref_logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
@@ -191,8 +225,11 @@ class ActorWorker(_Trainable):
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
         from turborlhf.trainers.ppo import actor_micro_step
 
+        kept = self._take_kept()
+
         def micro(sub, counts):
-            return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device)
+            return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device,
+                                    kept())
 
         def step():
             stats = self._ptx() if self.ptx is not None else {}
@@ -282,22 +319,37 @@ class CriticWorker(_Trainable):
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
 
-    @torch.no_grad()
-    def values(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, P: int, R: int) -> torch.Tensor:
-        """Values ``B×R``: column j is the value of the state in which response token j is chosen."""
+    def values(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, P: int, R: int,
+               keep_graph: bool = False) -> torch.Tensor:
+        """Values ``B×R``: column j is the value of the state in which response token j is chosen.
+        keep_graph: as `ActorWorker.logprobs` (the next `train` backpropagates through them)."""
         from turborlhf.models.forward import token_values
+        from turborlhf.trainers.ppo import KeptForward
 
         ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
-        with autocast(self.cfg.actor.dtype):
-            return _in_chunks(lambda s: root_forward(self.model, token_values, ids[s], attn[s])[:, P - 1:P - 1 + R].cpu(),
-                              ids.shape[0], self.cfg.train.micro_batch_size)
+        B, mb = ids.shape[0], self.cfg.train.micro_batch_size
+        if not keep_graph:
+            with torch.no_grad(), autocast(self.cfg.actor.dtype):
+                return _in_chunks(lambda s: root_forward(self.model, token_values, ids[s],
+                                                         attn[s])[:, P - 1:P - 1 + R].cpu(), B, mb)
+        self._kept, out = [], []
+        for s in range(0, B, mb):
+            sl = slice(s, s + mb)
+            with autocast(self.cfg.actor.dtype):
+                v = root_forward(self.model, token_values, ids[sl], attn[sl])[:, P - 1:P - 1 + R]
+            self._kept.append(KeptForward(ids_BT[sl], v))
+            out.append(v.detach().cpu())
+        return torch.cat(out)
 
     def train(self, exp, schedule: list) -> tuple[dict, int]:
         """Clipped value-loss updates over `schedule`."""
         from turborlhf.trainers.ppo import critic_micro_step
 
+        kept = self._take_kept()
+
         def micro(sub, counts):
-            return critic_micro_step(self.model, self.cfg, sub, counts, self.device)
+            return critic_micro_step(self.model, self.cfg, sub, counts, self.device,
+                                     kept())
 
         return self._train_minibatches(exp, schedule, micro,
                                        lambda: {"critic_grad_norm": self._step(self.opt, self.sched)})

@@ -1,0 +1,75 @@
+"""Fused update (algo.fused_update): with one PPO epoch of one mini-batch, actor and critic
+backpropagate through their experience forward. It must give the same run as the unfused update
+(which runs that forward twice) and must really skip the second forward."""
+import pytest
+import torch
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
+
+
+def _ppo(tiny_model, tiny_rm, tiny_data, out, *extra):
+    run_cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+            "data.max_samples=32", f"output_dir={out}", "train.max_steps=2", "algo.ppo_epochs=1",
+            "algo.num_mini_batches=1", "algo.entropy_coef=0.01", "rollout.engine=hf", *extra)
+
+
+def _count_forwards(monkeypatch) -> dict:
+    """Counts model forwards per role (actor = causal LM, critic = scalar head) inside the workers."""
+    from turborlhf.trainers import ppo_workers
+
+    counts = {"actor": 0, "critic": 0}
+    for cls, role in ((ppo_workers.ActorWorker, "actor"), (ppo_workers.CriticWorker, "critic")):
+        init = cls.__init__
+
+        def wrapped(self, *a, _init=init, _role=role, **kw):
+            _init(self, *a, **kw)
+
+            def hook(module, args, _role=_role):
+                counts[_role] += 1
+            self.model.get_input_embeddings().register_forward_pre_hook(hook)   # once per forward pass
+        monkeypatch.setattr(cls, "__init__", wrapped)
+    return counts
+
+
+@pytest.mark.parametrize("micro", ["4", "2"])   # 4 rows: one micro-batch (auto fuses) / two (only "always" fuses)
+def test_fused_update_matches_unfused_and_skips_a_forward(micro, tiny_model, tiny_rm, tiny_data, tmp_path,
+                                                          monkeypatch):
+    counts = _count_forwards(monkeypatch)
+    runs = {}
+    for mode in ("never", "always"):
+        for k in counts:
+            counts[k] = 0
+        out = tmp_path / mode
+        _ppo(tiny_model, tiny_rm, tiny_data, out, f"algo.fused_update={mode}", f"train.micro_batch_size={micro}")
+        runs[mode] = (dict(counts), [r for r in metrics(out) if "policy/loss" in r], weights(out))
+    (c_off, m_off, w_off), (c_on, m_on, w_on) = runs["never"], runs["always"]
+    n_micro = 4 // int(micro)
+    # 2 steps: the unfused run does experience + training forwards, the fused one only the former
+    assert c_off["critic"] - c_on["critic"] == 2 * n_micro
+    assert c_off["actor"] - c_on["actor"] == 2 * n_micro
+    assert max_weight_diff(w_off, w_on) < 1e-5
+    assert max_weight_diff(weights(tiny_model), w_on) > 1e-6                  # it trained
+    for a, b in zip(m_off, m_on):
+        for k in ("policy/loss", "value/loss", "policy/entropy", "policy/kl", "actor_grad_norm", "critic_grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        assert b["policy/clipfrac"] == 0.0 and b["policy/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fused_auto_only_without_extra_memory(tiny_model):
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.trainers.ppo import use_fused_update
+
+    class G:
+        world_size = 1
+
+    def cfg(*o):
+        return load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml",
+                           [f"actor.name_or_path={tiny_model}", "reward_model=x", "data.prompts_file=x",
+                            "algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=4", *o])
+    assert use_fused_update(cfg(), 4, G)
+    assert not use_fused_update(cfg(), 8, G)                               # two micro-batches: auto declines
+    assert use_fused_update(cfg("algo.fused_update=always"), 8, G)
+    assert not use_fused_update(cfg("algo.fused_update=never"), 4, G)
+    assert not use_fused_update(cfg("algo.num_mini_batches=2"), 4, G)      # second mini-batch is off-policy
+    assert not use_fused_update(cfg("algo.ppo_epochs=2", "algo.fused_update=always"), 4, G)
