@@ -53,17 +53,15 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
-    resp, fin = [], []
     t0 = time.perf_counter()
-    for s in range(0, len(ids), batch_size):
-        out = eng.generate(ids[s:s + batch_size], params)
-        resp += out.response_ids
-        fin += out.finished
-        done = min(s + batch_size, len(ids))
-        rate = sum(len(r) for r in resp) / max(time.perf_counter() - t0, 1e-9)
-        left = (time.perf_counter() - t0) / done * (len(ids) - done)
-        print(f"[generate] {done}/{len(ids)} prompts, {rate:.0f} tok/s, {left:.0f}s left", flush=True)
-    return ids, resp, fin
+    print(f"[generate] {len(ids)} prompts, batches of {batch_size}...", flush=True)
+    # one call: the engine batches the prompts by length (less padding than fixed chunks)
+    out = eng.generate(ids, params)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(r) for r in out.response_ids)
+    print(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)",
+          flush=True)
+    return ids, out.response_ids, out.finished
 
 
 def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,

@@ -341,3 +341,21 @@ def test_unpadded_small_batch_attention_path(model, prompts):
         sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, return_logprobs=True)
         s = fast.generate(batch, sp)
         assert _max_diff(s.logprobs, fast.score_logprobs(batch, s.response_ids)) < 1e-4
+
+
+def test_chunks_are_batched_by_prompt_length(model, monkeypatch):
+    """More requests than a batch: chunks hold prompts of similar length (less left padding), the
+    samples of a prompt stay in one chunk, and results come back in request order."""
+    g = torch.Generator().manual_seed(3)
+    lens = [9, 2, 7, 3, 8, 2, 5, 4]
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lens]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
+    whole = FastEngine(model, dtype="fp32").generate(prompts, sp)
+    eng = FastEngine(model, dtype="fp32", max_batch_size=4)
+    chunks = []
+    real = eng._generate_chunk
+    monkeypatch.setattr(eng, "_generate_chunk", lambda reqs, *a: (chunks.append([len(r) for r in reqs]),
+                                                                  real(reqs, *a))[1])
+    out = eng.generate(prompts, sp)
+    assert out.response_ids == whole.response_ids and out.finished == whole.finished
+    assert chunks == [[2, 2, 2, 2], [3, 3, 4, 4], [5, 5, 7, 7], [8, 8, 9, 9]]

@@ -22,6 +22,8 @@ measures both in one process):
   that share a KV head form the "query length" dimension) instead of repeat_kv + SDPA;
 - RoPE as x·cos + roll(x)·sin± (sin with the rotate-half sign folded in): 4 ops, exact;
 - sampling by inverse CDF (see `sampling.py`), ~20× faster than `torch.multinomial`;
+- more requests than `max_batch_size` are batched by prompt length (less left padding in the
+  prefill and in every step's attention), results returned in request order;
 - finished rows are dropped: when half the rows are done the batch is compacted (cache rows
   gathered), and the loop stops when all rows are done;
 - optional `torch.compile` of the decode step (`compile=True`, off by default): the step then
@@ -534,12 +536,20 @@ class FastEngine:
         fin: list[bool] = []
         lps: list[list[float]] = []
         timings = {"prefill_s": 0.0, "decode_s": 0.0, "steps": 0}
+        # more requests than one batch: batch them by prompt length (stable, so the samples of a
+        # prompt stay together), so a short prompt is not left-padded to the longest of a random
+        # chunk in the prefill and in every decode step's attention; results come back in order
+        order = (sorted(range(len(reqs)), key=lambda i: len(reqs[i])) if len(reqs) > self.max_batch_size
+                 else list(range(len(reqs))))
         with torch.inference_mode():
             for s in range(0, len(reqs), self.max_batch_size):
-                r, f, lp = self._generate_chunk(reqs[s: s + self.max_batch_size], params, gen, timings)
+                r, f, lp = self._generate_chunk([reqs[i] for i in order[s: s + self.max_batch_size]], params, gen,
+                                                timings)
                 resp += r
                 fin += f
                 lps += lp
+        back = sorted(range(len(order)), key=order.__getitem__)          # inverse permutation
+        resp, fin, lps = [resp[i] for i in back], [fin[i] for i in back], [lps[i] for i in back]
         timings["generate_s"] = time.perf_counter() - t0
         return RolloutOutput(resp, fin, lps if params.return_logprobs else None, timings=timings)
 
