@@ -142,3 +142,10 @@ def test_start_sync_check(prompts, capsys):
     bad = FastEngine(tiny_llama(1), dtype="fp32")                 # an engine built from other weights
     with pytest.raises(WeightSyncError):
         start_sync_check(bad, model, prompts, verify=True, tol=0.05)
+
+
+def test_canary_keeps_only_the_end_of_long_prompts(model):
+    """Each check costs a trainer forward over the canary: long prompts are cut to their end."""
+    long = [list(range(3, 3 + 70)), list(range(5, 25))]
+    canary = make_canary(FastEngine(model, dtype="fp32"), long, n=2, response_tokens=4, prompt_tokens=32)
+    assert canary.prompts == (tuple(long[0][-32:]), tuple(long[1]))

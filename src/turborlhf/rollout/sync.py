@@ -78,11 +78,14 @@ class SyncReport:
         return out
 
 
-def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 4, response_tokens: int = 16) -> Canary:
-    """Canary from the first `n` prompts: each with the engine's greedy response of exactly
-    `response_tokens` tokens (no stop token), generated once at the current weights and fixed
-    from then on. Raises ValueError if `prompts` is empty."""
-    ps = [list(map(int, p)) for p in list(prompts)[:n]]
+def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 4, response_tokens: int = 16,
+                prompt_tokens: int = 32) -> Canary:
+    """Canary from the first `n` prompts, each cut to its last `prompt_tokens` tokens (every
+    weight is exercised by any tokens; long prompts only made each check cost seconds of fp32
+    forward), with the engine's greedy response of exactly `response_tokens` tokens (no stop
+    token), generated once at the current weights and fixed from then on. Raises ValueError if
+    `prompts` is empty."""
+    ps = [list(map(int, p))[-prompt_tokens:] for p in list(prompts)[:n]]
     if not ps:
         raise ValueError("make_canary needs at least one prompt")
     out = engine.generate(ps, SamplingParams(max_new_tokens=response_tokens, min_new_tokens=response_tokens,
