@@ -142,8 +142,9 @@ class RolloutCfg(Cfg):
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="weights precision inside the engine")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
-    sync_tolerance: float = Field(0.05, gt=0, description="max |difference| of the mean per-token log-prob "
-                                                          "(nats) on any canary row; bf16 engines measure ~0.01-0.02")
+    sync_tolerance: float = Field(0.05, gt=0, description="max |difference| of the mean per-token log-prob (nats) "
+                                                          "between engine and trainer, averaged over the canary rows; "
+                                                          "a bf16 engine measures ~0.01 (rollout/sync.py)")
 
 
 # ----------------------------------------------------------------------------------------------

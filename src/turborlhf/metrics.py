@@ -55,6 +55,7 @@ class M:
     T_WEIGHT_PUSH = "timing/weight_push"
     T_SYNC_VERIFY = "timing/sync_verify"
     SYNC_LOGP_DIFF = "sync/logprob_mean_diff"
+    SYNC_ROW_DIFF = "sync/logprob_max_row_diff"
     SYNC_TOKEN_DIFF = "sync/logprob_token_diff"
 
 

@@ -276,8 +276,9 @@ def start_sync_check(cluster, cfg: PPOConfig, prompt_ids: list[list[int]]):
         return None
     canary = cluster["rollout"].run_alive("make_canary", prompt_ids)[0]
     m = _check_engines(cluster, canary, cfg.rollout.sync_tolerance)
-    print(f"[sync] the rollout engines match the actor on {len(canary.prompts)} canary rows: max |Δ mean log-prob| "
-          f"{m[M.SYNC_LOGP_DIFF]:.4f} <= {cfg.rollout.sync_tolerance:g}", flush=True)
+    print(f"[sync] the rollout engines match the actor on {len(canary.prompts)} canary rows: mean |Δ mean log-prob| "
+          f"{m[M.SYNC_LOGP_DIFF]:.4f} <= {cfg.rollout.sync_tolerance:g} (worst row {m[M.SYNC_ROW_DIFF]:.4f})",
+          flush=True)
     return canary
 
 

@@ -269,7 +269,7 @@ class ActorWorker(_Trainable):
 
         if is_fsdp(self.model) or dp_rank_world()[0] != 0:
             return None
-        return trainer_logprobs(self.model, canary)
+        return trainer_logprobs(self.model, canary, self.cfg.rollout.dtype)
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
