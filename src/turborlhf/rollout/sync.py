@@ -118,7 +118,8 @@ def policy_weights(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]
 
 def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None) -> list[list[float]]:
     """Per-token log-probs (temperature 1) of the canary responses under the trainer's model,
-    without grad, in eval mode (the training flag is restored). One unpadded forward per row.
+    without grad, in eval mode (the training flag is restored). One forward over all rows
+    (right-padded, so the real tokens' positions and attention are those of each row alone).
 
     compute_dtype: the engine's dtype ("bf16", torch.bfloat16, ...): a bf16 engine is compared
     with the trainer's weights under bf16 autocast (the same rounding of weights and matmuls),
@@ -133,11 +134,14 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
     try:
         model.eval()
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
-            for p, r in zip(canary.prompts, canary.responses):
-                ids = torch.tensor([list(p) + list(r)], device=dev)
-                logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1: -1].float()
-                lp = logits.log_softmax(-1).gather(-1, torch.tensor(r, device=dev)[:, None]).squeeze(-1)
-                out.append(lp.cpu().tolist())
+            seqs = [list(p) + list(r) for p, r in zip(canary.prompts, canary.responses)]
+            S = max(len(x) for x in seqs)
+            ids = torch.tensor([x + [0] * (S - len(x)) for x in seqs], device=dev)
+            attn = torch.tensor([[1] * len(x) + [0] * (S - len(x)) for x in seqs], device=dev)
+            logits_BSV = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            for i, (p, r) in enumerate(zip(canary.prompts, canary.responses)):
+                lp = logits_BSV[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
+                out.append(lp.gather(-1, torch.tensor(r, device=dev)[:, None]).squeeze(-1).cpu().tolist())
     finally:
         model.train(was_training)
     return out
