@@ -526,8 +526,8 @@ class RSAlgoCfg(Cfg):
     accumulate: bool = Field(
         False, description="SFT each round on the best responses of all rounds so far (Llama 2), not only this one's")
     score_truncated_with_eos: bool = Field(
-        True, description="score a response cut at max_new_tokens with an EOS appended, as `eval-policy` does; "
-                          "false scores the sampled tokens as they are, as `ppo` does")
+        False, description="score a response cut at max_new_tokens with an EOS appended (judged as if it ended "
+                           "there); default false scores the sampled tokens as they are, as `eval-policy` and `ppo` do")
     score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass")
 
 

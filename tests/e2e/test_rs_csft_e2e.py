@@ -156,6 +156,19 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
     assert len([r for r in metrics(out) if "train/loss" in r]) == 3
     assert math.isfinite(metrics(out)[-1]["eval/loss"])      # tagged NLL of the test pairs (training edges)
     assert {r["bin"] for r in _rows(out / "scored_test.jsonl")} <= {0, 1, 2}
+    # policy samples cut at max_new_tokens are scored as cut (no EOS appended), as eval-policy does
+    import torch
+
+    from turborlhf.models.load import load_scalar_model, load_tokenizer
+    from turborlhf.rewards.model import score_texts
+    cut = [r for r in scored if r["source"] == "policy" and not r["finished"]]
+    assert cut                                                # the tiny policy rarely samples EOS in 8 tokens
+    rtok = load_tokenizer(str(tiny_rm))
+    args = (load_scalar_model(str(tiny_rm), rtok).eval(), rtok, [r["prompt"] for r in cut], [r["response"] for r in cut], 96,
+            "fp32")
+    stored = torch.tensor([r["score"] for r in cut])
+    assert torch.allclose(score_texts(*args, add_eos=[False] * len(cut)), stored, atol=1e-5)
+    assert not torch.allclose(score_texts(*args), stored, atol=1e-5)          # closing them with EOS differs
     assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6
     AutoModelForCausalLM.from_pretrained(out)
 

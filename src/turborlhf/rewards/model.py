@@ -5,7 +5,7 @@ is the head at its last attended token (the EOS), see `turborlhf.models.forward.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -65,7 +65,11 @@ def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: st
 
 
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int = 1024,
-                dtype: str = "bf16", batch_size: int = 16) -> torch.Tensor:
-    """Scores of (prompt, response) texts; EOS appended to each response."""
-    seqs = [encode_prompt_response(tokenizer, p, r, max_len)["input_ids"] for p, r in zip(prompts, responses)]
+                dtype: str = "bf16", batch_size: int = 16, add_eos: Optional[Sequence[bool]] = None) -> torch.Tensor:
+    """Scores of (prompt, response) texts; EOS appended to each response, or only where
+    `add_eos[i]` (a response cut at a token budget is then scored as cut, as `eval-policy` and
+    `ppo` score it)."""
+    eos = [True] * len(prompts) if add_eos is None else list(add_eos)
+    seqs = [encode_prompt_response(tokenizer, p, r, max_len, add_eos=e)["input_ids"]
+            for p, r, e in zip(prompts, responses, eos)]
     return score_token_ids(model, tokenizer.pad_token_id, seqs, dtype, batch_size)

@@ -241,14 +241,16 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
 
 
 def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch.Tensor]:
-    """RM scores of every (untagged prompt, response) of each set, EOS appended to every response
-    (a policy sample cut at max_new_tokens is judged as if it ended there, as `eval-policy` does);
-    the RM is freed afterwards."""
+    """RM scores of every (untagged prompt, response) of each set, EOS appended to every finished
+    response; a policy sample cut at max_new_tokens is scored as cut, as `eval-policy` and `ppo`
+    score it (closing it with an EOS inflated cut samples' scores, so the best tag taught the
+    policy to run to the budget and stop nowhere). The RM is freed afterwards."""
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
     rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
     out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
-                       cfg.model.dtype, cfg.data.score_batch_size) if rows else torch.empty(0) for rows in sets]
+                       cfg.model.dtype, cfg.data.score_batch_size, add_eos=[r.get("finished", True) for r in rows])
+           if rows else torch.empty(0) for rows in sets]
     del rm
     return out
 

@@ -6,8 +6,8 @@ Each round k = 1 … `rounds`:
 1. sample: n = `n_samples_per_prompt` responses y_i1 … y_in for each of the round's prompts x_i
    from the *current* policy π_k with the rollout engine (seed depends on the round only);
 2. score: s_ij = r(x_i, y_ij) with the reward model at the final EOS; a response cut at
-   `max_new_tokens` gets an EOS appended first (`score_truncated_with_eos`, default), the
-   convention of `turborlhf eval-policy`, so selection optimises what evaluation measures;
+   `max_new_tokens` is scored as cut, the convention of `turborlhf eval-policy` and `ppo`, so
+   selection optimises what evaluation measures (`score_truncated_with_eos` appends an EOS first);
 3. select: j*_i = argmax_j s̃_ij with s̃_ij = s_ij − c·[y_ij cut at max_new_tokens] (c =
    `missing_eos_penalty`, default 0); the prompt is kept if s̃_ij* > `min_score` (if set);
    the winners go to ``<output_dir>/round_<k>/best.jsonl`` with all candidate scores;
