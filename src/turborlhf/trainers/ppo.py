@@ -463,13 +463,30 @@ class KeptForward:
         return self.out_BR[:, :r], (self.ent_BR[:, :r] if self.ent_BR is not None else None)
 
 
+def actor_forward(actor: torch.nn.Module, cfg: PPOConfig, ids_BT, attn_BT, target_BT, P: int):
+    """The actor's training forward: (log-probs, entropies) of the response columns ``B×R``, with
+    autograd (the entropy in the graph only with an entropy bonus). The update and the fused
+    experience pass both call it."""
+    with autocast(cfg.actor.dtype):
+        logp, ent = root_forward(actor, response_logprobs, ids_BT, attn_BT, target_BT, with_entropy=True,
+                                 entropy_grad=cfg.algo.entropy_coef > 0)
+    return logp[:, P:], ent[:, P:]
+
+
+def critic_forward(critic: torch.nn.Module, cfg: PPOConfig, ids_BT, attn_BT, P: int, R: int):
+    """The critic's forward: (values ``B×R``, None); column j is the value of the state in which
+    response token j is chosen."""
+    with autocast(cfg.actor.dtype):
+        return root_forward(critic, token_values, ids_BT, attn_BT)[:, P - 1:P - 1 + R], None
+
+
 def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict, kl_coef: float,
                      device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
     """Backward of the actor's loss on one micro-batch, reduced with the mini-batch's global
     `counts` (so accumulated micro-batches, on one rank or several, give the mini-batch's gradient).
     Returned stats are already weighted by the micro-batch's share. With `kept` (fused update) the
     loss is taken through the experience forward's graph instead of a new forward."""
-    A, P, dtype = cfg.algo, sub.P, cfg.actor.dtype
+    A, P = cfg.algo, sub.P
     sub = sub.to(device)
     mask = sub.mask_BR
     w = float(mask.sum()) / counts["num_tokens"]
@@ -479,10 +496,7 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
         logp, ent = kept.take(sub)
     else:
         target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
-        with autocast(dtype):
-            logp, ent = root_forward(actor, response_logprobs, sub.ids_BT, sub.attn_BT, target, with_entropy=True,
-                                     entropy_grad=A.entropy_coef > 0)
-        logp, ent = logp[:, P:], ent[:, P:]
+        logp, ent = actor_forward(actor, cfg, sub.ids_BT, sub.attn_BT, target, P)
     pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
                                       A.dual_clip)
     pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
@@ -511,8 +525,7 @@ def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, 
     if kept is not None:
         v, _ = kept.take(sub)
     else:
-        with autocast(cfg.actor.dtype):
-            v = root_forward(critic, token_values, sub.ids_BT, sub.attn_BT)[:, P - 1:P - 1 + R]
+        v, _ = critic_forward(critic, cfg, sub.ids_BT, sub.attn_BT, P, R)
     v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
     vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
     vl.backward()

@@ -98,27 +98,27 @@ class _Trainable:
         else:
             opt.load_state_dict(st)
 
-    def _take_kept(self):
-        """A function giving the fused update's kept forwards in micro-batch order (None each call
-        when the last experience call kept none); the worker drops them so the graphs are freed
-        after this update."""
-        kept, self._kept = getattr(self, "_kept", None), None
-        if kept is None:
-            return lambda: None
-        it = iter(kept)
+    def _keep_forwards(self, ids_BT: torch.Tensor, forward) -> torch.Tensor:
+        """Fused update, experience side: `forward(slice)` → (out_BR, ent_BR or None) with autograd
+        on each micro-batch; the outputs are kept (with their graphs) for the next `train`, the
+        detached outputs are returned on the CPU."""
+        from turborlhf.trainers.ppo import KeptForward
 
-        def take():
-            k = next(it, None)
-            if k is None:
-                raise RuntimeError("fused update: more micro-batches than experience forwards "
-                                   "(set algo.fused_update=never and report this)")
-            return k
-        return take
+        mb = self.cfg.train.micro_batch_size
+        self._kept, out = [], []
+        for s in range(0, ids_BT.shape[0], mb):
+            sl = slice(s, s + mb)
+            o, ent = forward(sl)
+            self._kept.append(KeptForward(ids_BT[sl], o, ent))
+            out.append(o.detach().cpu())
+        return torch.cat(out)
 
     def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn) -> tuple[dict, int]:
-        """Run `micro_fn(sub_experience, counts)` on this rank's micro-batches of every mini-batch
-        (a contiguous block of whole micro-batches, as `ppo.row_shards` gave it in the experience
-        phase), then `step_fn()`; returns (stats summed over steps, number of optimizer steps)."""
+        """Run `micro_fn(sub_experience, counts, kept)` on this rank's micro-batches of every
+        mini-batch (a contiguous block of whole micro-batches, as `ppo.row_shards` gave it in the
+        experience phase), then `step_fn()`; returns (stats summed over steps, number of optimizer
+        steps). `kept` is the micro-batch's `KeptForward` after a fused experience pass (consumed
+        here, so the graphs are freed with this update), else None."""
         from turborlhf.trainers.ppo import minibatch_counts, row_shards
 
         rank, world = dp_rank_world()
@@ -129,11 +129,15 @@ class _Trainable:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
 
+        kept, self._kept = getattr(self, "_kept", None), None
         for mini in schedule:
             counts = minibatch_counts(exp.mask_BR[mini], self.cfg)
             shard = row_shards(len(mini), mb, world).get(rank)     # the rows the experience gave this rank
             for micro in (mini[shard].split(mb) if shard is not None else []):
-                add(micro_fn(exp.rows(micro), counts))
+                if kept is not None and not kept:
+                    raise RuntimeError("fused update: more micro-batches than experience forwards "
+                                       "(set algo.fused_update=never and report this)")
+                add(micro_fn(exp.rows(micro), counts, kept.pop(0) if kept is not None else None))
             add(step_fn())
         return sums, len(schedule)
 
@@ -193,7 +197,7 @@ class ActorWorker(_Trainable):
         micro-batch's log-probs and entropies for the next `train`, which backpropagates through
         them instead of a second forward. The returned tensor is detached either way."""
         from turborlhf.models.forward import response_logprobs
-        from turborlhf.trainers.ppo import KeptForward
+        from turborlhf.trainers.ppo import actor_forward
 
         B, mb = ids_BT.shape[0], self.cfg.train.micro_batch_size
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
@@ -202,15 +206,7 @@ class ActorWorker(_Trainable):
             with torch.no_grad(), autocast(self.cfg.actor.dtype):
                 return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
                                                          target[s])[0][:, P:].cpu(), B, mb)
-        self._kept, out = [], []
-        for s in range(0, B, mb):
-            sl = slice(s, s + mb)
-            with autocast(self.cfg.actor.dtype):
-                logp, ent = root_forward(self.model, response_logprobs, ids[sl], attn[sl], target[sl],
-                                         with_entropy=True, entropy_grad=self.cfg.algo.entropy_coef > 0)
-            self._kept.append(KeptForward(ids_BT[sl], logp[:, P:], ent[:, P:]))
-            out.append(logp[:, P:].detach().cpu())
-        return torch.cat(out)
+        return self._keep_forwards(ids_BT, lambda s: actor_forward(self.model, self.cfg, ids[s], attn[s], target[s], P))
 
     @torch.no_grad()
     def ref_logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
@@ -225,11 +221,8 @@ class ActorWorker(_Trainable):
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
         from turborlhf.trainers.ppo import actor_micro_step
 
-        kept = self._take_kept()
-
-        def micro(sub, counts):
-            return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device,
-                                    kept())
+        def micro(sub, counts, kept):
+            return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device, kept)
 
         def step():
             stats = self._ptx() if self.ptx is not None else {}
@@ -323,33 +316,21 @@ class CriticWorker(_Trainable):
                keep_graph: bool = False) -> torch.Tensor:
         """Values ``B×R``: column j is the value of the state in which response token j is chosen.
         keep_graph: as `ActorWorker.logprobs` (the next `train` backpropagates through them)."""
-        from turborlhf.models.forward import token_values
-        from turborlhf.trainers.ppo import KeptForward
+        from turborlhf.trainers.ppo import critic_forward
 
         ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
-        B, mb = ids.shape[0], self.cfg.train.micro_batch_size
+        fwd = lambda s: critic_forward(self.model, self.cfg, ids[s], attn[s], P, R)      # noqa: E731
         if not keep_graph:
-            with torch.no_grad(), autocast(self.cfg.actor.dtype):
-                return _in_chunks(lambda s: root_forward(self.model, token_values, ids[s],
-                                                         attn[s])[:, P - 1:P - 1 + R].cpu(), B, mb)
-        self._kept, out = [], []
-        for s in range(0, B, mb):
-            sl = slice(s, s + mb)
-            with autocast(self.cfg.actor.dtype):
-                v = root_forward(self.model, token_values, ids[sl], attn[sl])[:, P - 1:P - 1 + R]
-            self._kept.append(KeptForward(ids_BT[sl], v))
-            out.append(v.detach().cpu())
-        return torch.cat(out)
+            with torch.no_grad():
+                return _in_chunks(lambda s: fwd(s)[0].cpu(), ids.shape[0], self.cfg.train.micro_batch_size)
+        return self._keep_forwards(ids_BT, fwd)
 
     def train(self, exp, schedule: list) -> tuple[dict, int]:
         """Clipped value-loss updates over `schedule`."""
         from turborlhf.trainers.ppo import critic_micro_step
 
-        kept = self._take_kept()
-
-        def micro(sub, counts):
-            return critic_micro_step(self.model, self.cfg, sub, counts, self.device,
-                                     kept())
+        def micro(sub, counts, kept):
+            return critic_micro_step(self.model, self.cfg, sub, counts, self.device, kept)
 
         return self._train_minibatches(exp, schedule, micro,
                                        lambda: {"critic_grad_norm": self._step(self.opt, self.sched)})
