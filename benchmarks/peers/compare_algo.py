@@ -655,9 +655,8 @@ def orl_gptlm(P, dt, g, d, dd):
         d.add(reduce_loss(sft_nll_loss(lp, m), m), P.loss.GPTLMLoss()(logits, labels))
 
 
-@case(ORL, "logprobs_from_logits", "openrlhf.models.utils.log_probs_from_logits (torch fallback, no flash-attn)",
-      "chunk_size 3 and default")
-def orl_logprobs(P, dt, g, d, dd):
+def _logprobs_vs(peer_fn, dt, g, d):
+    """logprobs_from_logits (chunked and default) against a peer's `peer_fn(logits, labels)`."""
     import torch
 
     from turborlhf.algo import logprobs_from_logits
@@ -665,16 +664,13 @@ def orl_logprobs(P, dt, g, d, dd):
     for B, T, V in [(1, 1, 2), (2, 5, 7), (3, 16, 50)]:
         logits = randn(g, B, T, V, dt=dt, scale=3)
         labels = torch.randint(0, V, (B, T), generator=g)
-        peer = P.utils.log_probs_from_logits(logits.clone(), labels)
+        peer = peer_fn(logits.clone(), labels)
         d.add(logprobs_from_logits(logits, labels, chunk_size=3), peer)
         d.add(logprobs_from_logits(logits, labels), peer)
 
 
-@case(ORL, "logprobs_from_logits (bf16 logits)", "openrlhf.models.utils.log_probs_from_logits (bf16 row loop)",
-      "the peer given logits.float(); ours upcasts each chunk itself", doc="docs/algorithms/README.md",
-      default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 "
-      "log-softmax", dtypes=("bfloat16",))
-def orl_logprobs_bf16(P, dt, g, d, dd):
+def _logprobs_bf16_vs(peer_fn, dt, g, d, dd):
+    """bf16 logits: ours against the peer given fp32 logits (d) and its own bf16 result (dd)."""
     import torch
 
     from turborlhf.algo import logprobs_from_logits
@@ -683,8 +679,22 @@ def orl_logprobs_bf16(P, dt, g, d, dd):
         logits = randn(g, B, T, V, dt=dt, scale=3)
         labels = torch.randint(0, V, (B, T), generator=g)
         ours = logprobs_from_logits(logits, labels, chunk_size=4)
-        d.add(ours, P.utils.log_probs_from_logits(logits.float(), labels))
-        dd.add(ours, P.utils.log_probs_from_logits(logits.clone(), labels))
+        d.add(ours, peer_fn(logits.float(), labels))
+        dd.add(ours, peer_fn(logits.clone(), labels))
+
+
+@case(ORL, "logprobs_from_logits", "openrlhf.models.utils.log_probs_from_logits (torch fallback, no flash-attn)",
+      "chunk_size 3 and default")
+def orl_logprobs(P, dt, g, d, dd):
+    _logprobs_vs(P.utils.log_probs_from_logits, dt, g, d)
+
+
+@case(ORL, "logprobs_from_logits (bf16 logits)", "openrlhf.models.utils.log_probs_from_logits (bf16 row loop)",
+      "the peer given logits.float(); ours upcasts each chunk itself", doc="docs/algorithms/README.md",
+      default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 "
+      "log-softmax", dtypes=("bfloat16",))
+def orl_logprobs_bf16(P, dt, g, d, dd):
+    _logprobs_bf16_vs(P.utils.log_probs_from_logits, dt, g, d, dd)
 
 
 @case(ORL, "entropy_from_logits", "openrlhf.models.utils.compute_entropy.__wrapped__ (eager, not compiled)",
@@ -732,16 +742,7 @@ TRL12 = "trl-1.12.0"
 
 @case(TRL, "logprobs_from_logits", "trl.trainer.utils.selective_log_softmax (torch path)", "chunk_size 3 and default")
 def trl_logprobs(P, dt, g, d, dd):
-    import torch
-
-    from turborlhf.algo import logprobs_from_logits
-
-    for B, T, V in [(1, 1, 2), (2, 5, 7), (3, 16, 50)]:
-        logits = randn(g, B, T, V, dt=dt, scale=3)
-        labels = torch.randint(0, V, (B, T), generator=g)
-        peer = P.utils.selective_log_softmax(logits, labels)
-        d.add(logprobs_from_logits(logits, labels, chunk_size=3), peer)
-        d.add(logprobs_from_logits(logits, labels), peer)
+    _logprobs_vs(P.utils.selective_log_softmax, dt, g, d)
 
 
 @case(TRL, "logprobs_from_logits (bf16 logits)", "trl.trainer.utils.selective_log_softmax (bf16 row loop)",
@@ -749,16 +750,7 @@ def trl_logprobs(P, dt, g, d, dd):
       default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 "
       "log-softmax", dtypes=("bfloat16",))
 def trl_logprobs_bf16(P, dt, g, d, dd):
-    import torch
-
-    from turborlhf.algo import logprobs_from_logits
-
-    for B, T, V in [(2, 5, 7), (3, 16, 50)]:
-        logits = randn(g, B, T, V, dt=dt, scale=3)
-        labels = torch.randint(0, V, (B, T), generator=g)
-        ours = logprobs_from_logits(logits, labels, chunk_size=4)
-        d.add(ours, P.utils.selective_log_softmax(logits.float(), labels))
-        dd.add(ours, P.utils.selective_log_softmax(logits, labels))
+    _logprobs_bf16_vs(P.utils.selective_log_softmax, dt, g, d, dd)
 
 
 @case(TRL, "entropy_from_logits", "trl.trainer.utils.entropy_from_logits (torch path)", "chunk_size 3; peer's 4")
