@@ -558,6 +558,15 @@ class CSFTDataCfg(Cfg):
     policy_samples_per_prompt: int = Field(
         0, ge=0, description="also sample this many responses per training prompt from the starting policy "
                              "(settings rollout.*) and train on them, tagged like the rest; 0 = data only")
+    dataset_responses: bool = Field(
+        True, description="train on the data file's own responses (both of a pair); false: the file only "
+                          "supplies prompts and every example is a policy sample (needs policy_samples_per_prompt)")
+
+    @model_validator(mode="after")
+    def _check_sources(self):
+        if not self.dataset_responses and not self.policy_samples_per_prompt:
+            raise ValueError("dataset_responses=false leaves no examples: set policy_samples_per_prompt > 0")
+        return self
 
 
 class CSFTTagCfg(Cfg):

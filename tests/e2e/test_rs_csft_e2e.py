@@ -195,3 +195,20 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
             f"model.name_or_path={tiny_model}", "reward_model=/nonexistent", "--resume",
             f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}")
     assert max_weight_diff(final, weights(out)) < 1e-5
+
+
+def test_conditional_sft_policy_samples_only(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """`data.dataset_responses=false`: the pair file only supplies prompts; every example is a
+    policy sample; without policy samples the config is refused, naming the field."""
+    from turborlhf.config import ConditionalSFTConfig, ConfigError, load_config
+
+    out = tmp_path / "csft"
+    args = ("--config", REPO / "configs/tiny/conditional_sft.yaml", f"model.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}")
+    run_cli("conditional-sft", *args, "data.policy_samples_per_prompt=3", "data.dataset_responses=false")
+    scored = _rows(out / "scored.jsonl")
+    assert len(scored) == 12 * 3 and {r["source"] for r in scored} == {"policy"}
+    assert json.loads((out / "conditional_sft.json").read_text())["bin_counts"] == [12, 12, 12]
+    with pytest.raises(ConfigError, match="data.*policy_samples_per_prompt > 0"):
+        load_config(ConditionalSFTConfig, REPO / "configs/tiny/conditional_sft.yaml",
+                    ["data.dataset_responses=false", "data.policy_samples_per_prompt=0"])

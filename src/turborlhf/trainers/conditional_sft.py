@@ -277,7 +277,8 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-        rows += sample_policy_examples(model, tok, prompts, cfg)
+        samples = sample_policy_examples(model, tok, prompts, cfg)
+        rows = rows + samples if cfg.data.dataset_responses else samples
         print(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
         t0 = time.perf_counter()
