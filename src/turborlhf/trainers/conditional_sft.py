@@ -4,7 +4,8 @@ with Offline Learning from Human Feedback", arXiv 2308.12050; the idea of SteerL
 1. score every training response with the reward model, s_i = r(x_i, y_i) — for preference pairs
    both the chosen AND the rejected response become examples, so the policy also sees what a
    low score looks like; with `data.policy_samples_per_prompt` the starting policy's own samples
-   for the same prompts join them (on-policy examples, as SteerLM's bootstrapping round);
+   for the same prompts join them (on-policy examples, as SteerLM's bootstrapping round), or
+   replace them with ``data.dataset_responses=false``;
 2. bin the scores: edges e_1 < … < e_{K-1} (score quantiles q = k/K, or equal widths over
    [min s, max s]); bin k_i = #{m : e_m ≤ s_i} ∈ {0 … K-1}, monotone in s (higher = better);
 3. tag the prompt with its bin, x̃_i = insert(x_i, format(k_i)), the default tag ``<rm_score>=k``
