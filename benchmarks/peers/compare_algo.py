@@ -683,6 +683,22 @@ def _logprobs_bf16_vs(peer_fn, dt, g, d, dd):
         dd.add(ours, peer_fn(logits.clone(), labels))
 
 
+# the bf16 log-prob cases of both peers: same setting, same documented difference
+_BF16_LOGPROBS = dict(
+    options="the peer given logits.float(); ours upcasts each chunk itself", doc="docs/algorithms/README.md",
+    default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 log-softmax",
+    dtypes=("bfloat16",))
+
+
+def _entropy_vs(peer_fn, dt, g, d):
+    """Our chunked entropy (chunk_size 3) against `peer_fn(logits)` on random logits of std 3."""
+    from turborlhf.algo import entropy_from_logits
+
+    for B, T, V in [(1, 1, 2), (2, 5, 7), (3, 16, 50)]:
+        logits = randn(g, B, T, V, dt=dt, scale=3)
+        d.add(entropy_from_logits(logits, chunk_size=3), peer_fn(logits))
+
+
 @case(ORL, "logprobs_from_logits", "openrlhf.models.utils.log_probs_from_logits (torch fallback, no flash-attn)",
       "chunk_size 3 and default")
 def orl_logprobs(P, dt, g, d, dd):
@@ -690,9 +706,7 @@ def orl_logprobs(P, dt, g, d, dd):
 
 
 @case(ORL, "logprobs_from_logits (bf16 logits)", "openrlhf.models.utils.log_probs_from_logits (bf16 row loop)",
-      "the peer given logits.float(); ours upcasts each chunk itself", doc="docs/algorithms/README.md",
-      default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 "
-      "log-softmax", dtypes=("bfloat16",))
+      **_BF16_LOGPROBS)
 def orl_logprobs_bf16(P, dt, g, d, dd):
     _logprobs_bf16_vs(P.utils.log_probs_from_logits, dt, g, d, dd)
 
@@ -700,12 +714,7 @@ def orl_logprobs_bf16(P, dt, g, d, dd):
 @case(ORL, "entropy_from_logits", "openrlhf.models.utils.compute_entropy.__wrapped__ (eager, not compiled)",
       "chunk_size 3")
 def orl_entropy(P, dt, g, d, dd):
-    from turborlhf.algo import entropy_from_logits
-
-    f = P.utils.compute_entropy.__wrapped__
-    for B, T, V in [(1, 1, 2), (2, 5, 7), (3, 16, 50)]:
-        logits = randn(g, B, T, V, dt=dt, scale=3)
-        d.add(entropy_from_logits(logits, chunk_size=3), f(logits))
+    _entropy_vs(P.utils.compute_entropy.__wrapped__, dt, g, d)
 
 
 # ============================================================================== OpenRLHF 0.9.0 (KTO)
@@ -746,20 +755,14 @@ def trl_logprobs(P, dt, g, d, dd):
 
 
 @case(TRL, "logprobs_from_logits (bf16 logits)", "trl.trainer.utils.selective_log_softmax (bf16 row loop)",
-      "the peer given logits.float(); ours upcasts each chunk itself", doc="docs/algorithms/README.md",
-      default_note="bf16 logits: ours returns fp32 log-softmax of the bf16 values; the peer returns a bf16 "
-      "log-softmax", dtypes=("bfloat16",))
+      **_BF16_LOGPROBS)
 def trl_logprobs_bf16(P, dt, g, d, dd):
     _logprobs_bf16_vs(P.utils.selective_log_softmax, dt, g, d, dd)
 
 
 @case(TRL, "entropy_from_logits", "trl.trainer.utils.entropy_from_logits (torch path)", "chunk_size 3; peer's 4")
 def trl_entropy(P, dt, g, d, dd):
-    from turborlhf.algo import entropy_from_logits
-
-    for B, T, V in [(1, 1, 2), (2, 5, 7), (3, 16, 50)]:
-        logits = randn(g, B, T, V, dt=dt, scale=3)
-        d.add(entropy_from_logits(logits, chunk_size=3), P.utils.entropy_from_logits(logits, chunk_size=4))
+    _entropy_vs(lambda logits: P.utils.entropy_from_logits(logits, chunk_size=4), dt, g, d)
 
 
 def _dpo_batch(g, B, L, dt):
