@@ -182,14 +182,28 @@ class FastEngine:
         (symmetric per-output-row scales, re-quantized by every `load_weights`; half the weight
         bytes of bf16, for memory-bound small batches). 0 = off (default). This samples from an
         approximation of the policy: prefill, `score_logprobs` and larger batches stay exact.
+    kernels: eager decode steps use the fused C kernels of `turborlhf.rollout.kernels` (RoPE +
+        KV-cache write + attention in one pass per layer, and RMSNorm) when they build on this
+        machine: 'auto' (default; torch ops if they do not build), True (require them), False.
     Raises ValueError for an unsupported architecture or an unknown/unavailable backend.
     """
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 32,
                  compile: bool = False, kv_bucket: int = 64, compact: bool = True,
                  dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                 linear_backend: str = "auto", int8_max_batch: int = 0):
+                 linear_backend: str = "auto", int8_max_batch: int = 0, kernels: bool | str = "auto"):
         self.dtype = resolve_dtype(dtype)
+        if kernels not in ("auto", True, False):
+            raise ValueError(f"kernels must be 'auto', True or False, got {kernels!r}")
+        self._k = None
+        if kernels:
+            from .kernels import load as load_kernels
+            self._k = load_kernels(warn=kernels is True)
+            if self._k is not None and not self._k.supports(self.dtype):
+                self._k = None
+            if kernels is True and self._k is None:
+                raise ValueError(f"kernels=True but the fused decode kernels are unavailable for {self.dtype} "
+                                 "(no C compiler, a failed build, or TURBORLHF_KERNELS=0)")
         self.int8_max_batch = int(int8_max_batch)
         if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
             raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
@@ -398,6 +412,12 @@ class FastEngine:
             return self._plin(h, None, 5 * self.n_layers, "none").float()
         return F.linear(h, self.lm_head_VE).float()
 
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        """RMSNorm: the fused kernel (eager, contiguous x) when loaded, else torch ops."""
+        if self._k is not None and not graph and x.is_contiguous():
+            return self._k.rms_norm(x.view(-1, x.shape[-1]), w, torch.empty_like(x), self.eps).view(x.shape)
+        return _rms(x, w, self.eps)
+
     def _attn_mlp_out(self, l: int, ly: _Layer, x: torch.Tensor, a: torch.Tensor, graph: bool,
                       int8: bool = False) -> torch.Tensor:
         """x + o_proj(a), then x + down(silu(gate(h)) · up(h)) with h = RMSNorm(x): the rest of
@@ -405,18 +425,18 @@ class FastEngine:
         `int8`: int8 weight-only linears."""
         if int8:
             x = x + self._lin8(a, 5 * l + _O)
-            g, u = self._lin8(_rms(x, ly.ln2, self.eps), 5 * l + _GATE).chunk(2, dim=-1)
+            g, u = self._lin8(self._norm(x, ly.ln2), 5 * l + _GATE).chunk(2, dim=-1)
             return x + self._lin8(F.silu(g) * u, 5 * l + _DOWN)
         if self._mkl:
             lin = ((lambda x_, o_, s_, a_: torch.ops.turborlhf.packed_linear(x_, o_, self._key, s_, a_))
                    if graph else self._plin)
             s = 5 * l
             x = lin(a, x, s + _O, "add")                               # x + a·Woᵀ
-            h = _rms(x, ly.ln2, self.eps)
+            h = self._norm(x, ly.ln2, graph)
             g = lin(h, None, s + _GATE, "swish")                       # silu(h·Wgᵀ)
             return lin(lin(h, g, s + _UP, "mul"), x, s + _DOWN, "add")  # x + (h·Wuᵀ · g)·Wdᵀ
         x = x + F.linear(a, ly.wo, ly.bo)
-        h = _rms(x, ly.ln2, self.eps)
+        h = self._norm(x, ly.ln2, graph)
         g, u = F.linear(h, ly.wgu, ly.bgu).chunk(2, dim=-1)
         return x + F.linear(F.silu(g) * u, ly.wd, ly.bd)
 
@@ -442,7 +462,7 @@ class FastEngine:
         sins = self._sins_PD[pos_BS][:, :, None]
         mask = allow_BSS[:, None]                                   # B×1×S×S
         for l, ly in enumerate(self.layers):
-            h = _rms(x, ly.ln1, self.eps)
+            h = self._norm(x, ly.ln1)
             qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D
             qk = _rope_signed(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sins).transpose(1, 2)
             q, k = qk[:, :H], qk[:, H:]                             # B×H×S×D, B×KV×S×D
@@ -452,13 +472,18 @@ class FastEngine:
                 V_LBKTD[l, :, :, :S] = v
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.group > 1)
             x = self._attn_mlp_out(l, ly, x, a.transpose(1, 2).reshape(B, S, H * D), False)
-        return _rms(x, self.norm_E, self.eps)
+        return self._norm(x, self.norm_E)
 
     def _step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, col: int, T: int,
               K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, maskadd_BT: torch.Tensor,
-              graph: bool = False, nopad: bool = False) -> torch.Tensor:
+              graph: bool = False, nopad: bool = False, start_B: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
         """One decode step: token ids_B at positions pos_B, K/V written at cache column `col`.
         Returns float32 logits B×V. `graph`: traced by torch.compile (custom-op linears).
+
+        With the fused kernels loaded (eager, `start_B` given: each row's first valid cache
+        column), RoPE, the cache write and attention over columns [start_B, col] are one C call
+        per layer and RMSNorm one more; otherwise torch ops, as follows.
 
         Attention, two ways (as measured per layer on the 2-core CPU, benchmarks in
         docs/rollout.md): rows without left padding (`nopad`) and B <= 4 use SDPA over the first
@@ -470,13 +495,19 @@ class FastEngine:
         scale = 1.0 / math.sqrt(D)
         i8 = 0 < B <= self.int8_max_batch and not graph             # int8 weight-only small batches
         sdpa = nopad and B <= 4 and not graph
+        kern = self._k is not None and not graph and start_B is not None
         x = self.embed_VE[ids_B]                                    # B×E
-        cos = self._cos_PD[pos_B][:, None]                          # B×1×D
-        sins = self._sins_PD[pos_B][:, None]
+        cos_BD, sins_BD = self._cos_PD[pos_B], self._sins_PD[pos_B]
+        cos, sins = cos_BD[:, None], sins_BD[:, None]               # B×1×D
         m = maskadd_BT[:, None, None, :]                            # B×1×1×T
         for l, ly in enumerate(self.layers):
-            h = _rms(x, ly.ln1, self.eps)
+            h = self._norm(x, ly.ln1, graph)
             qkv = self._qkv(l, ly, h, graph, i8)                    # B×(H+2KV)D
+            if kern:
+                a = self._k.attention(qkv, cos_BD, sins_BD, K_LBKTD[l], V_LBKTD[l], start_B,
+                                      x.new_empty(B, H * D), H, col, scale)
+                x = self._attn_mlp_out(l, ly, x, a, graph, i8)
+                continue
             qk = _rope_signed(qkv[:, : (H + KV) * D].view(B, H + KV, D), cos, sins)  # q and k at once
             Kl, Vl = K_LBKTD[l], V_LBKTD[l]                          # B×KV×Tmax×D
             Kl[:, :, col] = qk[:, H:]
@@ -490,7 +521,7 @@ class FastEngine:
                 p = torch.softmax(torch.add(m, s, alpha=scale), dim=-1).to(x.dtype)  # float32 softmax
                 a = torch.matmul(p, Vl)                              # B×KV×G×D
             x = self._attn_mlp_out(l, ly, x, a.reshape(B, H * D), graph, i8)
-        h = _rms(x, self.norm_E, self.eps)
+        h = self._norm(x, self.norm_E, graph)
         if self._mkl and graph:
             return torch.ops.turborlhf.packed_linear(h, None, self._key, 5 * self.n_layers, "none").float()
         return self._head(h, i8)
@@ -578,7 +609,8 @@ class FastEngine:
     def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int):
         """Prefill the distinct prompts of `reqs` (left-padded to P), then copy their cache rows to
         every request (plus Bc - N filler rows). Returns (K_LBKTD, V_LBKTD, logits_BV float32 of
-        the next token, additive mask_BT, position of the next token pos_B)."""
+        the next token, additive mask_BT, position of the next token pos_B, first valid cache
+        column start_B)."""
         N = len(reqs)
         L, KV, D = self.n_layers, self.n_kv, self.head_dim
         # ---- prefill the distinct prompts, then copy cache rows to every request
@@ -611,7 +643,8 @@ class FastEngine:
         maskadd_BT = torch.full((Bc, T), float("-inf"))
         maskadd_BT[:, :P] = torch.where(valid_US, 0.0, float("-inf")).index_select(0, src_t)
         pos_B = lens_U.index_select(0, src_t).clone()              # position of the next token
-        return K, V, logits_BV, maskadd_BT, pos_B
+        start_B = pad_U.index_select(0, src_t).to(torch.int64)     # first valid cache column
+        return K, V, logits_BV, maskadd_BT, pos_B, start_B
 
     def _generate_chunk(self, reqs: list[list[int]], params: SamplingParams, gen: torch.Generator,
                         timings: dict):
@@ -624,7 +657,7 @@ class FastEngine:
                              f"({self.max_positions})")
         T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
         Bc = self._bucket_batch(N)
-        K, V, logits_BV, maskadd_BT, pos_B = self._prefill(reqs, P, T, Bc)
+        K, V, logits_BV, maskadd_BT, pos_B, start_B = self._prefill(reqs, P, T, Bc)
         nopad = all(len(p) == P for p in reqs)                     # no left padding in any row
         rows_B = torch.arange(Bc)                                  # request index of each row
         rows_B[N:] = -1
@@ -663,6 +696,7 @@ class FastEngine:
                     keep = torch.cat([keep, torch.nonzero(done_B).squeeze(1)[: nb - n_live]])
                 K, V = K.index_select(1, keep), V.index_select(1, keep)
                 maskadd_BT, pos_B = maskadd_BT.index_select(0, keep), pos_B.index_select(0, keep)
+                start_B = start_B.index_select(0, keep)
                 ids_B, rows_B, done_B = ids_B.index_select(0, keep), rows_B.index_select(0, keep), done_B.index_select(0, keep)
             col = P + t
             col_1.fill_(col)
@@ -670,7 +704,7 @@ class FastEngine:
             if self._compiled_step is not None:
                 logits_BV = self._compiled_call(ids_B, pos_B, col_1, K, V, maskadd_BT)
             else:
-                logits_BV = self._step(ids_B, pos_B, col, col + 1, K, V, maskadd_BT, nopad=nopad)
+                logits_BV = self._step(ids_B, pos_B, col, col + 1, K, V, maskadd_BT, nopad=nopad, start_B=start_B)
             pos_B = pos_B + 1
             timings["steps"] += 1
         timings["decode_s"] += time.perf_counter() - td

@@ -1,0 +1,147 @@
+"""FastEngine's fused decode kernels (`decode.c`): built once per machine with the system C
+compiler, cached, and called through ctypes on raw data pointers.
+
+`load()` returns a `DecodeKernels` or None. None means "use the torch path": no C compiler, a
+failed build, a non-x86/Linux host, or `TURBORLHF_KERNELS=0` in the environment. The build
+(~2 s with gcc) goes to `$TURBORLHF_CACHE/kernels` (default `~/.cache/turborlhf/kernels`), keyed
+by a hash of the source, the compiler and the flags, and is written atomically (temp file, then
+rename), so concurrent first uses never load a half-written library. `-march=native` is safe
+because the library is built on the machine that runs it; the CPU's model name is part of the
+key, so a cache shared between different CPUs rebuilds.
+
+Threading: the library links `libgomp.so.1`, which resolves to the copy torch has already
+loaded (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`.
+The compile and link are separate steps so `-ffast-math` (needed for glibc's vectorised `expf`)
+never links `crtfastmath.o`, which would switch the whole process to flush-denormals-to-zero.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["DecodeKernels", "load"]
+
+_SRC = Path(__file__).with_name("decode.c")
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
+_LDFLAGS = ["-shared", "-fopenmp"]
+_LIBS = ["-lmvec", "-lm"]
+_lock = threading.Lock()
+_cached: dict[str, Optional["DecodeKernels"]] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TURBORLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "turborlhf")
+    return Path(root) / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") or line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    """Compile decode.c into the cache (once); returns the library's path. Raises on failure."""
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([_SRC.read_text(), ver, " ".join(_CFLAGS + _LDFLAGS + _LIBS),
+                                    _cpu_model()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"decode-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = os.path.join(tmp, "decode.o"), os.path.join(tmp, "decode.so")
+        for cmd in ([cc, *_CFLAGS, "-c", str(_SRC), "-o", obj], [cc, *_LDFLAGS, obj, "-o", lib, *_LIBS]):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        os.replace(lib, out)
+    return out
+
+
+class DecodeKernels:
+    """ctypes bindings of decode.c (see its comments for the exact maths).
+
+    attention(qkv_BW, cos_BD, sins_BD, K_BKTD, V_BKTD, start_B, out_BHD, n_heads, col, scale):
+        RoPE of q and k, k and v written at cache column `col`, softmax(q·Kᵀ·scale)·V over
+        columns [start_B[b], col] of each row. qkv_BW: B×(H+2KV)·D; cos/sins: B×D; K/V: one
+        layer's cache B×KV×Tmax×D; start_B: int64; out: B×H·D. All contiguous, same dtype
+        (float32 or bfloat16). Raises ValueError on a dtype/layout mismatch.
+    rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
+    """
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        self._attn, self._rms = {}, {}
+        for dt, suf in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            f = getattr(lib, f"decode_attention_{suf}")
+            f.argtypes = [P, P, P, P, P, P, P, I, I, I, I, I, I, F]
+            f.restype = None
+            self._attn[dt] = f
+            g = getattr(lib, f"rms_norm_{suf}")
+            g.argtypes = [P, P, P, I, I, F]
+            g.restype = None
+            self._rms[dt] = g
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._attn
+
+    def attention(self, qkv_BW, cos_BD, sins_BD, K_BKTD, V_BKTD, start_B, out_BHD, n_heads: int,
+                  col: int, scale: float) -> torch.Tensor:
+        B, KV, Tmax, D = K_BKTD.shape
+        dt = K_BKTD.dtype
+        for name, t in (("qkv", qkv_BW), ("cos", cos_BD), ("sins", sins_BD), ("K", K_BKTD), ("V", V_BKTD),
+                        ("out", out_BHD)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"decode attention: {name} must be contiguous {dt}, got {t.dtype} "
+                                 f"(contiguous={t.is_contiguous()})")
+        if start_B.dtype != torch.int64 or not start_B.is_contiguous():
+            raise ValueError("decode attention: start_B must be contiguous int64")
+        if not 0 <= col < Tmax:
+            raise ValueError(f"decode attention: column {col} outside the cache (0..{Tmax - 1})")
+        self._attn[dt](qkv_BW.data_ptr(), cos_BD.data_ptr(), sins_BD.data_ptr(), K_BKTD.data_ptr(),
+                       V_BKTD.data_ptr(), start_B.data_ptr(), out_BHD.data_ptr(), B, n_heads, KV, D, Tmax,
+                       col, scale)
+        return out_BHD
+
+    def rms_norm(self, x_BE: torch.Tensor, w_E: torch.Tensor, out_BE: torch.Tensor, eps: float) -> torch.Tensor:
+        B, E = x_BE.shape
+        self._rms[x_BE.dtype](x_BE.data_ptr(), w_E.data_ptr(), out_BE.data_ptr(), B, E, eps)
+        return out_BE
+
+
+def load(warn: bool = True) -> Optional[DecodeKernels]:
+    """The kernels, built on first use; None if unavailable (then FastEngine uses torch ops).
+    A failed build warns once (`warn`) and is not retried in this process."""
+    if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
+        return None
+    with _lock:
+        if "k" in _cached:
+            return _cached["k"]
+        k = None
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if cc and platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
+            try:
+                k = DecodeKernels(ctypes.CDLL(str(_build(cc))))
+            except Exception as e:  # noqa: BLE001 - any build/load failure → torch path
+                if warn:
+                    warnings.warn(f"FastEngine: fused decode kernels unavailable ({type(e).__name__}: "
+                                  f"{str(e)[:300]}); using torch ops")
+        _cached["k"] = k
+        return k
