@@ -14,6 +14,8 @@ measures both in one process):
   than `F.linear` for the 1-32 rows of a decode step; the residual add, SiLU and gate·up product
   are fused into the oneDNN calls as post-ops. `load_weights` re-packs the layers it touched
   (~0.1 s for all of SmolLM2-135M), so a policy update never needs a recompile;
+- RoPE, the KV-cache write and decode attention in one C call per layer, RMSNorm in another
+  (`turborlhf.rollout.kernels`, built on first use; the torch ops below are the fallback);
 - a static KV cache `K_LBKTD` allocated once per call; prompts are left-padded into columns
   [0, P) and generated token t is written at column P + t for every row;
 - identical prompts (and the n samples of a prompt) are prefilled once and their cache rows
@@ -198,7 +200,7 @@ class FastEngine:
         self._k = None
         if kernels:
             from .kernels import load as load_kernels
-            self._k = load_kernels(warn=kernels is True)
+            self._k = load_kernels()
             if self._k is not None and not self._k.supports(self.dtype):
                 self._k = None
             if kernels is True and self._k is None:
