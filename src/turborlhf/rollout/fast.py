@@ -477,7 +477,7 @@ class FastEngine:
         return self._norm(x, self.norm_E)
 
     def _step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, col: int, T: int,
-              K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, maskadd_BT: torch.Tensor,
+              K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, maskadd_BT: Optional[torch.Tensor],
               graph: bool = False, nopad: bool = False, start_B: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
         """One decode step: token ids_B at positions pos_B, K/V written at cache column `col`.
@@ -501,7 +501,7 @@ class FastEngine:
         x = self.embed_VE[ids_B]                                    # B×E
         cos_BD, sins_BD = self._cos_PD[pos_B], self._sins_PD[pos_B]
         cos, sins = cos_BD[:, None], sins_BD[:, None]               # B×1×D
-        m = maskadd_BT[:, None, None, :]                            # B×1×1×T
+        m = None if kern else maskadd_BT[:, None, None, :]          # B×1×1×T
         for l, ly in enumerate(self.layers):
             h = self._norm(x, ly.ln1, graph)
             qkv = self._qkv(l, ly, h, graph, i8)                    # B×(H+2KV)D
@@ -608,11 +608,18 @@ class FastEngine:
             return n
         return next((b for b in self.batch_buckets if b >= n), n)
 
+    @staticmethod
+    def _attn_mask(start_B: torch.Tensor, col: int, T: int) -> torch.Tensor:
+        """Additive float32 mask B×T for the torch decode paths: 0 on each row's valid columns
+        [start_B, col], -inf elsewhere (left padding and columns not yet written)."""
+        ar_T = torch.arange(T)
+        valid_BT = (ar_T >= start_B[:, None]) & (ar_T <= col)
+        return torch.zeros(valid_BT.shape).masked_fill_(~valid_BT, float("-inf"))
+
     def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int):
         """Prefill the distinct prompts of `reqs` (left-padded to P), then copy their cache rows to
         every request (plus Bc - N filler rows). Returns (K_LBKTD, V_LBKTD, logits_BV float32 of
-        the next token, additive mask_BT, position of the next token pos_B, first valid cache
-        column start_B)."""
+        the next token, position of the next token pos_B, first valid cache column start_B)."""
         N = len(reqs)
         L, KV, D = self.n_layers, self.n_kv, self.head_dim
         # ---- prefill the distinct prompts, then copy cache rows to every request
@@ -642,11 +649,9 @@ class FastEngine:
         V[:, :, :, :P] = Vp.index_select(1, src_t)
         del Kp, Vp
         logits_BV = logits.index_select(0, src_t)
-        maskadd_BT = torch.full((Bc, T), float("-inf"))
-        maskadd_BT[:, :P] = torch.where(valid_US, 0.0, float("-inf")).index_select(0, src_t)
         pos_B = lens_U.index_select(0, src_t).clone()              # position of the next token
         start_B = pad_U.index_select(0, src_t).to(torch.int64)     # first valid cache column
-        return K, V, logits_BV, maskadd_BT, pos_B, start_B
+        return K, V, logits_BV, pos_B, start_B
 
     def _generate_chunk(self, reqs: list[list[int]], params: SamplingParams, gen: torch.Generator,
                         timings: dict):
@@ -659,7 +664,8 @@ class FastEngine:
                              f"({self.max_positions})")
         T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
         Bc = self._bucket_batch(N)
-        K, V, logits_BV, maskadd_BT, pos_B, start_B = self._prefill(reqs, P, T, Bc)
+        K, V, logits_BV, pos_B, start_B = self._prefill(reqs, P, T, Bc)
+        torch_attention = self._compiled_step is not None or self._k is None   # needs the mask
         nopad = all(len(p) == P for p in reqs)                     # no left padding in any row
         rows_B = torch.arange(Bc)                                  # request index of each row
         rows_B[N:] = -1
@@ -697,12 +703,11 @@ class FastEngine:
                 if nb > n_live:
                     keep = torch.cat([keep, torch.nonzero(done_B).squeeze(1)[: nb - n_live]])
                 K, V = K.index_select(1, keep), V.index_select(1, keep)
-                maskadd_BT, pos_B = maskadd_BT.index_select(0, keep), pos_B.index_select(0, keep)
-                start_B = start_B.index_select(0, keep)
+                pos_B, start_B = pos_B.index_select(0, keep), start_B.index_select(0, keep)
                 ids_B, rows_B, done_B = ids_B.index_select(0, keep), rows_B.index_select(0, keep), done_B.index_select(0, keep)
             col = P + t
             col_1.fill_(col)
-            maskadd_BT[:, col] = 0.0
+            maskadd_BT = self._attn_mask(start_B, col, T) if torch_attention else None
             if self._compiled_step is not None:
                 logits_BV = self._compiled_call(ids_B, pos_B, col_1, K, V, maskadd_BT)
             else:
