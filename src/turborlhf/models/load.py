@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from turborlhf.models.attention import use_training_attention
 from turborlhf.models.zoo import resolve_model_path
 
 __all__ = ["load_tokenizer", "load_causal_lm", "load_scalar_model", "load_trainable", "backbone_of",
@@ -86,11 +87,13 @@ def enable_checkpointing(model: nn.Module) -> None:
 def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: bool, dtype: torch.dtype,
                      load_in_4bit: bool = False, **kw) -> nn.Module:
     """`auto_cls.from_pretrained` plus the conventions of this module (special ids, no dropout,
-    trainable padding row, gradient checkpointing); 4-bit NF4 weights on the current CUDA device
+    trainable padding row, gradient checkpointing, on CPU the short-sequence training attention of
+    `turborlhf.models.attention`); 4-bit NF4 weights on the current CUDA device
     with `load_in_4bit` (then prepared for k-bit training with peft)."""
     if load_in_4bit:
         kw.update(quantization_config=quantization_config_4bit(), device_map={"": torch.cuda.current_device()})
     model = auto_cls.from_pretrained(path, dtype=dtype, **kw)
+    use_training_attention(model)
     _sync_special_ids(model, tokenizer)
     _disable_dropout(model)
     _unfreeze_padding_row(model)

@@ -1,0 +1,186 @@
+"""Training attention for CPUs: SDPA's forward speed without its slow backward.
+
+On this CPU, torch's flash-attention backward (``_scaled_dot_product_flash_attention_for_cpu_backward``)
+is the single most expensive op of a PPO step at RLHF lengths: 23 ms per layer for 8 × 160
+tokens of SmolLM2, against ~8 ms for the same gradients from plain matmuls and a softmax. The
+attention implementation registered here (``"turborlhf"``, with SDPA's mask format) therefore:
+
+- without grad (rollout scoring, reference and reward passes, evaluation): calls transformers'
+  ``sdpa`` attention unchanged;
+- with grad, on short sequences (at most `MATH_MAX_KEYS` keys and `MATH_MAX_SCORES` scores):
+  computes the attention with matmuls and a fused fp32 softmax (`_SoftmaxAttention`). As with
+  flash attention only q, k, v, the output and the row log-sum-exp are saved (no ``T×T``
+  probabilities kept between forward and backward); the backward recomputes the scores once and
+  applies the softmax-attention gradients with plain matmuls;
+- with grad on longer sequences: ``sdpa`` again, whose tiled kernel wins beyond ~300 keys.
+
+Measured on this 2-core CPU (bf16, 9 query / 3 KV heads of 64, per layer, forward + backward):
+8×128 19-25 ms sdpa → 9 ms; 8×160 26-28 → 12-13; 8×256 33-42 → 24-26; 32×128 106-118 → 38-40;
+but 16×384 108-158 → 246-248 and 2×1024 62-65 → 232-242, hence the key-length cut-off.
+
+Grouped-query attention is done without materialising repeated K/V: the query heads of one KV
+head are stacked along the query axis (``B×KV×(rep·Tq)×D``), the same trick as vLLM's and
+transformers' single-token GQA path.
+
+The numerics follow transformers' ``eager_attention_forward`` (scores in the compute dtype,
+softmax in fp32, probabilities cast back before the value matmul). Masked scores get `MASKED`
+rather than ``-inf``, so fully masked query rows (left padding) give finite outputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["ATTN_IMPLEMENTATION", "MASKED", "MATH_MAX_KEYS", "MATH_MAX_SCORES", "register", "use_training_attention", "math_attention"]
+
+ATTN_IMPLEMENTATION = "turborlhf"
+#: longest key axis done by the matmul path (flash attention is faster beyond ~300 keys here)
+MATH_MAX_KEYS = 256
+#: largest ``B·H·Tq·Tk`` done by the matmul path (32 Mi scores: a 128 MiB fp32 transient in backward)
+MATH_MAX_SCORES = 1 << 25
+#: additive score of a masked position. Finite and small enough that a fully masked query row (left
+#: padding) keeps an exact log-sum-exp in fp32 (so forward and backward agree on it), and far below
+#: any real score, so a partly masked row puts probability < 1e-34 on it.
+MASKED = -1.0e4
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Softmax dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """In-place ``exp`` of log-probabilities clamped at −80 (exp(−80) ≈ 2e-35). torch's vectorised
+    exp takes a slow path for arguments that underflow (−100 costs ~100× −50 on this CPU), and
+    masked scores sit at the fp32 minimum; the clamp changes each masked probability by < 1e-34."""
+    return x.clamp_(min=-80.0).exp_()
+
+
+class _SoftmaxAttention(torch.autograd.Function):
+    """``softmax(q·kᵀ·scale + bias)·v`` on GQA-stacked heads, saving only q, k, v, the output and
+    the row log-sum-exp (like flash attention); the backward recomputes the probabilities from the
+    log-sum-exp and applies the standard softmax-attention gradients (Dao et al. 2022, FlashAttention,
+    Algorithm 2 without tiling)::
+
+        P = exp(S − lse);  dV = Pᵀ·dO;  dP = dO·Vᵀ;  dS = P ⊙ (dP − rowsum(dO ⊙ O));
+        dQ = dS·K·scale;   dK = dSᵀ·Q·scale
+
+    Shapes: q ``B×KV×M×D`` (M = rep·Tq query rows per KV head), k/v ``B×KV×Tk×D``, bias fp32
+    broadcastable to ``B×KV×rep×Tq×Tk`` (None = no mask). Matmuls run in q's dtype, the softmax
+    and its gradient in fp32. Autocast must be off around `apply` (`math_attention` does that).
+    """
+
+    @staticmethod
+    def _probs(q, k, bias, lse, scale, rep):
+        B, KV, M, _ = q.shape
+        S = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-1, -2)).mul_(scale)  # fp32 scores, as flash
+        if bias is not None:
+            S = S.view(B, KV, rep, M // rep, -1).add_(bias).view(B, KV, M, -1)
+        return S if lse is None else _exp_(S.sub_(lse[..., None]))
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, rep):  # type: ignore[override]
+        S = _SoftmaxAttention._probs(q, k, bias, None, scale, rep)           # B×KV×M×Tk fp32
+        P = torch.softmax(S, dim=-1)
+        # lse = max(S) − log(max(P)): read off the fused softmax (max(P) ≥ 1/Tk, so the log is safe);
+        # torch.logsumexp would take three more passes over S
+        lse = S.amax(-1).sub_(P.amax(-1).log_())                             # B×KV×M
+        out = torch.matmul(P.to(v.dtype), v)                                 # B×KV×M×D
+        ctx.save_for_backward(q, k, v, bias, lse, out)
+        ctx.scale, ctx.rep = scale, rep
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, bias, lse, out = ctx.saved_tensors
+        dout = dout.to(v.dtype)
+        P = _SoftmaxAttention._probs(q, k, bias, lse, ctx.scale, ctx.rep)   # B×KV×M×Tk fp32
+        dv = torch.matmul(P.to(v.dtype).transpose(-1, -2), dout)
+        dP = torch.matmul(dout.to(_acc(q)), v.to(_acc(q)).transpose(-1, -2))
+        delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1, keepdim=True)          # rowsum(dO ⊙ O)
+        dS = P.mul_(dP.sub_(delta)).mul_(ctx.scale).to(q.dtype)
+        dq = torch.matmul(dS, k)
+        dk = torch.matmul(dS.transpose(-1, -2), q)
+        return dq, dk, dv, None, None, None
+
+
+def math_attention(query_BHQD: torch.Tensor, key_BKTD: torch.Tensor, value_BKTD: torch.Tensor,
+                   mask: Optional[torch.Tensor], scaling: float, causal: bool) -> torch.Tensor:
+    """Softmax attention from matmuls with a flash-style backward (`_SoftmaxAttention`).
+    Returns ``B×Tq×H×D`` (the layout transformers' attention functions return).
+
+    Args:
+        query_BHQD: ``B×H×Tq×D`` queries; H must be a multiple of the KV heads.
+        key_BKTD, value_BKTD: ``B×KV×Tk×D``.
+        mask: None, a boolean mask broadcastable to ``B×1×Tq×Tk`` (True = may attend), or an
+            additive float mask of that shape.
+        scaling: score scale (usually ``D**-0.5``).
+        causal: apply a causal mask aligned to the last key (used when `mask` is None).
+
+    Runs in the autocast dtype when autocast is on (else in the query's dtype).
+    """
+    B, H, Tq, D = query_BHQD.shape
+    KV, Tk = key_BKTD.shape[1], key_BKTD.shape[2]
+    rep = H // KV
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query_BHQD.dtype
+    if mask is None and causal and Tq > 1:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=query_BHQD.device).tril(Tk - Tq)[None, None]
+    bias = None
+    if mask is not None:                      # B|1 × 1 × Tq × Tk → B|1 × 1 × 1 × Tq × Tk (broadcast over KV, rep)
+        bias = (torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, MASKED)
+                if mask.dtype == torch.bool else mask.to(_acc(mask)).clamp(min=MASKED))[:, :, None]
+    with torch.autocast("cpu", enabled=False):
+        q = query_BHQD.to(dtype).reshape(B, KV, rep * Tq, D)               # query heads of one KV head stacked
+        out = _SoftmaxAttention.apply(q, key_BKTD.to(dtype), value_BKTD.to(dtype), bias, scaling, rep)
+    return out.view(B, H, Tq, D).transpose(1, 2).contiguous()
+
+
+def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, Tq, D = query.shape
+    trainable = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    Tk = key.shape[2]
+    if (not trainable or dropout > 0.0 or Tk > MATH_MAX_KEYS or B * H * Tq * Tk > MATH_MAX_SCORES
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    scale = D ** -0.5 if scaling is None else scaling
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    return math_attention(query, key, value, attention_mask, scale, causal), None
+
+
+_registered = False
+
+
+def register() -> str:
+    """Register the ``"turborlhf"`` attention (and SDPA's mask builder under that name) with
+    transformers; idempotent. Returns the implementation name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _registered = True
+    return ATTN_IMPLEMENTATION
+
+
+def use_training_attention(model: nn.Module) -> nn.Module:
+    """Switch a loaded transformers model (or peft wrapper) to the ``"turborlhf"`` attention when
+    it currently uses ``sdpa``; other implementations (flash-attention on GPUs, eager) are left
+    alone. The saved ``config.json`` is unaffected (transformers does not serialise the attention
+    implementation), so checkpoints still load anywhere."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return model
+    if next(base.parameters()).device.type != "cpu":
+        return model
+    base.set_attn_implementation(register())
+    return model
