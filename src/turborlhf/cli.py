@@ -78,7 +78,10 @@ def _run_train_command(name: str, argv: list[str]) -> int:
         return 2
     fn: Callable = getattr(importlib.import_module(module), func)
     from turborlhf.distributed.group import WorkerError
+    from turborlhf.engine.malloc import keep_freed_memory
     from turborlhf.engine.run import RunInterrupted
+
+    keep_freed_memory()           # no page faults for tensors freed and allocated again every step
 
     try:
         fn(cfg, resume=args.resume)

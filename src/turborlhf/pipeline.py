@@ -55,6 +55,7 @@ def stage_configs(cfg: PipelineConfig, model: str) -> dict:
 
 
 def run(cfg: PipelineConfig, resume: bool = False) -> dict:
+    from turborlhf.engine.malloc import release_freed_memory
     from turborlhf.models.zoo import resolve_model_path
 
     run_dir = Path(cfg.run_dir)
@@ -96,6 +97,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
 
             evaluate_pipeline(cfg, run_dir, sft_out, data, timings)
         timings[stage] = round(time.perf_counter() - t0, 1)
+        release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)
         done.write_text(json.dumps({"seconds": timings[stage]}))
         print(f"[pipeline] {stage} took {format_duration(timings[stage])}", flush=True)

@@ -46,6 +46,9 @@ def _device(cfg) -> torch.device:
 
 
 def _setup(cfg, threads: int) -> None:
+    from turborlhf.engine.malloc import keep_freed_memory
+
+    keep_freed_memory()           # a Ray worker is its own process (in this process: already done)
     set_threads(threads or cfg.train.threads)
     seed_everything(cfg.train.seed)
 
