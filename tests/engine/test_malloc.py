@@ -44,6 +44,11 @@ def test_system_malloc_opt_out_returns_memory():
     assert released_mib > 56                 # glibc's default: the block's own mmap, unmapped at once
 
 
+def test_users_own_malloc_settings_win():
+    on, released_mib = _probe({"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert not on and released_mib > 56
+
+
 def test_release_freed_memory_returns_the_heap():
     import os
 

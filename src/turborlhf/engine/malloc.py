@@ -16,7 +16,9 @@ two steps still fault in their memory once (the heap grows to its working size).
 moves to a smaller working set (the pipeline between stages) calls `release_freed_memory`
 (``malloc_trim(0)``).
 
-``TURBORLHF_MALLOC=system`` keeps glibc's defaults. On other C libraries (musl, macOS) both
+``TURBORLHF_MALLOC=system`` keeps glibc's defaults, and so does any malloc setting of the user's
+own (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
+``MALLOC_TOP_PAD_`` or ``glibc.malloc.*`` in ``GLIBC_TUNABLES``). On other C libraries (musl, macOS) both
 functions do nothing. jemalloc/tcmalloc through ``LD_PRELOAD`` (Intel's advice for PyTorch on
 CPUs) solve the same problem but need a system package; these settings need nothing.
 """
@@ -30,6 +32,7 @@ from typing import Optional
 
 __all__ = ["keep_freed_memory", "release_freed_memory"]
 
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1
@@ -48,10 +51,14 @@ def _glibc() -> Optional[ctypes.CDLL]:
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse instead of returning it to the kernel (see the
     module docstring). Idempotent; returns True if the settings are in effect, False when
-    ``TURBORLHF_MALLOC=system`` or the C library is not glibc."""
+    ``TURBORLHF_MALLOC=system``, the user tuned malloc in the environment, or the C library is not
+    glibc."""
     if "on" in _state:
         return _state["on"]
-    libc = None if os.environ.get("TURBORLHF_MALLOC", "").lower() == "system" else _glibc()
+    env = os.environ
+    user_tuned = (any(k in env for k in _USER_SETTINGS) or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+                  or env.get("TURBORLHF_MALLOC", "").lower() == "system")
+    libc = None if user_tuned else _glibc()
     on = bool(libc is not None and libc.mallopt(_M_MMAP_MAX, 0) == 1
               and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1)
     _state["on"] = on
