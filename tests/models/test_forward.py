@@ -58,3 +58,79 @@ def test_response_logprobs_match_full_log_softmax(tiny_model):
     assert torch.allclose(lp, ref, atol=1e-5)
     ref_ent = -(full.exp() * full).sum(-1)
     assert torch.allclose(ent[:, 1:][target[:, 1:].bool()], ref_ent[:, :-1][target[:, 1:].bool()], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Padding removal: the packed forward equals the padded one
+# ----------------------------------------------------------------------------------------------
+
+def _ppo_layout(seed=0):
+    """Rows ``[left-padded prompt | right-padded response]`` with a target mask on the responses."""
+    g = torch.Generator().manual_seed(seed)
+    P, R, B = 7, 5, 4
+    ids = torch.randint(3, 500, (B, P + R), generator=g)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    for b, (lp, lr) in enumerate([(7, 5), (3, 2), (5, 5), (1, 1)]):
+        attn[b, P - lp:P + lr] = 1
+    target = torch.zeros(B, P + R)
+    target[:, P:] = attn[:, P:]
+    return ids, attn, target
+
+
+def _padded_only(monkeypatch):
+    import turborlhf.models.forward as F
+
+    monkeypatch.setattr(F, "packs_sequences", lambda backbone: False)
+
+
+def test_packed_forward_is_used_and_equals_padded(tiny_model, monkeypatch):
+    import turborlhf.models.forward as F
+
+    m = load_causal_lm(str(tiny_model))
+    assert F.packs_sequences(m.model)
+    ids, attn, target = _ppo_layout()
+    calls = []
+    real = F._packed_hidden_states
+    monkeypatch.setattr(F, "_packed_hidden_states", lambda *a: calls.append(1) or real(*a))
+    lp, ent = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True)
+    (lp.sum() + ent.sum()).backward()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+    assert calls == [1]
+    m.zero_grad()
+    _padded_only(monkeypatch)
+    lp0, ent0 = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True)
+    (lp0.sum() + ent0.sum()).backward()
+    assert torch.allclose(lp, lp0, atol=1e-5) and torch.allclose(ent, ent0, atol=1e-5)
+    assert (lp[target == 0] == 0).all()
+    for k, p in m.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-5), k
+
+
+def test_packed_values_and_scores_equal_padded(tiny_model, monkeypatch):
+    from turborlhf.models.forward import token_values
+
+    m = load_scalar_model(str(tiny_model)).eval()
+    ids, attn, _ = _ppo_layout(seed=1)
+    with torch.no_grad():
+        v, s = token_values(m, ids, attn), last_token_scores(m, ids, attn)
+        _padded_only(monkeypatch)
+        v0, s0 = token_values(m, ids, attn), last_token_scores(m, ids, attn)
+    assert torch.allclose(v * attn, v0 * attn, atol=1e-5) and torch.allclose(s, s0, atol=1e-5)
+
+
+def test_packed_forward_under_bf16_autocast_is_close(tiny_model, monkeypatch):
+    m = load_causal_lm(str(tiny_model))
+    ids, attn, target = _ppo_layout(seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = response_logprobs(m, ids, attn, target)
+        _padded_only(monkeypatch)
+        lp0, _ = response_logprobs(m, ids, attn, target)
+    assert (lp - lp0).abs().max() < 0.05 * lp0.abs().max()
+
+
+def test_sdpa_models_are_not_packed(tiny_model):
+    from turborlhf.models.forward import packs_sequences
+
+    m = load_causal_lm(str(tiny_model))
+    m.set_attn_implementation("sdpa")        # its mask builder would let packed sequences attend to each other
+    assert not packs_sequences(m.model)

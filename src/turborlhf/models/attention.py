@@ -137,11 +137,43 @@ def math_attention(query_BHQD: torch.Tensor, key_BKTD: torch.Tensor, value_BKTD:
     return out.view(B, H, Tq, D).transpose(1, 2).contiguous()
 
 
+def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: torch.Tensor, value_1KND: torch.Tensor,
+                      cu_seqlens: torch.Tensor, max_len: int, dropout: float, scaling: Optional[float], **kwargs):
+    """Causal attention within each of the packed sequences of one row (``cu_seqlens``: B + 1
+    offsets into the N packed tokens, the `cu_seq_lens_q` of flash-attention's varlen API).
+
+    The linears of the layer ran on the N real tokens only; here q, k and v are scattered into a
+    right-padded ``B×heads×max_len×D`` batch (a copy of q, k, v: small next to the layer's
+    linears), attended with a causal + key-length mask by the padded path below, and gathered back
+    to the packed layout ``1×N×H×D``. Per sequence this is exactly the padded computation."""
+    lens_B = cu_seqlens.diff().long()
+    B, Tm = lens_B.shape[0], int(max_len)
+    seq_N = torch.repeat_interleave(torch.arange(B, device=lens_B.device), lens_B)
+    dest_N = seq_N * Tm + (torch.arange(seq_N.shape[0], device=lens_B.device) - cu_seqlens.long()[seq_N])
+
+    def pad(x_1HND: torch.Tensor) -> torch.Tensor:                   # 1×h×N×D → B×h×Tm×D
+        x_NhD = x_1HND[0].transpose(0, 1)
+        return (x_NhD.new_zeros((B * Tm,) + x_NhD.shape[1:]).index_copy(0, dest_N, x_NhD)
+                .view(B, Tm, *x_NhD.shape[1:]).transpose(1, 2))
+
+    ar = torch.arange(Tm, device=lens_B.device)
+    mask_B1TT = (ar[:, None] >= ar[None, :])[None, None] & (ar < lens_B[:, None])[:, None, None, :]
+    out_BTHD, _ = _attention_forward(module, pad(query_1HND), pad(key_1KND), pad(value_1KND), mask_B1TT,
+                                     dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+    return out_BTHD.reshape(B * Tm, *out_BTHD.shape[2:]).index_select(0, dest_N).unsqueeze(0)
+
+
 def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                        scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    if cu is not None:                        # packed sequences (`turborlhf.models.forward.hidden_states`)
+        for k in ("cu_seq_lens_k", "max_length_k"):
+            kwargs.pop(k, None)
+        return _varlen_attention(module, query, key, value, cu, kwargs.pop("max_length_q"), dropout, scaling,
+                                 **kwargs), None
     B, H, Tq, D = query.shape
     trainable = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     Tk = key.shape[2]

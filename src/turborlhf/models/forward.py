@@ -4,7 +4,10 @@
   head in chunks, so the fp32 ``B×T×V`` logits tensor is never materialised;
 - reward scores read only the last attended position (one head application per sequence);
 - position ids come from the attention mask (``cumsum - 1``), so right-padded batches and PPO's
-  left-padded-prompt / right-padded-response layout both get the positions the engine used.
+  left-padded-prompt / right-padded-response layout both get the positions the engine used;
+- padding is removed: with turborlhf's CPU training attention the decoder stack runs on the real
+  tokens of all rows packed into one row (`packs_sequences`), and hidden states are scattered
+  back to the padded layout, so callers never see the difference.
 
 Notation: B sequences, T tokens (prompt + response, right-padded), H hidden size, V vocabulary,
 N selected positions. ``logp_BT[b, t] = log p(ids[b, t] | ids[b, <t])``; entries where the mask
@@ -22,7 +25,7 @@ from turborlhf.data.tokenize import pad_batch, pad_masks
 from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
 
-__all__ = ["hidden_states", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
+__all__ = ["hidden_states", "packs_sequences", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
 
@@ -35,9 +38,44 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
     """
     if position_ids_BT is None:
         position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
-    out = backbone_of(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
-                             use_cache=False)
+    backbone = backbone_of(model)
+    if attention_mask_BT.dim() == 2 and packs_sequences(backbone) and not bool(attention_mask_BT.all()):
+        return _packed_hidden_states(backbone, input_ids_BT, attention_mask_BT.bool(), position_ids_BT)
+    out = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
+                   use_cache=False)
     return out.last_hidden_state
+
+
+def packs_sequences(backbone: nn.Module) -> bool:
+    """Whether `hidden_states` runs this decoder stack on the real tokens only (padding removed):
+    with turborlhf's training attention (`turborlhf.models.attention`, CPU models loaded by
+    `turborlhf.models.load`), which attends within each packed sequence."""
+    from turborlhf.models.attention import ATTN_IMPLEMENTATION
+
+    return getattr(getattr(backbone, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
+def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor,
+                          position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """`hidden_states` without the padding: the N real tokens of the B rows go through the stack as
+    one row ``1×N`` (positions restart with each sequence; attention stays within a sequence via
+    flash-attention's varlen arguments ``cu_seq_lens_q/k``, ``max_length_q/k``), and the hidden
+    states are scattered back to ``B×T×H`` (zeros at padding). The embeddings, norms, linears and
+    MLPs, which are most of the work, skip the padding: OpenRLHF's ``--packing_samples`` and
+    verl's ``use_remove_padding``. A row's real tokens may sit anywhere in it (left-padded prompt,
+    right-padded response); each row is one sequence."""
+    B, T = input_ids_BT.shape
+    idx_N = valid_BT.reshape(-1).nonzero().squeeze(1)
+    lens_B = valid_BT.sum(-1)
+    cu = torch.nn.functional.pad(lens_B.cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(lens_B.max())
+    N = idx_N.shape[0]
+    out = backbone(input_ids=input_ids_BT.reshape(-1)[idx_N][None], position_ids=position_ids_BT.reshape(-1)[idx_N][None],
+                   # no padding in the one packed row: the mask builder returns None (the varlen attention masks)
+                   attention_mask=torch.ones(1, N, dtype=torch.long, device=input_ids_BT.device), use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+    h_NH = out.last_hidden_state[0]
+    return h_NH.new_zeros((B * T, h_NH.shape[-1])).index_copy(0, idx_N, h_NH).view(B, T, -1)
 
 
 def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
