@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the peer: TRL for ppo/dpo/rm/grpo, HF generate for generate (trl and hf both mean it "
                         "there); none = our side only")
     p.add_argument("--json", action="store_true", help="print the result object as the last stdout line")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps (generate: calls per batch size) per child")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps (generate: calls per batch size) per child; 2 because on both sides the "
+                        "first two training steps still grow the heap and allocate optimizer states")
     p.add_argument("--steps", type=int, default=3, help="timed steps (generate: calls per batch size) per child")
     p.add_argument("--reps", type=int, default=2, help="children per side, alternating ours/peer")
     p.add_argument("--threads", type=int, default=0, help="torch threads of every child (0 = $TURBORLHF_THREADS, else 2)")
