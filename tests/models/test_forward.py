@@ -134,3 +134,19 @@ def test_sdpa_models_are_not_packed(tiny_model):
     m = load_causal_lm(str(tiny_model))
     m.set_attn_implementation("sdpa")        # its mask builder would let packed sequences attend to each other
     assert not packs_sequences(m.model)
+
+
+def test_packed_forward_with_gradient_checkpointing_equals_padded(tiny_model, monkeypatch):
+    """The varlen arguments reach every layer through transformers' checkpointed layers too."""
+    from turborlhf.models.load import enable_checkpointing
+
+    m = load_causal_lm(str(tiny_model))
+    enable_checkpointing(m)
+    ids, attn, target = _ppo_layout(seed=3)
+    response_logprobs(m, ids, attn, target)[0].sum().backward()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    _padded_only(monkeypatch)
+    response_logprobs(m, ids, attn, target)[0].sum().backward()
+    for k, p in m.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-5), k
