@@ -172,8 +172,8 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if cu is not None:                        # packed sequences (`turborlhf.models.forward.hidden_states`)
         for k in ("cu_seq_lens_k", "max_length_k"):
             kwargs.pop(k, None)
-        return _varlen_attention(module, query, key, value, cu, kwargs.pop("max_length_q"), dropout, scaling,
-                                 **kwargs), None
+        max_len = kwargs.pop("max_length_q", None) or int(cu.diff().max())
+        return _varlen_attention(module, query, key, value, cu, max_len, dropout, scaling, **kwargs), None
     B, H, Tq, D = query.shape
     trainable = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     Tk = key.shape[2]
