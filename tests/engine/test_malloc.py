@@ -23,11 +23,11 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(env_extra: dict) -> tuple[bool, int]:
+def _probe(env_extra: dict, code: str = _PROBE) -> tuple[bool, int]:
     import os
 
     env = {**os.environ, **env_extra}
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     on, released = out.stdout.split()
     return on == "True", int(released)
 
@@ -50,11 +50,7 @@ def test_users_own_malloc_settings_win():
 
 
 def test_release_freed_memory_returns_the_heap():
-    import os
-
     code = _PROBE.replace("print(on,", "from turborlhf.engine.malloc import release_freed_memory\n"
                                        "release_freed_memory()\nprint(on,")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
-                         check=True)
-    on, released_mib = out.stdout.split()
-    assert on == "True" and int(released_mib) > 56
+    on, released_mib = _probe({}, code)
+    assert on and released_mib > 56
