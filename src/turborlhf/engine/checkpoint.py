@@ -114,7 +114,18 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    _remove_stale_staging(root)
     return root / name
+
+
+def _remove_stale_staging(root: Path) -> None:
+    """Remove half-written ``.step-*.tmp-*`` / ``.step-*.old-*`` directories left by an earlier
+    crash. A save's own clean-up can miss them: a process killed mid-save never runs it, and a
+    remote worker that outlives the driver's error may still be writing into the directory while
+    the driver removes it. Called only after a complete save, by the run that owns `root`."""
+    for p in root.glob(".step-*"):
+        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
