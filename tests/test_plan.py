@@ -48,7 +48,7 @@ def _saved_bytes(model, fn) -> int:
 @pytest.mark.parametrize("shape", SHAPES, ids=["gqa-tied", "mha-untied"])
 @pytest.mark.parametrize("head,packed", [("lm", False), ("values", False), ("score", False), ("score", True)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("variant", ["full", "checkpointing", "lora"])
+@pytest.mark.parametrize("variant", ["full", "checkpointing", "lora", "fused", "fused-checkpointing", "fused-lora"])
 def test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, head, packed, dtype, variant):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -56,9 +56,10 @@ def test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, head, pac
     from turborlhf.engine.train import autocast
     from turborlhf.models.forward import (last_token_scores, pack_shared_prefix, response_logprobs,
                                           shared_prefix_scores, token_values)
+    from turborlhf.models.fused import use_fused_layers
     from turborlhf.models.load import apply_lora, enable_checkpointing
 
-    if variant == "lora" and packed:
+    if variant.endswith("lora") and packed:
         pytest.skip("LoRA reward models: covered by the unpacked score head")
     path, cfg = _config_dir(tmp_path, *shape)
     lora = LoraCfg(rank=4)
@@ -69,9 +70,12 @@ def test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, head, pac
     else:
         cfg.num_labels = 1
         model = AutoModelForSequenceClassification.from_config(cfg).train()
-    if variant == "checkpointing":
+    fused = variant.startswith("fused")
+    if fused:
+        assert s.fused_layers and use_fused_layers(model) > 0
+    if variant.endswith("checkpointing"):
         enable_checkpointing(model)
-    if variant == "lora":
+    if variant.endswith("lora"):
         model = apply_lora(model, lora)
     B, T = 3, 40
     ids = torch.randint(3, shape[6], (B, T))
@@ -94,10 +98,10 @@ def test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, head, pac
 
     measured = _saved_bytes(model, run)
     est = train_activation_bytes(s, rows, row_len, B * (T - 1), dtype, head, packed=packed,
-                                 gradient_checkpointing=variant == "checkpointing",
-                                 lora_rank=4 if variant == "lora" else 0)
-    # LoRA: the first layer's input needs no gradient (frozen embeddings), so it keeps a little less;
-    # the formula drops its q/k/v weight casts only (within 0.2% on these shapes)
+                                 gradient_checkpointing=variant.endswith("checkpointing"),
+                                 lora_rank=4 if variant.endswith("lora") else 0, fused_layers=fused)
+    # LoRA: the first layer's input needs no gradient (frozen embeddings), so it keeps a little less
+    # (its input norm's tensors and q/k/v weight casts; the formula drops those)
     assert est["saved"] == pytest.approx(measured, rel=0.01), (est, measured)
 
 

@@ -110,6 +110,7 @@ class ModelShape:
     layer_linear: int
     lm_head: int
     lora_in_out: int
+    fused_layers: bool = False   # decoder norms/MLPs that `turborlhf.models.fused` replaces on CPU
 
     def scalar_params(self) -> int:
         """Parameters of the reward-model/critic form: no LM head, a scalar ``score`` head (E)."""
@@ -147,20 +148,24 @@ def model_shape(name_or_path: str, lora_targets: tuple[str, ...] = ()) -> ModelS
             layer_linear += mod.weight.numel()
             if name.rsplit(".", 1)[-1] in targets:
                 lora += mod.in_features + mod.out_features
+    from turborlhf.models.fused import use_fused_layers
+
+    fused = use_fused_layers(model) > 0
     E, H = cfg.hidden_size, cfg.num_attention_heads
     return ModelShape(
         name=str(name_or_path), vocab=cfg.vocab_size, hidden=E, layers=cfg.num_hidden_layers, heads=H,
         kv_heads=getattr(cfg, "num_key_value_heads", None) or H,
         head_dim=getattr(cfg, "head_dim", None) or E // H, intermediate=cfg.intermediate_size,
         tied=bool(getattr(cfg, "tie_word_embeddings", False)), params=params, layer_linear=layer_linear,
-        lm_head=cfg.vocab_size * E, lora_in_out=lora)
+        lm_head=cfg.vocab_size * E, lora_in_out=lora, fused_layers=fused)
 
 
 # ----------------------------------------------------------------------------------------------
 # Activations: bytes autograd keeps for backward (validated against saved-tensor bytes in tests)
 # ----------------------------------------------------------------------------------------------
 
-def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, lora_rank: int = 0) -> int:
+def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, lora_rank: int = 0,
+                           fused: bool = False) -> int:
     """Bytes one decoder layer saves for backward per token (HF Llama code, torch SDPA).
 
     bf16 autocast: the fp32 residual stream and RMSNorm inputs (4·4E), two rsqrt (8), the bf16
@@ -170,22 +175,34 @@ def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, l
     v are expanded to H heads and the additive mask is kept per layer (row length L per token).
     LoRA (all seven projections adapted): frozen norms keep only 2 fp32 E tensors, the o_proj
     input is kept for its adapter (2·HD in bf16), and each adapter keeps its r-dim output (7·r).
+    `fused` (`turborlhf.models.fused`): each norm keeps its normalised input and its output in the
+    compute dtype (2·2w·E) and an fp32 rstd, the projections share that output, and the MLP keeps
+    gate and up and its product (3·w·I). With LoRA in bf16, peft casts the bf16 norm output to
+    fp32 before each adapter, so the adapters keep their own bf16 casts (10E) as without fusion.
     """
     E, I, H, KV, D = s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim
     w = 2 if dtype == "bf16" else 4
-    if lora_rank:
+    if fused:   # normalised inputs, rstds, then the norm outputs (LoRA: peft's fp32 → bf16 casts per adapter)
+        outs = (10 * E + 2 * H * D if dtype == "bf16" else 8 * E) if lora_rank else 2 * w * E
+        resid = 2 * w * E + 8 + outs + 7 * w * lora_rank
+    elif lora_rank:
         resid = 8 * E + 8 + (10 * E + 2 * H * D if dtype == "bf16" else 8 * E) + 7 * w * lora_rank
     else:
         resid = 16 * E + 8 + (10 * E if dtype == "bf16" else 8 * E)
-    mlp = 4 * w * I
+    mlp = (3 if fused else 4) * w * I
     attn = 2 * w * H * D + (2 * w * H * D if packed_row_len else 2 * w * KV * D) + 4 * H
     mask = w * packed_row_len
     return resid + mlp + attn + mask
 
 
+def fused_layers_for(s: ModelShape, device_kind: str) -> bool:
+    """Whether training `s` on `device_kind` runs the fused norms/MLP (the loaders use them on CPU)."""
+    return s.fused_layers and device_kind == "cpu"
+
+
 def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: int, dtype: str = "bf16",
                            head: str = "lm", packed: bool = False, gradient_checkpointing: bool = False,
-                           lora_rank: int = 0) -> dict[str, int]:
+                           lora_rank: int = 0, fused_layers: bool = False) -> dict[str, int]:
     """Activation memory of one training micro-batch (bytes).
 
     Args:
@@ -199,6 +216,8 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
         packed: rows are shared-prefix pairs with a 4-D attention mask (RM).
         gradient_checkpointing: only each layer's input is kept; one layer is recomputed at a time.
         lora_rank: LoRA adapters of rank r on all seven projections (`_layer_bytes_per_token`).
+        fused_layers: the decoder layers run `turborlhf.models.fused`'s norms and MLP (what the
+            loaders do on CPU for `ModelShape.fused_layers` models; see `fused_layers_for`).
 
     Returns ``{"saved": ..., "casts": ..., "transient": ..., "peak": ...}``: the bytes saved for
     backward (the bf16 weight casts included, and also listed as "casts"), the largest
@@ -212,10 +231,11 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
     E, V, D = s.hidden, s.vocab, s.head_dim
     w = 2 if dtype == "bf16" else 4
     N = rows * row_len
-    per_layer = _layer_bytes_per_token(s, dtype, row_len if packed else 0, lora_rank) * N
+    per_layer = _layer_bytes_per_token(s, dtype, row_len if packed else 0, lora_rank, fused_layers) * N
     casts = 2 * (s.layer_linear + lora_rank * s.lora_in_out) if dtype == "bf16" else 0
-    # embeddings, final norm, positions (nothing of it when LoRA freezes them), target mask
-    const = N * ((0 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
+    # final norm (its input and rstd; its normalised copy only when its weight trains), embedding
+    # indices (only when the embedding trains), target mask
+    const = N * ((4 * E + 4 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
     rope = N * 8 * D                                                # cos/sin, kept outside checkpointed layers
     if head == "lm":
         hidden = 0 if lora_rank else w * E                          # a frozen head needs no input for its grad
@@ -231,8 +251,11 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
         transient = max(transient, per_layer + layer_casts, casts)
         return {"saved": saved, "casts": casts, "transient": transient, "peak": saved + transient}
     saved = s.layers * per_layer + casts + const + rope + out
-    if lora_rank and dtype == "bf16":   # the first layer needs no input grad: no q/k/v weight casts kept
-        saved -= 2 * E * (s.heads + 2 * s.kv_heads) * D + 4 * N
+    if lora_rank:   # the first layer's input needs no grad (frozen embeddings): its input norm keeps
+        # nothing, and in bf16 the q/k/v weight casts are not kept either
+        saved -= ((w if fused_layers else 4) * E + 4) * N
+        if dtype == "bf16":
+            saved -= 2 * E * (s.heads + 2 * s.kv_heads) * D
     return {"saved": saved, "casts": casts, "transient": transient, "peak": saved + transient}
 
 
@@ -374,7 +397,8 @@ def _shape(name: str, lora_cfg, resolver) -> ModelShape:
 def _sft_like(cfg, shape: ModelShape, kind: str, rows: int, row_len: int, resp: int, tag: str) -> _Spec:
     policy = _train_role(tag, shape, cfg.model, cfg.optim, scalar=False, device_kind=kind)
     act = train_activation_bytes(shape, rows, row_len, resp, cfg.model.dtype, "lm",
-                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank)
+                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank,
+                                 fused_layers=fused_layers_for(shape, kind))
     policy.activations = act["peak"]
     return _Spec({tag: policy}, {"train": {tag: policy.grads + act["peak"]},
                                  "optimizer step": {tag: policy.grads + _step_transient(policy)}}, [])
@@ -401,7 +425,8 @@ def _spec_rm(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     if data:
         mb, L = data["rows"], data["row_len"]
     act = train_activation_bytes(s, mb, L, 0, cfg.model.dtype, "score", packed=True,
-                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank)
+                                 gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora.rank,
+                                 fused_layers=fused_layers_for(s, kind))
     rm.activations = act["peak"]
     return _Spec({"reward_model": rm}, {"train": {"reward_model": rm.grads + act["peak"]},
                                         "optimizer step": {"reward_model": rm.grads + _step_transient(rm)}},
@@ -456,7 +481,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     actor = _train_role("actor", actor_s, cfg.actor, cfg.optim, scalar=False, device_kind=kind)
     act_a = train_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype, "lm",
                                    gradient_checkpointing=cfg.actor.gradient_checkpointing,
-                                   lora_rank=cfg.actor.lora.rank)
+                                   lora_rank=cfg.actor.lora.rank, fused_layers=fused_layers_for(actor_s, kind))
     actor.activations = act_a["peak"]
     roles["actor"] = actor
     phases: dict[str, dict[str, int]] = {}
@@ -464,7 +489,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     if A.ptx_coef > 0:
         ptx = train_activation_bytes(actor_s, mb, cfg.data.ptx_max_len, mb * cfg.data.ptx_max_len, cfg.actor.dtype,
                                      "lm", gradient_checkpointing=cfg.actor.gradient_checkpointing,
-                                     lora_rank=cfg.actor.lora.rank)
+                                     lora_rank=cfg.actor.lora.rank, fused_layers=fused_layers_for(actor_s, kind))
         train_a["actor"] = actor.grads + max(act_a["peak"], ptx["peak"])
     if A.ema_beta is not None:
         actor.notes.append("EMA: an fp32 copy of the actor")
@@ -479,7 +504,8 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         critic_s = _shape(cfg.critic_init, ccfg.lora, resolve)
         critic = _train_role("critic", critic_s, ccfg, cfg.optim, scalar=True, device_kind=kind)
         act_c = train_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, "values",
-                                       gradient_checkpointing=ccfg.gradient_checkpointing, lora_rank=ccfg.lora.rank)
+                                       gradient_checkpointing=ccfg.gradient_checkpointing, lora_rank=ccfg.lora.rank,
+                                       fused_layers=fused_layers_for(critic_s, kind))
         critic.activations = act_c["peak"]
         roles["critic"] = critic
         exp["critic"] = inference_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, head="values")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from turborlhf.models.attention import use_training_attention
+from turborlhf.models.fused import use_fused_layers
 from turborlhf.models.zoo import resolve_model_path
 
 __all__ = ["load_tokenizer", "load_causal_lm", "load_scalar_model", "load_trainable", "backbone_of",
@@ -94,6 +95,8 @@ def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: boo
         kw.update(quantization_config=quantization_config_4bit(), device_map={"": torch.cuda.current_device()})
     model = auto_cls.from_pretrained(path, dtype=dtype, **kw)
     use_training_attention(model)
+    if not load_in_4bit and next(model.parameters()).device.type == "cpu":
+        use_fused_layers(model)
     _sync_special_ids(model, tokenizer)
     _disable_dropout(model)
     _unfreeze_padding_row(model)
