@@ -130,8 +130,10 @@ def test_plan_matches_the_measured_peak_rss_of_a_tiny_sft_run(tmp_path_factory, 
     out = tmp_path_factory.mktemp("plan_run")
     measured = _measured_peak_rss(["sft", "--config", TINY / "sft.yaml", *over, f"output_dir={out / 'a'}"])
     assert abs(dev.peak - measured) <= 0.25 * measured, (dev.peak / 2 ** 30, measured / 2 ** 30)
-    live = _measured_peak_rss(["sft", "--config", TINY / "sft.yaml", *over, f"output_dir={out / 'b'}"],
-                              {"MALLOC_MMAP_THRESHOLD_": "65536"})
+    # the lower of two runs: outside effects only ever add resident pages (a CI run of the whole
+    # suite once read 0.825 GiB where this test alone reads 0.686 with the same code)
+    live = min(_measured_peak_rss(["sft", "--config", TINY / "sft.yaml", *over, f"output_dir={out / d}"],
+                                  {"MALLOC_MMAP_THRESHOLD_": "65536"}) for d in ("b", "c"))
     assert abs(dev.peak - dev.allocator - live) <= 0.10 * live, ((dev.peak - dev.allocator) / 2 ** 30, live / 2 ** 30)
 
 
