@@ -107,6 +107,9 @@ class OptimCfg(Cfg):
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of lr (cosine/linear)")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; 0 disables")
+    state_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
+                            "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW)")
     offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
                                              "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
                                              "GPU memory; a no-op when the model is on the CPU already")
@@ -304,11 +307,13 @@ class PPOAlgoCfg(Cfg):
                                   "seq_mean_token_mean (GRPO paper), token_sum_norm (Dr. GRPO: / (seqs·max_new_tokens))")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
-    fused_update: Literal["auto", "always", "never"] = Field(
+    fused_update: Literal["auto", "always", "actor", "never"] = Field(
         "auto", description="with ppo_epochs=1 and num_mini_batches=1 the old log-probs and values are what the "
         "training forward computes: keep the experience forward's graph and backpropagate through it instead of a "
         "second forward. auto = only when each rank's rows fit one micro-batch (no extra activation memory); "
-        "always = whenever the schedule allows (a rank's whole share of activations held at once); never")
+        "always = whenever the schedule allows (a rank's whole share of activations held at once); actor = as "
+        "auto for the actor, never for the critic (its graph then never coexists with the actor's: less peak "
+        "memory for one more critic forward); never")
     eps_clip: float = Field(0.2, gt=0, description="policy ratio clip ε (low side)")
     eps_clip_high: Optional[float] = Field(None, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
     dual_clip: Optional[float] = Field(None, description="dual-clip constant c > 1 for negative advantages")

@@ -73,3 +73,13 @@ def test_fused_auto_only_without_extra_memory(tiny_model):
     assert not use_fused_update(cfg("algo.fused_update=never"), 4, G)
     assert not use_fused_update(cfg("algo.num_mini_batches=2"), 4, G)      # second mini-batch is off-policy
     assert not use_fused_update(cfg("algo.ppo_epochs=2", "algo.fused_update=always"), 4, G)
+
+    class Actor(G):
+        role = "actor"
+
+    class Critic(G):
+        role = "critic"
+    assert use_fused_update(cfg("algo.fused_update=actor"), 4, Actor)      # the actor only, as auto
+    assert not use_fused_update(cfg("algo.fused_update=actor"), 8, Actor)
+    assert not use_fused_update(cfg("algo.fused_update=actor"), 4, Critic)
+    assert use_fused_update(cfg(), 4, Critic)

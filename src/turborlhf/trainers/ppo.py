@@ -334,9 +334,11 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     (ratio 1, value clip inactive): keeping that forward's graph saves one forward pass per role
     and step. ``algo.fused_update=auto`` allows it only when each rank's rows fit one micro-batch
     (no more activations held than an unfused micro-batch); ``always`` whenever the schedule allows;
-    never under FSDP (its parameters are resharded between the calls)."""
+    ``actor`` as auto for the actor and never for the critic; never under FSDP (its parameters are resharded between the calls)."""
     A = cfg.algo
     if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
+        return False
+    if A.fused_update == "actor" and getattr(group, "role", None) != "actor":
         return False
     if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
         return False
