@@ -7,8 +7,9 @@ adds up, per role:
 - weights: fp32 master weights of trained models (4 B/param), the configured dtype of frozen
   ones (reference and reward in bf16: 2 B/param), QLoRA bases in NF4 (~0.52 B/param);
 - gradients: 4 B per trainable parameter (LoRA: adapters only);
-- optimizer states: AdamW exp_avg + exp_avg_sq, 8 B per trainable parameter, in host memory
-  with ``optim.offload`` (plus a 4 B fp32 copy);
+- optimizer states: AdamW exp_avg + exp_avg_sq, 8 B per trainable parameter (4 B with
+  ``optim.state_dtype: bf16``, the default), in host memory with ``optim.offload`` (plus a 4 B
+  fp32 copy);
 - activations of the configured micro-batch at the configured lengths (the worst case: every
   sequence at ``max_len``, every response at ``max_new_tokens``): the bytes autograd saves for
   backward, from `train_activation_bytes`, whose terms were read off the tensors the model code
@@ -294,6 +295,7 @@ class Role:
     grads: int = 0
     optimizer: int = 0
     optimizer_host: int = 0
+    step_transient: int = 0          # extra bytes during the optimizer step (`_step_transient`)
     activations: int = 0
     kv_cache: int = 0
     trainable_params: int = 0
@@ -361,7 +363,11 @@ def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool
         role.optimizer_host = 12 * trainable
         role.notes.append("optimizer states offloaded to host memory")
     else:
-        role.optimizer = 8 * trainable
+        bf16_states = getattr(optim_cfg, "state_dtype", "fp32") == "bf16"
+        role.optimizer = (4 if bf16_states else 8) * trainable
+        role.step_transient = 0 if bf16_states and device_kind == "cpu" else 4 * trainable
+        if bf16_states:
+            role.notes.append("AdamW moments in bf16 (optim.state_dtype)")
         if getattr(optim_cfg, "offload", False):
             role.notes.append("optim.offload: parameters already in CPU memory, no effect")
     return role
@@ -373,8 +379,9 @@ def _frozen_role(name: str, shape: ModelShape, dtype: str, scalar: bool) -> Role
 
 
 def _step_transient(role: Role) -> int:
-    """foreach AdamW keeps one fp32 temporary per parameter (sqrt of exp_avg_sq) during the step."""
-    return 4 * role.trainable_params
+    """torch's AdamW keeps one fp32 temporary per parameter (sqrt of exp_avg_sq) during the step;
+    the bf16-moment kernel on the CPU (engine/optim.py) keeps none."""
+    return role.step_transient
 
 
 # ----------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_gradient_checkpointing_flag_saves_activation_memory_and_keeps_gradients
 def _adam_run(tiny_model, offload: bool, steps: int = 3, state=None):
     torch.manual_seed(0)
     m = load_causal_lm(str(tiny_model)).train()
-    opt = make_optimizer(m, OptimCfg(lr=1e-2, weight_decay=0.1), force_offload=offload)
+    opt = make_optimizer(m, OptimCfg(lr=1e-2, weight_decay=0.1, state_dtype="fp32"), force_offload=offload)
     if state is not None:
         opt.load_state_dict(state)
     batch = _batch(seed=8, n=2)
@@ -176,7 +176,7 @@ def test_optimizer_offload_update_equals_plain_adamw(tiny_model):
     assert all(torch.equal(sp["state"][i]["exp_avg_sq"], so["state"][i]["exp_avg_sq"]) for i in sp["state"])
     # on the CPU the config flag alone keeps plain AdamW (nothing to offload)
     m = load_causal_lm(str(tiny_model))
-    assert type(make_optimizer(m, OptimCfg(offload=True))) is torch.optim.AdamW
+    assert type(make_optimizer(m, OptimCfg(offload=True, state_dtype="fp32"))) is torch.optim.AdamW
     assert opt_p.defaults["fused"] and opt_o.defaults["fused"]        # torch's fused kernel on both
 
 
@@ -186,7 +186,7 @@ def test_fused_adamw_update_matches_the_foreach_one(tiny_model):
     torch.manual_seed(0)
     m = load_causal_lm(str(tiny_model)).train()
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-              for g in make_optimizer(m, OptimCfg(lr=1e-2, weight_decay=0.1)).param_groups]
+              for g in make_optimizer(m, OptimCfg(lr=1e-2, weight_decay=0.1, state_dtype="fp32")).param_groups]
     cfg = OptimCfg(lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(groups, lr=1e-2, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     batch = _batch(seed=8, n=2)

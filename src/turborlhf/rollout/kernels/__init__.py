@@ -1,28 +1,14 @@
 """FastEngine's fused decode kernels (`decode.c`): built once per machine with the system C
-compiler, cached, and called through ctypes on raw data pointers.
+compiler (`turborlhf.engine.cbuild`: cached, keyed by source, compiler, flags and CPU, written
+atomically), called through ctypes on raw data pointers.
 
 `load()` returns a `DecodeKernels` or None. None means "use the torch path": no C compiler, a
-failed build, a non-x86/Linux host, or `TURBORLHF_KERNELS=0` in the environment. The build
-(~2 s with gcc) goes to `$TURBORLHF_CACHE/kernels` (default `~/.cache/turborlhf/kernels`), keyed
-by a hash of the source, the compiler and the flags, and is written atomically (temp file, then
-rename), so concurrent first uses never load a half-written library. `-march=native` is safe
-because the library is built on the machine that runs it; the CPU's model name is part of the
-key, so a cache shared between different CPUs rebuilds.
-
-Threading: the library links `libgomp.so.1`, which resolves to the copy torch has already
-loaded (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`.
-The compile and link are separate steps so `-ffast-math` (needed for glibc's vectorised `expf`)
-never links `crtfastmath.o`, which would switch the whole process to flush-denormals-to-zero.
+failed build, a non-x86/Linux host, or `TURBORLHF_KERNELS=0` in the environment. The kernels use
+torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -30,48 +16,13 @@ from typing import Optional
 
 import torch
 
+from turborlhf.engine.cbuild import build_shared_library, compiler
+
 __all__ = ["DecodeKernels", "load"]
 
 _SRC = Path(__file__).with_name("decode.c")
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
-_LDFLAGS = ["-shared", "-fopenmp"]
-_LIBS = ["-lmvec", "-lm"]
 _lock = threading.Lock()
 _cached: dict[str, Optional["DecodeKernels"]] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TURBORLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "turborlhf")
-    return Path(root) / "kernels"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") or line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(cc: str) -> Path:
-    """Compile decode.c into the cache (once); returns the library's path. Raises on failure."""
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SRC.read_text(), ver, " ".join(_CFLAGS + _LDFLAGS + _LIBS),
-                                    _cpu_model()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = os.path.join(tmp, "decode.o"), os.path.join(tmp, "decode.so")
-        for cmd in ([cc, *_CFLAGS, "-c", str(_SRC), "-o", obj], [cc, *_LDFLAGS, obj, "-o", lib, *_LIBS]):
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-        os.replace(lib, out)
-    return out
 
 
 class DecodeKernels:
@@ -129,19 +80,18 @@ class DecodeKernels:
 def load(warn: bool = True) -> Optional[DecodeKernels]:
     """The kernels, built on first use; None if unavailable (then FastEngine uses torch ops).
     A failed build warns once (`warn`) and is not retried in this process."""
-    if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
+    cc = compiler()
+    if cc is None:
         return None
     with _lock:
         if "k" in _cached:
             return _cached["k"]
         k = None
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        if cc and platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
-            try:
-                k = DecodeKernels(ctypes.CDLL(str(_build(cc))))
-            except Exception as e:  # noqa: BLE001 - any build/load failure → torch path
-                if warn:
-                    warnings.warn(f"FastEngine: fused decode kernels unavailable ({type(e).__name__}: "
-                                  f"{str(e)[:300]}); using torch ops")
+        try:
+            k = DecodeKernels(ctypes.CDLL(str(build_shared_library(_SRC, cc))))
+        except Exception as e:  # noqa: BLE001 - any build/load failure → torch path
+            if warn:
+                warnings.warn(f"FastEngine: fused decode kernels unavailable ({type(e).__name__}: "
+                              f"{str(e)[:300]}); using torch ops")
         _cached["k"] = k
         return k

@@ -1,0 +1,75 @@
+"""Build a C source of the package into a shared library, once per machine, for ctypes.
+
+Used by FastEngine's decode kernels (`turborlhf.rollout.kernels`) and the bf16-moment AdamW
+(`turborlhf.engine.optim`). The library goes to `$TURBORLHF_CACHE/kernels` (default
+`~/.cache/turborlhf/kernels`), keyed by a hash of the source, the compiler version, the flags and
+the CPU's model name and flags (so a cache shared between different CPUs rebuilds), and is written
+atomically (temp file, then rename): concurrent first uses never load a half-written library.
+`-march=native` is safe because the library is built on the machine that runs it.
+
+Threading: the libraries link `libgomp.so.1`, which resolves to the copy torch has already loaded
+(same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`. Compile and
+link are separate steps so `-ffast-math` (needed for glibc's vectorised `expf`) never links
+`crtfastmath.o`, which would switch the whole process to flush-denormals-to-zero.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["CFLAGS", "cache_dir", "compiler", "build_shared_library"]
+
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
+LDFLAGS = ["-shared", "-fopenmp"]
+LIBS = ["-lmvec", "-lm"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TURBORLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "turborlhf")
+    return Path(root) / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") or line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compiler() -> Optional[str]:
+    """The C compiler to use ($CC, gcc or cc), or None where the kernels are not supported (no
+    compiler, not x86-64 Linux, or `TURBORLHF_KERNELS=0` in the environment)."""
+    if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build_shared_library(src: Path, cc: str) -> Path:
+    """Compile `src` into the cache (once); returns the library's path. Raises RuntimeError with
+    the compiler's message on failure."""
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(CFLAGS + LDFLAGS + LIBS),
+                                    _cpu_model()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{src.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = os.path.join(tmp, f"{src.stem}.o"), os.path.join(tmp, f"{src.stem}.so")
+        for cmd in ([cc, *CFLAGS, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        os.replace(lib, out)
+    return out

@@ -1,0 +1,136 @@
+"""BF16StateAdamW (optim.state_dtype=bf16): AdamW with bf16 moments and stochastic rounding."""
+import copy
+
+import pytest
+import torch
+
+from turborlhf.config import OptimCfg
+from turborlhf.engine.optim import BF16StateAdamW, _round_bf16_stochastic, load_kernel
+from turborlhf.engine.train import make_optimizer
+
+needs_kernel = pytest.mark.skipif(load_kernel(warn=False) is None, reason="no C compiler / not x86-64 Linux")
+
+
+def _params(n=3, size=(37, 53), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(size, generator=g)) for _ in range(n)]
+
+
+def _run(opt, params, steps, seed=1, scale=1e-2):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * scale
+        opt.step()
+
+
+@needs_kernel
+def test_kernel_equals_the_torch_ops():
+    a, b = _params(), _params()
+    oa = BF16StateAdamW(a, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ob = BF16StateAdamW(b, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, use_kernel=False)
+    _run(oa, a, 4)
+    _run(ob, b, 4)
+    for pa, pb in zip(a, b):
+        # the kernel is compiled with -ffast-math (fused multiply-adds): the fp32 values may differ
+        # in the last bit, which can flip a stochastic rounding; nothing more
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+        for k in ("exp_avg", "exp_avg_sq"):
+            sa, sb = oa.state[pa][k], ob.state[pb][k]
+            assert sa.dtype == sb.dtype == torch.bfloat16
+            assert (sa != sb).float().mean() < 1e-3
+
+
+def test_stochastic_rounding_is_unbiased_and_round_to_nearest_is_not():
+    lo = torch.tensor(1.0).bfloat16().float()
+    x = lo + 0.3 * 2.0 ** -7                       # 30% of the way to the next bf16 value (ulp 2^-7 at 1)
+    x_N = x.repeat(100_000)
+    r_N = torch.randint(0, 2 ** 32, (100_000,), dtype=torch.int64)
+    sr = _round_bf16_stochastic(x_N, r_N).float()
+    assert set(sr.unique().tolist()) == {float(lo), float(lo) + 2.0 ** -7}
+    assert abs(float(sr.mean()) - float(x)) < 2e-5               # E[round(x)] = x
+    assert abs(float(x_N.bfloat16().float().mean()) - float(x)) > 2e-3   # round-to-nearest: biased
+    for special in (float("inf"), float("-inf")):
+        assert _round_bf16_stochastic(torch.tensor([special]), torch.tensor([0xFFFF])).float().item() == special
+    assert _round_bf16_stochastic(torch.tensor([float("nan")]), torch.tensor([0xFFFF])).isnan().all()
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(None, marks=needs_kernel)])
+def test_second_moment_does_not_freeze(use_kernel):
+    """At beta2=0.999 one step moves exp_avg_sq by 0.1% < bf16's resolution: with round-to-nearest
+    storage it stalls far below g² (checked below); stochastic rounding tracks it."""
+    g, steps, b2 = 1e-2, 3000, 0.999
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = BF16StateAdamW([p], lr=0.0, betas=(0.9, b2), use_kernel=use_kernel)
+    v_rne = torch.zeros(4096, dtype=torch.bfloat16)
+    for _ in range(steps):
+        p.grad = torch.full_like(p, g)
+        opt.step()
+        v_rne = (b2 * v_rne.float() + (1 - b2) * g * g).bfloat16()
+    target = (1 - b2 ** steps) * g * g
+    v = opt.state[p]["exp_avg_sq"].float()
+    assert abs(float(v.mean()) / target - 1) < 0.01
+    assert float(v_rne.float().mean()) / target < 0.8
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(None, marks=needs_kernel)])
+def test_tracks_fp32_adamw_on_a_regression(use_kernel):
+    torch.manual_seed(0)
+    X, w_true = torch.randn(512, 32), torch.randn(32, 1)
+    y = X @ w_true + 0.1 * torch.randn(512, 1)
+    models = [torch.nn.Linear(32, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(models[0].parameters(), lr=3e-2, weight_decay=0.01),
+            BF16StateAdamW(models[1].parameters(), lr=3e-2, weight_decay=0.01, use_kernel=use_kernel)]
+    losses = [[], []]
+    for step in range(400):
+        idx = torch.randint(0, 512, (32,))
+        for m, o, ls in zip(models, opts, losses):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(X[idx]), y[idx])
+            loss.backward()
+            o.step()
+            with torch.no_grad():
+                ls.append(float(torch.nn.functional.mse_loss(m(X), y)))
+    assert losses[0][0] > 5 and losses[0][-1] < 0.05 and losses[1][-1] < 0.05
+    rel = (models[1].weight - models[0].weight).norm() / models[0].weight.norm()
+    assert rel < 0.02
+
+
+def test_state_dict_resume_is_exact_and_converts_from_and_to_fp32_adamw():
+    a = _params()
+    opt = BF16StateAdamW(a, lr=1e-3, weight_decay=0.1)
+    _run(opt, a, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    resumed = BF16StateAdamW(b, lr=1e-3, weight_decay=0.1)
+    resumed.load_state_dict(sd)
+    assert all(resumed.state[p]["exp_avg"].dtype == torch.bfloat16 for p in b)
+    _run(opt, a, 2, seed=7)
+    _run(resumed, b, 2, seed=7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))                     # deterministic rounding
+    # torch's AdamW loads our state (widened to fp32), and ours loads torch's (rounded)
+    c = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    plain = torch.optim.AdamW(c, lr=1e-3, weight_decay=0.1)
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert plain.state[c[0]]["exp_avg"].dtype == torch.float32
+    _run(plain, c, 1)
+    back = BF16StateAdamW([torch.nn.Parameter(p.detach().clone()) for p in c], lr=1e-3)
+    back.load_state_dict(plain.state_dict())
+    assert all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in back.state.values())
+
+
+def test_rejects_non_fp32_parameters():
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        BF16StateAdamW([p]).step()
+
+
+def test_make_optimizer_picks_the_state_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    assert isinstance(make_optimizer(model, OptimCfg()), BF16StateAdamW)                     # the default
+    fp32 = make_optimizer(model, OptimCfg(state_dtype="fp32"))
+    assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
+    with pytest.raises(ValueError, match="state_dtype"):
+        OptimCfg(state_dtype="fp8")
