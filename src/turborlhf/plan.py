@@ -295,7 +295,8 @@ class Role:
     grads: int = 0
     optimizer: int = 0
     optimizer_host: int = 0
-    step_transient: int = 0          # extra bytes during the optimizer step (`_step_transient`)
+    step_transient: int = 0          # extra bytes during the optimizer step: torch's AdamW keeps one fp32
+                                     # temporary per parameter, the bf16-moment CPU kernel none
     activations: int = 0
     kv_cache: int = 0
     trainable_params: int = 0
@@ -378,12 +379,6 @@ def _frozen_role(name: str, shape: ModelShape, dtype: str, scalar: bool) -> Role
     return Role(name=name, model=shape.name, weights=(2 if dtype == "bf16" else 4) * total)
 
 
-def _step_transient(role: Role) -> int:
-    """torch's AdamW keeps one fp32 temporary per parameter (sqrt of exp_avg_sq) during the step;
-    the bf16-moment kernel on the CPU (engine/optim.py) keeps none."""
-    return role.step_transient
-
-
 # ----------------------------------------------------------------------------------------------
 # Per command
 # ----------------------------------------------------------------------------------------------
@@ -408,7 +403,7 @@ def _sft_like(cfg, shape: ModelShape, kind: str, rows: int, row_len: int, resp: 
                                  fused_layers=fused_layers_for(shape, kind))
     policy.activations = act["peak"]
     return _Spec({tag: policy}, {"train": {tag: policy.grads + act["peak"]},
-                                 "optimizer step": {tag: policy.grads + _step_transient(policy)}}, [])
+                                 "optimizer step": {tag: policy.grads + policy.step_transient}}, [])
 
 
 def _spec_sft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
@@ -436,7 +431,7 @@ def _spec_rm(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                                  fused_layers=fused_layers_for(s, kind))
     rm.activations = act["peak"]
     return _Spec({"reward_model": rm}, {"train": {"reward_model": rm.grads + act["peak"]},
-                                        "optimizer step": {"reward_model": rm.grads + _step_transient(rm)}},
+                                        "optimizer step": {"reward_model": rm.grads + rm.step_transient}},
                  [data["note"] if data else f"micro-batch of {mb} pairs packed as rows of ≤ {L} tokens (chosen + "
                   "rejected, prompt shared)"])
 
@@ -503,7 +498,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         actor.weights += 4 * actor_s.params
     frozen_dtype = cfg.actor.dtype
     exp = {"actor": inference_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype)}
-    step = {"actor": actor.grads + _step_transient(actor)}
+    step = {"actor": actor.grads + actor.step_transient}
     if A.needs_critic:
         from turborlhf.config import ModelCfg
 
@@ -518,7 +513,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         exp["critic"] = inference_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, head="values")
         phases["train actor"] = train_a
         phases["train critic"] = {"actor": actor.grads, "critic": critic.grads + act_c["peak"]}
-        step = {"actor": actor.grads + _step_transient(actor), "critic": critic.grads}
+        step = {"actor": actor.grads + actor.step_transient, "critic": critic.grads}
     else:
         phases["train actor"] = train_a
     rm_paths = ([cfg.reward_model] if cfg.reward_model else []) + [r.path for r in cfg.rewards if r.kind == "model"]
