@@ -104,7 +104,9 @@ def test_engine_with_kernels_bf16_consistent_with_scoring(model, prompts):
 
 
 def test_disabled_or_unbuildable_falls_back(model, prompts, monkeypatch, tmp_path):
-    monkeypatch.setattr(K, "_cached", {})
+    from turborlhf.engine import cbuild
+
+    monkeypatch.setattr(cbuild, "_loaded", {})
     monkeypatch.setenv("TURBORLHF_KERNELS", "0")
     assert K.load() is None
     assert FastEngine(model, dtype="fp32")._k is None                    # 'auto': torch ops

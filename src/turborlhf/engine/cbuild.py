@@ -14,16 +14,22 @@ link are separate steps so `-ffast-math` (needed for glibc's vectorised `expf`) 
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CFLAGS", "cache_dir", "compiler", "build_shared_library"]
+__all__ = ["CFLAGS", "cache_dir", "compiler", "build_shared_library", "load_library"]
+
+_lock = threading.Lock()
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}     # source path → library (None: the build failed)
 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 LDFLAGS = ["-shared", "-fopenmp"]
@@ -73,3 +79,23 @@ def build_shared_library(src: Path, cc: str) -> Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
         os.replace(lib, out)
     return out
+
+
+def load_library(src: Path, what: str, warn: bool = True) -> Optional[ctypes.CDLL]:
+    """`src` built (`build_shared_library`) and loaded, once per process; None where kernels are
+    not supported (`compiler`) or the build or load failed. A failure warns once ("<what>
+    unavailable (...); using torch ops", if `warn`) and is not retried in this process."""
+    cc = compiler()
+    if cc is None:
+        return None
+    with _lock:
+        key = str(src)
+        if key not in _loaded:
+            lib = None
+            try:
+                lib = ctypes.CDLL(str(build_shared_library(src, cc)))
+            except Exception as e:  # noqa: BLE001 - any build/load failure → the caller's torch path
+                if warn:
+                    warnings.warn(f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops")
+            _loaded[key] = lib
+        return _loaded[key]

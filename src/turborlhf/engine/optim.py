@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -32,36 +30,25 @@ import torch
 __all__ = ["BF16StateAdamW", "load_kernel"]
 
 _SRC = Path(__file__).with_name("adamw.c")
-_lock = threading.Lock()
-_cached: dict[str, Optional[ctypes._CFuncPtr]] = {}
 
 
 def load_kernel(warn: bool = True):
     """The C step function (`adamw_bf16_step`), built on first use; None when unavailable (no C
     compiler, not x86-64 Linux, `TURBORLHF_KERNELS=0`, or a failed build, which warns once)."""
-    from turborlhf.engine.cbuild import build_shared_library, compiler
+    from turborlhf.engine.cbuild import load_library
 
-    cc = compiler()
-    if cc is None:
+    lib = load_library(_SRC, "BF16StateAdamW: C kernel", warn)
+    if lib is None:
         return None
-    with _lock:
-        if "k" not in _cached:
-            fn = None
-            try:
-                fn = ctypes.CDLL(str(build_shared_library(_SRC, cc))).adamw_bf16_step
-                P, F = ctypes.c_void_p, ctypes.c_float
-                fn.argtypes = [P, P, P, P, ctypes.c_int64, F, F, F, F, F, F, F, ctypes.c_uint32]
-                fn.restype = None
-            except Exception as e:  # noqa: BLE001 - any build/load failure → torch ops
-                if warn:
-                    warnings.warn(f"BF16StateAdamW: C kernel unavailable ({type(e).__name__}: {str(e)[:300]}); "
-                                  "using torch ops (slower)")
-            _cached["k"] = fn
-        return _cached["k"]
+    fn = lib.adamw_bf16_step
+    P, F = ctypes.c_void_p, ctypes.c_float
+    fn.argtypes = [P, P, P, P, ctypes.c_int64, F, F, F, F, F, F, F, ctypes.c_uint32]
+    fn.restype = None
+    return fn
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values (adamw.c's `mix32`)."""
+def _mix32(x):
+    """lowbias32 (adamw.c's `mix32`) on a Python int or an int64 tensor holding uint32 values."""
     M = 0xFFFFFFFF
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M
@@ -81,13 +68,8 @@ def _round_bf16_stochastic(x_N: torch.Tensor, r_N: torch.Tensor) -> torch.Tensor
 
 
 def _seed(step: int, index: int) -> int:
-    """Per-(step, parameter) seed of the rounding bits (lowbias32 in Python ints)."""
-    x, M = (step * 0x632BE5AB + index * 0x85157AF5) & 0xFFFFFFFF, 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M
-    return x ^ (x >> 16)
+    """Per-(step, parameter) seed of the rounding bits."""
+    return _mix32((step * 0x632BE5AB + index * 0x85157AF5) & 0xFFFFFFFF)
 
 
 class BF16StateAdamW(torch.optim.Optimizer):

@@ -9,20 +9,16 @@ torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from turborlhf.engine.cbuild import build_shared_library, compiler
+from turborlhf.engine.cbuild import load_library
 
 __all__ = ["DecodeKernels", "load"]
 
 _SRC = Path(__file__).with_name("decode.c")
-_lock = threading.Lock()
-_cached: dict[str, Optional["DecodeKernels"]] = {}
 
 
 class DecodeKernels:
@@ -80,18 +76,5 @@ class DecodeKernels:
 def load(warn: bool = True) -> Optional[DecodeKernels]:
     """The kernels, built on first use; None if unavailable (then FastEngine uses torch ops).
     A failed build warns once (`warn`) and is not retried in this process."""
-    cc = compiler()
-    if cc is None:
-        return None
-    with _lock:
-        if "k" in _cached:
-            return _cached["k"]
-        k = None
-        try:
-            k = DecodeKernels(ctypes.CDLL(str(build_shared_library(_SRC, cc))))
-        except Exception as e:  # noqa: BLE001 - any build/load failure → torch path
-            if warn:
-                warnings.warn(f"FastEngine: fused decode kernels unavailable ({type(e).__name__}: "
-                              f"{str(e)[:300]}); using torch ops")
-        _cached["k"] = k
-        return k
+    lib = load_library(_SRC, "FastEngine: fused decode kernels", warn)
+    return None if lib is None else DecodeKernels(lib)
