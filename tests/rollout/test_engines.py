@@ -236,18 +236,26 @@ def test_fast_engine_from_directory(model, prompts, tmp_path):
 from turborlhf.rollout.fast import mkldnn_packing_available  # noqa: E402
 
 needs_mkldnn = pytest.mark.skipif(not mkldnn_packing_available(), reason="torch built without oneDNN")
+_KERN = __import__("turborlhf.rollout.kernels", fromlist=["load"]).load(warn=False)
+HAS_KERNEL_LINEAR = _KERN is not None and _KERN.has_linear
+# the two packed bf16 backends: oneDNN's blocked layout, and our AVX-512-BF16 kernels
+PACKED = pytest.mark.parametrize("backend", [
+    pytest.param("mkldnn", marks=needs_mkldnn),
+    pytest.param("kernel", marks=pytest.mark.skipif(not HAS_KERNEL_LINEAR, reason="no AVX-512-BF16 kernel linears"))])
 
 
 def _max_diff(a, b):
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-@needs_mkldnn
-def test_packed_backend_matches_dense_bf16(model, prompts):
+@PACKED
+def test_packed_backend_matches_dense_bf16(model, prompts, backend):
     dense = FastEngine(model, dtype="bf16", linear_backend="dense")
-    packed = FastEngine(model, dtype="bf16", linear_backend="mkldnn")
-    assert packed.linear_backend == "mkldnn" and dense.linear_backend == "dense"
-    assert FastEngine(model, dtype="bf16").linear_backend == "mkldnn"   # the bf16 default
+    packed = FastEngine(model, dtype="bf16", linear_backend=backend)
+    assert packed.linear_backend == backend and dense.linear_backend == "dense"
+    default = "kernel" if HAS_KERNEL_LINEAR else "mkldnn"
+    assert FastEngine(model, dtype="bf16").linear_backend == default    # the bf16 default
+    assert FastEngine(model, dtype="bf16", int8_max_batch=4).linear_backend != "kernel"
     assert FastEngine(model, dtype="fp32").linear_backend == "dense"    # fp32 stays exact
     resps = dense.generate(prompts, GREEDY).response_ids
     # fused post-ops round once instead of twice: bf16-level differences only
@@ -257,10 +265,10 @@ def test_packed_backend_matches_dense_bf16(model, prompts):
     assert _max_diff(out.logprobs, packed.score_logprobs(prompts, out.response_ids)) < 0.1
 
 
-@needs_mkldnn
-def test_packed_backend_sees_weight_updates(model, prompts):
+@PACKED
+def test_packed_backend_sees_weight_updates(model, prompts, backend):
     """load_weights must re-pack: a full swap, then a single-tensor partial update."""
-    eng = FastEngine(model, dtype="bf16", linear_backend="mkldnn")
+    eng = FastEngine(model, dtype="bf16", linear_backend=backend)
     other = tiny_llama(7)
     resps = FastEngine(other, dtype="fp32").generate(prompts, GREEDY).response_ids
     eng.load_weights(other.named_parameters())
@@ -278,11 +286,23 @@ def test_packed_backend_sees_weight_updates(model, prompts):
     ref = FastEngine(other, dtype="bf16", linear_backend="dense")
     assert _max_diff(before, after) > 0.1
     assert _max_diff(after, ref.score_logprobs(prompts, resps)) < 0.1
+    # one of q/k/v, and one of gate/up, each a slice of a fused matrix
+    with torch.no_grad():
+        for w in (other.model.layers[0].self_attn.k_proj.weight, other.model.layers[1].mlp.up_proj.weight):
+            w.add_(torch.randn_like(w, generator=torch.Generator().manual_seed(1)) * 0.3)
+    eng.load_weights([("model.layers.0.self_attn.k_proj.weight", other.model.layers[0].self_attn.k_proj.weight),
+                      ("model.layers.1.mlp.up_proj.weight", other.model.layers[1].mlp.up_proj.weight)])
+    ref = FastEngine(other, dtype="bf16", linear_backend="dense")
+    assert _max_diff(eng.score_logprobs(prompts, resps), ref.score_logprobs(prompts, resps)) < 0.1
+    with pytest.raises(ValueError, match="shape"):
+        eng.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 5))])
 
 
 def test_linear_backend_errors(model):
     with pytest.raises(ValueError, match="linear_backend"):
         FastEngine(model, linear_backend="nope")
+    with pytest.raises(ValueError, match="linear_backend='kernel'"):
+        FastEngine(model, dtype="fp32", linear_backend="kernel")             # bf16 only
 
 
 def test_compile_failure_falls_back_to_eager(model, prompts):
@@ -316,7 +336,7 @@ def test_int8_small_batch_decode(model, prompts):
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     assert (q.float() * s[:, None] - w).abs().max() <= s.max() / 2 + 1e-6   # rounding error <= half a step
     eng = FastEngine(model, dtype="bf16", int8_max_batch=2)
-    ref = FastEngine(model, dtype="bf16")
+    ref = FastEngine(model, dtype="bf16", linear_backend=eng.linear_backend)   # (int8 rules out 'kernel')
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2, return_logprobs=True)
     out = eng.generate(prompts[:1], sp)                                   # batch 1 → int8 steps
     d = _max_diff(out.logprobs, ref.score_logprobs(prompts[:1], out.response_ids))

@@ -178,8 +178,11 @@ class FastEngine:
     kv_bucket: cache length is rounded up to a multiple of this (compiled shapes repeat).
     compact: drop finished rows (gather the cache) once half of the rows are done.
     dedupe_prompts: prefill identical prompts once (always exact up to float rounding).
-    linear_backend: 'auto' (oneDNN pre-packed weights in bf16 when available, else dense),
-        'mkldnn' (require them) or 'dense' (`F.linear`; what the fp32 exactness tests use).
+    linear_backend: 'auto' (in bf16: 'kernel' where it is available, else 'mkldnn'; else dense),
+        'kernel' (the AVX-512-BF16 linears of `turborlhf.rollout.kernels`, weights packed straight
+        from `load_weights` with no dense copy of the layer matrices: the fastest at 1-32 rows and
+        as fast as oneDNN for prefill; needs compile=False and int8_max_batch=0),
+        'mkldnn' (oneDNN pre-packed weights) or 'dense' (`F.linear`; what the fp32 exactness tests use).
     int8_max_batch: decode steps with at most this many rows use int8 weight-only linears
         (symmetric per-output-row scales, re-quantized by every `load_weights`; half the weight
         bytes of bf16, for memory-bound small batches). 0 = off (default). This samples from an
@@ -209,13 +212,19 @@ class FastEngine:
         self.int8_max_batch = int(int8_max_batch)
         if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
             raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
-        if linear_backend not in ("auto", "mkldnn", "dense"):
-            raise ValueError(f"linear_backend must be 'auto', 'mkldnn' or 'dense', got {linear_backend!r}")
+        if linear_backend not in ("auto", "kernel", "mkldnn", "dense"):
+            raise ValueError(f"linear_backend must be 'auto', 'kernel', 'mkldnn' or 'dense', got {linear_backend!r}")
         if linear_backend == "mkldnn" and not mkldnn_packing_available():
             raise ValueError("linear_backend='mkldnn' but this torch build lacks oneDNN linear packing")
-        self._mkl = linear_backend == "mkldnn" or (
-            linear_backend == "auto" and self.dtype == torch.bfloat16 and mkldnn_packing_available())
-        self.linear_backend = "mkldnn" if self._mkl else "dense"
+        kernel_ok = (self._k is not None and self._k.has_linear and self.dtype == torch.bfloat16
+                     and not compile and not self.int8_max_batch)
+        if linear_backend == "kernel" and not kernel_ok:
+            raise ValueError("linear_backend='kernel' needs bf16, the fused kernels with AVX-512-BF16 linears "
+                             "(kernels not False, a CPU with avx512_bf16), compile=False and int8_max_batch=0")
+        self._kl = linear_backend == "kernel" or (linear_backend == "auto" and kernel_ok)
+        self._mkl = not self._kl and (linear_backend == "mkldnn" or (
+            linear_backend == "auto" and self.dtype == torch.bfloat16 and mkldnn_packing_available()))
+        self.linear_backend = "kernel" if self._kl else "mkldnn" if self._mkl else "dense"
         if isinstance(model_or_path, torch.nn.Module):
             config = copy.deepcopy(model_or_path.config)
             state = model_or_path.state_dict()
@@ -248,10 +257,10 @@ class FastEngine:
         self._qkv_bias = attn_bias or mt == "qwen2"
         self._o_bias = attn_bias
         self._mlp_bias = bool(getattr(c, "mlp_bias", False))
+        self._out_features: list[int] = [0] * (5 * self.n_layers + 1)
         self._alloc_weights()
         self._packed: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
         self._pbias: list[Optional[torch.Tensor]] = [None] * (5 * self.n_layers + 1)
-        self._out_features: list[int] = [0] * (5 * self.n_layers + 1)
         self._q8: list[Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = [None] * (5 * self.n_layers + 1)
         self._key = id(self)
         _ENGINES[self._key] = self
@@ -298,11 +307,30 @@ class FastEngine:
         self._pack_group: dict[str, int] = {"lm_head.weight": L}
         if self.tied:
             self._pack_group["model.embed_tokens.weight"] = L
+        # kernel backend: the layer matrices exist only packed, written by `load_weights`
+        # (name → (slot, first row, its rows, rows of the whole matrix, gate/up fused))
+        self._kslots: dict[str, tuple[int, int, int, int, bool]] = {}
+        if self._kl:
+            kz = self._k.new_packed
+            self._kp: list[Optional[torch.Tensor]] = [None] * (5 * L + 1)
+            self._kp[5 * L] = kz(self.vocab_size, E)
+            self._out_features[5 * L] = self.vocab_size
+            self._kslots["lm_head.weight"] = (5 * L, 0, self.vocab_size, self.vocab_size, False)
+            if self.tied:
+                self._kslots["model.embed_tokens.weight"] = self._kslots["lm_head.weight"]
         for i in range(self.n_layers):
             ly = _Layer()
             ly.ln1, ly.ln2 = z(E), z(E)
-            ly.wqkv, ly.wo = z(qkv, E), z(E, H * D)
-            ly.wgu, ly.wd = z(2 * I, E), z(E, I)
+            if self._kl:
+                ly.wqkv = ly.wo = ly.wgu = ly.wd = None
+                s5 = 5 * i
+                self._kp[s5 + _QKV], self._kp[s5 + _O] = kz(qkv, E), kz(E, H * D)
+                self._kp[s5 + _GATE], self._kp[s5 + _DOWN] = kz(2 * I, E, True), kz(E, I)
+                for slot, n in ((_QKV, qkv), (_O, E), (_GATE, 2 * I), (_DOWN, E)):
+                    self._out_features[s5 + slot] = n
+            else:
+                ly.wqkv, ly.wo = z(qkv, E), z(E, H * D)
+                ly.wgu, ly.wd = z(2 * I, E), z(E, I)
             ly.bqkv = z(qkv) if self._qkv_bias else None
             ly.bo = z(E) if self._o_bias else None
             ly.bgu = z(2 * I) if self._mlp_bias else None
@@ -317,20 +345,31 @@ class FastEngine:
             s[p + "post_attention_layernorm.weight"] = (ly.ln2, None)
             qs, ks, vs = slice(0, H * D), slice(H * D, (H + KV) * D), slice((H + KV) * D, qkv)
             for nm, sl in (("q", qs), ("k", ks), ("v", vs)):
-                s[p + f"self_attn.{nm}_proj.weight"] = (ly.wqkv, sl)
+                if self._kl:
+                    self._kslots[p + f"self_attn.{nm}_proj.weight"] = (5 * i + _QKV, sl.start, sl.stop - sl.start,
+                                                                       qkv, False)
+                else:
+                    s[p + f"self_attn.{nm}_proj.weight"] = (ly.wqkv, sl)
                 if ly.bqkv is not None:
                     s[p + f"self_attn.{nm}_proj.bias"] = (ly.bqkv, sl)
-            s[p + "self_attn.o_proj.weight"] = (ly.wo, None)
             if ly.bo is not None:
                 s[p + "self_attn.o_proj.bias"] = (ly.bo, None)
-            s[p + "mlp.gate_proj.weight"] = (ly.wgu, slice(0, I))
-            s[p + "mlp.up_proj.weight"] = (ly.wgu, slice(I, 2 * I))
-            s[p + "mlp.down_proj.weight"] = (ly.wd, None)
+            if self._kl:
+                ks_ = self._kslots
+                ks_[p + "self_attn.o_proj.weight"] = (5 * i + _O, 0, E, E, False)
+                ks_[p + "mlp.gate_proj.weight"] = (5 * i + _GATE, 0, I, 2 * I, True)
+                ks_[p + "mlp.up_proj.weight"] = (5 * i + _GATE, I, I, 2 * I, True)
+                ks_[p + "mlp.down_proj.weight"] = (5 * i + _DOWN, 0, E, E, False)
+            else:
+                s[p + "self_attn.o_proj.weight"] = (ly.wo, None)
+                s[p + "mlp.gate_proj.weight"] = (ly.wgu, slice(0, I))
+                s[p + "mlp.up_proj.weight"] = (ly.wgu, slice(I, 2 * I))
+                s[p + "mlp.down_proj.weight"] = (ly.wd, None)
             if self._mlp_bias:
                 s[p + "mlp.gate_proj.bias"] = (ly.bgu, slice(0, I))
                 s[p + "mlp.up_proj.bias"] = (ly.bgu, slice(I, 2 * I))
                 s[p + "mlp.down_proj.bias"] = (ly.bd, None)
-        self._unloaded = set(self._slots) - ({"lm_head.weight"} if self.tied else set())
+        self._unloaded = (set(self._slots) | set(self._kslots)) - ({"lm_head.weight"} if self.tied else set())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF parameter name, tensor) pairs into the engine's weights in place (cast to the
@@ -347,8 +386,19 @@ class FastEngine:
                 name = strip_wrapper_prefixes(name)
                 if name.endswith("rotary_emb.inv_freq") or name.endswith("rotary_emb.original_inv_freq"):
                     continue
-                if name not in self._slots:
+                if name not in self._slots and name not in self._kslots:
                     raise KeyError(f"FastEngine: unknown parameter {name!r}")
+                if name in self._kslots:                      # kernel backend: pack the rows in place
+                    slot, row0, rows, N, swiglu = self._kslots[name]
+                    if t.dim() != 2 or t.shape[0] != rows or \
+                            self._k.packed_numel(N, t.shape[1], swiglu) != self._kp[slot].numel():
+                        raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit the engine's "
+                                         f"{rows}-row slice of a {N}-row packed matrix")
+                    self._k.pack_rows(t, self._kp[slot], row0, N, swiglu)
+                    if name not in self._slots:               # (a tied embedding is also kept dense)
+                        self._unloaded.discard(name)
+                        n += 1
+                        continue
                 dst, sl = self._slots[name]
                 if sl is not None:
                     dst = dst[sl]
@@ -366,7 +416,10 @@ class FastEngine:
 
     def _repack(self, groups: Iterable[int]) -> None:
         """Rebuild the packed oneDNN weights of layers `groups` (L = the LM head) from the dense
-        copies. Dense backend: only records output sizes."""
+        copies. Dense backend: only records output sizes. Kernel backend: nothing (packed by
+        `load_weights` itself)."""
+        if self._kl:
+            return
         L, I = self.n_layers, self.config.intermediate_size
         with torch.no_grad():
             for g in sorted(groups):
@@ -400,6 +453,24 @@ class FastEngine:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, attr, [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, attr)
 
+    def _klin(self, x: torch.Tensor, slot: int, op: int = 0, other: Optional[torch.Tensor] = None,
+              out_f32: bool = False) -> torch.Tensor:
+        """Kernel-backend linear of slot `slot` on x (…×in): op 0 → xWᵀ+b; ADD → xWᵀ+b+other;
+        SWIGLU (the fused gate/up slot) → silu(x·Wgᵀ+bg)·(x·Wuᵀ+bu). Returns …×out (bf16, or
+        fp32 with out_f32)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        o2 = None if other is None else other.reshape(-1, other.shape[-1]).contiguous()
+        y = self._k.linear(x2, self._kp[slot], self._out_features[slot], self._kbias(slot), o2, op, out_f32)
+        return y.view(*lead, y.shape[-1])
+
+    def _kbias(self, slot: int) -> Optional[torch.Tensor]:
+        l, k = divmod(slot, 5)
+        if l == self.n_layers:
+            return None
+        ly = self.layers[l]
+        return {_QKV: ly.bqkv, _O: ly.bo, _GATE: ly.bgu, _DOWN: ly.bd}[k]
+
     def _lin8(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """int8 weight-only linear of slot `slot` (x: 2-D)."""
         q, scale, b = self._q8[slot]
@@ -410,6 +481,8 @@ class FastEngine:
         """LM head → float32 logits."""
         if int8:
             return self._lin8(h, 5 * self.n_layers).float()
+        if self._kl:
+            return self._klin(h, 5 * self.n_layers, out_f32=True)
         if self._mkl:
             return self._plin(h, None, 5 * self.n_layers, "none").float()
         return F.linear(h, self.lm_head_VE).float()
@@ -429,6 +502,11 @@ class FastEngine:
             x = x + self._lin8(a, 5 * l + _O)
             g, u = self._lin8(self._norm(x, ly.ln2), 5 * l + _GATE).chunk(2, dim=-1)
             return x + self._lin8(F.silu(g) * u, 5 * l + _DOWN)
+        if self._kl:
+            k, s = self._k, 5 * l
+            x = self._klin(a, s + _O, k.ADD, x)                       # x + a·Woᵀ
+            h = self._norm(x, ly.ln2)
+            return self._klin(self._klin(h, s + _GATE, k.SWIGLU), s + _DOWN, k.ADD, x)
         if self._mkl:
             lin = ((lambda x_, o_, s_, a_: torch.ops.turborlhf.packed_linear(x_, o_, self._key, s_, a_))
                    if graph else self._plin)
@@ -445,6 +523,8 @@ class FastEngine:
     def _qkv(self, l: int, ly: _Layer, h: torch.Tensor, graph: bool, int8: bool = False) -> torch.Tensor:
         if int8:
             return self._lin8(h, 5 * l + _QKV)
+        if self._kl:
+            return self._klin(h, 5 * l + _QKV)
         if not self._mkl:
             return F.linear(h, ly.wqkv, ly.bqkv)
         if graph:

@@ -30,6 +30,8 @@ class DecodeKernels:
         layer's cache B×KV×Tmax×D; start_B: int64; out: B×H·D. All contiguous, same dtype
         (float32 or bfloat16). Raises ValueError on a dtype/layout mismatch.
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
+    has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
+    new_packed / pack_rows → a packed weight; linear(x_MK, packed, N, ...) → y (see decode.c).
     """
 
     def __init__(self, lib: ctypes.CDLL):
@@ -45,6 +47,12 @@ class DecodeKernels:
             g.argtypes = [P, P, P, I, I, F]
             g.restype = None
             self._rms[dt] = g
+        self.has_linear = bool(lib.bf16_linear_available())
+        if self.has_linear:
+            lib.bf16_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
+            lib.bf16_linear_pack_rows.restype = None
+            lib.bf16_linear.argtypes = [P, P, P, P, P, I, I, I, I, I]
+            lib.bf16_linear.restype = None
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn
@@ -71,6 +79,56 @@ class DecodeKernels:
         B, E = x_BE.shape
         self._rms[x_BE.dtype](x_BE.data_ptr(), w_E.data_ptr(), out_BE.data_ptr(), B, E, eps)
         return out_BE
+
+
+    # ---- bf16 decode linears (has_linear)
+    ADD, SWIGLU = 1, 2
+
+    @staticmethod
+    def packed_numel(N: int, K: int, swiglu: bool = False) -> int:
+        """Elements of the packed layout of an N × K weight (32-output blocks of K/2 bf16 pairs)."""
+        return ((N // 2 + 15) // 16 if swiglu else (N + 31) // 32) * ((K + 1) // 2) * 64
+
+    def new_packed(self, N: int, K: int, swiglu: bool = False) -> torch.Tensor:
+        """A zero packed weight for N × K (fill it with `pack_rows`)."""
+        return torch.zeros(self.packed_numel(N, K, swiglu), dtype=torch.bfloat16)
+
+    def pack_rows(self, rows_nK: torch.Tensor, packed: torch.Tensor, row0: int, N: int, swiglu: bool = False) -> None:
+        """Write rows [row0, row0 + n) of an N × K weight into `packed` (from `new_packed`).
+        swiglu: the weight is the fused [gate; up] (N = 2I; rows < I are gate rows), packed so
+        `linear(..., op=SWIGLU)` yields silu(gate)·up. Casts to bf16. Raises ValueError on a
+        row range outside the weight or a mismatched packed size."""
+        n, K = rows_nK.shape
+        if not 0 <= row0 <= row0 + n <= N or (swiglu and N % 2):
+            raise ValueError(f"pack_rows: rows [{row0}, {row0 + n}) do not fit a {'fused gate/up ' if swiglu else ''}"
+                             f"weight of {N} rows")
+        if packed.numel() != self.packed_numel(N, K, swiglu) or packed.dtype != torch.bfloat16:
+            raise ValueError(f"pack_rows: packed tensor does not match a {N}×{K} weight")
+        src = rows_nK.detach().to(torch.bfloat16).contiguous()
+        self.lib.bf16_linear_pack_rows(src.data_ptr(), packed.data_ptr(), n, row0, N, K, int(swiglu))
+
+    def linear(self, x_MK: torch.Tensor, packed: torch.Tensor, N: int, bias_N: Optional[torch.Tensor] = None,
+               other_MN: Optional[torch.Tensor] = None, op: int = 0, out_f32: bool = False) -> torch.Tensor:
+        """y = x·Wᵀ (+ bias) of a `pack_linear` weight with N output rows, then op 0: y;
+        ADD: y + other_MN; SWIGLU: silu(gate)·up, N/2 columns (W packed with swiglu=True, bias of
+        the fused [gate; up]). x_MK: contiguous bf16, K even. Returns M × N (or N/2) bf16, or
+        fp32 with out_f32. Arithmetic: bf16 products summed in fp32 (vdpbf16ps)."""
+        M, K = x_MK.shape
+        if x_MK.dtype != torch.bfloat16 or not x_MK.is_contiguous() or K % 2:
+            raise ValueError(f"linear: x must be contiguous bfloat16 with an even width, got {x_MK.dtype} "
+                             f"{tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
+        if packed.numel() != self.packed_numel(N, K, op == self.SWIGLU):
+            raise ValueError(f"linear: packed weight too small for {N}×{K}")
+        n_out = N // 2 if op == self.SWIGLU else N
+        if op == self.ADD:
+            if other_MN is None or other_MN.shape != (M, N) or other_MN.dtype != torch.bfloat16 \
+                    or not other_MN.is_contiguous():
+                raise ValueError("linear: op ADD needs a contiguous bf16 `other` of shape M×N")
+        out = torch.empty(M, n_out, dtype=torch.float32 if out_f32 else torch.bfloat16)
+        self.lib.bf16_linear(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
+                             None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op,
+                             int(out_f32))
+        return out
 
 
 def load(warn: bool = True) -> Optional[DecodeKernels]:

@@ -136,4 +136,132 @@ DEFINE_ATTENTION(bf16, bf16)
 DEFINE_RMS(float, f32)
 DEFINE_RMS(bf16, bf16)
 
-int turborlhf_kernels_version(void) { return 1; }
+int turborlhf_kernels_version(void) { return 2; }
+
+/* ---- bf16 linears for decode steps (few rows, weight reads bound the time) -----------------
+ * bf16_linear: y = x Wᵀ (+ b) for M rows with AVX-512-BF16 dot products (vdpbf16ps: products of
+ * bf16 pairs summed in fp32), weights pre-packed by bf16_linear_pack into 32-output blocks so
+ * each thread streams its share of W once, and the post-ops of a Llama layer fused: + residual,
+ * or silu(gate)·up from the fused [gate; up] matrix. Why: oneDNN's packed bf16 linear at 1-32
+ * rows reads weights at about half of the memory bandwidth on the 2-core CPU (docs/rollout.md).
+ * Built only where the compiler targets avx512bf16; bf16_linear_available() says which. */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+int bf16_linear_available(void) { return 1; }
+
+/* bf16_linear_pack_rows: write rows [row0, row0 + n) of an N x K weight (src: those n rows,
+ * row-major bf16) into its packed layout `out` (zero-filled by the caller, so padding stays 0):
+ * blocks of 32 output rows, K in pairs, out[((nb*K2 + k2)*32 + c)*2 + e] = W[row(nb, c)][2*k2 + e].
+ * swiglu: W is the fused [gate; up] (N = 2I rows); block nb holds gate rows nb*16 + c (c < 16) and
+ * up rows I + nb*16 + c - 16 (c >= 16), so one block yields 16 outputs silu(g)*u. Rows map to
+ * disjoint places, so q/k/v (or gate/up) can be packed one at a time, straight from the trainer's
+ * tensors, with no dense fused copy. */
+void bf16_linear_pack_rows(const bf16 *src, bf16 *out, int n, int row0, int N, int K, int swiglu) {
+    const int K2 = (K + 1) / 2, I = N / 2;
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; ++r) {
+        const int g = row0 + r;
+        int nb, c;
+        if (swiglu) { const int j = g < I ? g : g - I; nb = j / 16; c = j % 16 + (g < I ? 0 : 16); }
+        else { nb = g / 32; c = g % 32; }
+        bf16 *o = out + (int64_t)nb * K2 * 64 + c * 2;
+        const bf16 *w = src + (int64_t)r * K;
+        for (int k2 = 0; k2 < K / 2; ++k2) { o[k2 * 64] = w[2 * k2]; o[k2 * 64 + 1] = w[2 * k2 + 1]; }
+        if (K % 2) { o[(K2 - 1) * 64] = w[K - 1]; o[(K2 - 1) * 64 + 1] = 0; }
+    }
+}
+
+static inline __m512 exp_ps(__m512 x) {   /* e^x, |rel err| < 2e-7 on [-87, 88] */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 ld_bf(const bf16 *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* One tile: MB rows x 32 packed outputs of block wp, K2 pairs. acc[2m], acc[2m+1]. */
+#define TILE(MB)                                                                                   \
+static inline void tile##MB(const uint32_t *x32, int64_t xs, const bf16 *wp, int K2, __m512 *acc) {\
+    _Pragma("GCC unroll 16") for (int i = 0; i < 2 * MB; ++i) acc[i] = _mm512_setzero_ps();        \
+    for (int k2 = 0; k2 < K2; ++k2) {                                                              \
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + k2 * 64);                                  \
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + k2 * 64 + 32);                             \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {                                     \
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x32[m * xs + k2]);                      \
+            acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], xb, w0);                                     \
+            acc[2 * m + 1] = _mm512_dpbf16_ps(acc[2 * m + 1], xb, w1);                             \
+        }                                                                                          \
+    }                                                                                              \
+}
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+
+/* y = x W^T (+ bias) then: op 0 → y; 1 → y + other; 2 (swiglu-packed W) → silu(g)*u.
+ * x: M x K bf16 (K even), other/out: M x N_out (bf16, or fp32 if out_f32), bias bf16 or NULL
+ * (swiglu: bias of the fused [gate; up], 2*N_out). */
+void bf16_linear(const bf16 *x, const bf16 *wp, const bf16 *bias, const bf16 *other, void *out,
+                 int M, int K, int N, int op, int out_f32) {
+    const int K2 = K / 2, swiglu = op == 2;
+    const int NO = swiglu ? N / 2 : N;                 /* output columns */
+    const int NB = swiglu ? (NO + 15) / 16 : (N + 31) / 32;
+    const uint32_t *x32 = (const uint32_t *)x;
+    /* (row chunk, output block) pairs: a chunk of MC rows of x stays in L2 while the weight
+     * blocks stream past it (for a prefill's thousands of rows; a decode step is one chunk) */
+    const int MC = 256, n_chunks = (M + MC - 1) / MC;
+    #pragma omp parallel for schedule(static)
+    for (int64_t it = 0; it < (int64_t)n_chunks * NB; ++it) {
+        const int nb = (int)(it % NB), mc = (int)(it / NB);
+        const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+        const bf16 *w = wp + (int64_t)nb * K2 * 64;
+        __m512 acc[16];
+        for (int m0 = mc * MC; m0 < m_end; m0 += 8) {
+            const int mb = m_end - m0 < 8 ? m_end - m0 : 8;
+            const uint32_t *xm = x32 + (int64_t)m0 * K2;
+            switch (mb) {
+                case 1: tile1(xm, K2, w, K2, acc); break; case 2: tile2(xm, K2, w, K2, acc); break;
+                case 3: tile3(xm, K2, w, K2, acc); break; case 4: tile4(xm, K2, w, K2, acc); break;
+                case 5: tile5(xm, K2, w, K2, acc); break; case 6: tile6(xm, K2, w, K2, acc); break;
+                case 7: tile7(xm, K2, w, K2, acc); break; default: tile8(xm, K2, w, K2, acc); break;
+            }
+            for (int m = 0; m < mb; ++m) {
+                const int64_t row = m0 + m;
+                if (swiglu) {
+                    const int c0 = nb * 16, n = NO - c0 < 16 ? NO - c0 : 16;
+                    const __mmask16 mk = (__mmask16)((1u << n) - 1);
+                    __m512 g = acc[2 * m], u = acc[2 * m + 1];
+                    if (bias) { g = _mm512_add_ps(g, ld_bf(bias + c0, mk)); u = _mm512_add_ps(u, ld_bf(bias + NO + c0, mk)); }
+                    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                    __m512 y = _mm512_mul_ps(s, u);
+                    if (out_f32) _mm512_mask_storeu_ps((float *)out + row * NO + c0, mk, y);
+                    else _mm256_mask_storeu_epi16((bf16 *)out + row * NO + c0, mk, (__m256i)_mm512_cvtneps_pbh(y));
+                } else {
+                    for (int h = 0; h < 2; ++h) {
+                        const int c0 = nb * 32 + h * 16;
+                        if (c0 >= N) break;
+                        const int n = N - c0 < 16 ? N - c0 : 16;
+                        const __mmask16 mk = (__mmask16)((1u << n) - 1);
+                        __m512 y = acc[2 * m + h];
+                        if (bias) y = _mm512_add_ps(y, ld_bf(bias + c0, mk));
+                        if (op == 1) y = _mm512_add_ps(y, ld_bf(other + row * N + c0, mk));
+                        if (out_f32) _mm512_mask_storeu_ps((float *)out + row * N + c0, mk, y);
+                        else _mm256_mask_storeu_epi16((bf16 *)out + row * N + c0, mk, (__m256i)_mm512_cvtneps_pbh(y));
+                    }
+                }
+            }
+        }
+    }
+}
+#else
+int bf16_linear_available(void) { return 0; }
+#endif
