@@ -307,13 +307,13 @@ class PPOAlgoCfg(Cfg):
                                   "seq_mean_token_mean (GRPO paper), token_sum_norm (Dr. GRPO: / (seqs·max_new_tokens))")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
-    fused_update: Literal["auto", "always", "actor", "never"] = Field(
+    fused_update: Literal["auto", "actor", "both", "always", "never"] = Field(
         "auto", description="with ppo_epochs=1 and num_mini_batches=1 the old log-probs and values are what the "
         "training forward computes: keep the experience forward's graph and backpropagate through it instead of a "
-        "second forward. auto = only when each rank's rows fit one micro-batch (no extra activation memory); "
-        "always = whenever the schedule allows (a rank's whole share of activations held at once); actor = as "
-        "auto for the actor, never for the critic (its graph then never coexists with the actor's: less peak "
-        "memory for one more critic forward); never")
+        "second forward. auto (= actor) = the actor's graph only, when each rank's rows fit one micro-batch (the "
+        "critic's would be held together with the actor's: more peak memory for one critic forward saved); "
+        "both = as auto for the actor and the critic; always = both whenever the schedule allows (a rank's whole "
+        "share of activations held at once); never")
     eps_clip: float = Field(0.2, gt=0, description="policy ratio clip ε (low side)")
     eps_clip_high: Optional[float] = Field(None, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
     dual_clip: Optional[float] = Field(None, description="dual-clip constant c > 1 for negative advantages")

@@ -67,8 +67,8 @@ def test_fused_auto_only_without_extra_memory(tiny_model):
         return load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml",
                            [f"actor.name_or_path={tiny_model}", "reward_model=x", "data.prompts_file=x",
                             "algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=4", *o])
-    assert use_fused_update(cfg(), 4, G)
-    assert not use_fused_update(cfg(), 8, G)                               # two micro-batches: auto declines
+    assert use_fused_update(cfg("algo.fused_update=both"), 4, G)
+    assert not use_fused_update(cfg("algo.fused_update=both"), 8, G)       # two micro-batches: declined
     assert use_fused_update(cfg("algo.fused_update=always"), 8, G)
     assert not use_fused_update(cfg("algo.fused_update=never"), 4, G)
     assert not use_fused_update(cfg("algo.num_mini_batches=2"), 4, G)      # second mini-batch is off-policy
@@ -79,7 +79,10 @@ def test_fused_auto_only_without_extra_memory(tiny_model):
 
     class Critic(G):
         role = "critic"
-    assert use_fused_update(cfg("algo.fused_update=actor"), 4, Actor)      # the actor only, as auto
-    assert not use_fused_update(cfg("algo.fused_update=actor"), 8, Actor)
-    assert not use_fused_update(cfg("algo.fused_update=actor"), 4, Critic)
-    assert use_fused_update(cfg(), 4, Critic)
+    for mode in ("auto", "actor"):                                         # the actor only
+        assert use_fused_update(cfg(f"algo.fused_update={mode}"), 4, Actor)
+        assert not use_fused_update(cfg(f"algo.fused_update={mode}"), 8, Actor)
+        assert not use_fused_update(cfg(f"algo.fused_update={mode}"), 4, Critic)  # its graph would meet the actor's
+    assert use_fused_update(cfg("algo.fused_update=both"), 4, Critic)
+    assert not use_fused_update(cfg("algo.fused_update=both"), 8, Critic)
+    assert use_fused_update(cfg("algo.fused_update=always"), 8, Critic)
