@@ -9,11 +9,15 @@ What makes it fast on a CPU, compared with `transformers` `generate` (benchmarks
 measures both in one process):
 - the engine owns a converted copy of the weights (bf16 by default) with q/k/v fused into one
   matrix and gate/up fused into one, refreshed in place by `load_weights` (no disk);
-- in bf16 the linears run on oneDNN with weights pre-packed into its blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's freezing uses), about 2× faster
-  than `F.linear` for the 1-32 rows of a decode step; the residual add, SiLU and gate·up product
-  are fused into the oneDNN calls as post-ops. `load_weights` re-packs the layers it touched
-  (~0.1 s for all of SmolLM2-135M), so a policy update never needs a recompile;
+- in bf16 the linears are our own AVX-512-BF16 kernels (`linear_backend='kernel'`,
+  `turborlhf.rollout.kernels`) on weights packed into 32-output blocks, with the residual add and
+  silu(gate)·up fused in; `load_weights` packs the trainer's tensors straight into place (no
+  dense copy of the layer matrices). Where they do not build: oneDNN with weights pre-packed into
+  its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's freezing
+  uses), about 2× faster than `F.linear` for the 1-32 rows of a decode step, post-ops fused,
+  re-packed by `load_weights` (~0.1 s for all of SmolLM2-135M). A policy update never needs a
+  recompile;
+- prefill and scoring run the linears on the non-padding tokens only;
 - RoPE, the KV-cache write and decode attention in one C call per layer, RMSNorm in another
   (`turborlhf.rollout.kernels`, built on first use; the torch ops below are the fallback);
 - a static KV cache `K_LBKTD` allocated once per call; prompts are left-padded into columns
@@ -532,20 +536,31 @@ class FastEngine:
         return self._plin(h, None, 5 * l + _QKV, "none")
 
     def _forward_full(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, allow_BSS: torch.Tensor,
-                      K_LBKTD: Optional[torch.Tensor] = None, V_LBKTD: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
+                      K_LBKTD: Optional[torch.Tensor] = None, V_LBKTD: Optional[torch.Tensor] = None,
+                      valid_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward S positions of B rows at once (prefill / scoring). Writes K/V into columns
         [0, S) of the cache when given. allow_BSS: bool, query i may attend key j.
+        valid_BS (bool, optional): the non-padding positions; the linears, norms and MLPs then run
+        on those N tokens only (padding is unpacked for attention alone), and padding positions
+        come out as zeros (their K/V are zero too: every reader masks them).
         Returns final-normed hidden states B×S×E."""
         B, S = ids_BS.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        x = self.embed_VE[ids_BS]                                   # B×S×E
+        W = (H + 2 * KV) * D
+        packed = valid_BS is not None and not bool(valid_BS.all())
+        if packed:
+            idx_N = valid_BS.reshape(-1).nonzero().squeeze(1)          # positions in B·S
+            x = self.embed_VE[ids_BS.reshape(-1)[idx_N]]                # N×E
+        else:
+            x = self.embed_VE[ids_BS]                                   # B×S×E
         cos = self._cos_PD[pos_BS][:, :, None]                      # B×S×1×D
         sins = self._sins_PD[pos_BS][:, :, None]
         mask = allow_BSS[:, None]                                   # B×1×S×S
         for l, ly in enumerate(self.layers):
             h = self._norm(x, ly.ln1)
-            qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D
+            qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D (or N×W)
+            if packed:
+                qkv = qkv.new_zeros(B * S, W).index_copy_(0, idx_N, qkv).view(B, S, W)
             qk = _rope_signed(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sins).transpose(1, 2)
             q, k = qk[:, :H], qk[:, H:]                             # B×H×S×D, B×KV×S×D
             v = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
@@ -553,8 +568,14 @@ class FastEngine:
                 K_LBKTD[l, :, :, :S] = k
                 V_LBKTD[l, :, :, :S] = v
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.group > 1)
-            x = self._attn_mlp_out(l, ly, x, a.transpose(1, 2).reshape(B, S, H * D), False)
-        return self._norm(x, self.norm_E)
+            a = a.transpose(1, 2).reshape(B, S, H * D)
+            if packed:
+                a = a.reshape(B * S, H * D).index_select(0, idx_N)
+            x = self._attn_mlp_out(l, ly, x, a, False)
+        x = self._norm(x, self.norm_E)
+        if packed:
+            x = x.new_zeros(B * S, x.shape[-1]).index_copy_(0, idx_N, x).view(B, S, -1)
+        return x
 
     def _step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, col: int, T: int,
               K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, maskadd_BT: Optional[torch.Tensor],
@@ -720,7 +741,7 @@ class FastEngine:
         allow_USS |= torch.eye(P, dtype=torch.bool)[None]         # padded queries see themselves
         Kp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         Vp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
-        hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp, Vp)[:, -1]
+        hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp, Vp, valid_US)[:, -1]
         logits = self._head(hid_UE)
         src_t = torch.tensor(src + [src[0]] * (Bc - N))            # bucket filler rows
         K = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
@@ -830,7 +851,7 @@ class FastEngine:
                 pos = (ar[None] - pad[:, None]).clamp(min=0)
                 allow = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & valid[:, None, :]
                 allow |= torch.eye(S, dtype=torch.bool)[None]
-                hid = self._forward_full(ids, pos, allow)
+                hid = self._forward_full(ids, pos, allow, valid_BS=valid)
                 for i, (p, r) in enumerate(zip(ps, rs)):
                     if not r:
                         out.append([])
