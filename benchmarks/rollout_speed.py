@@ -1,14 +1,14 @@
 """Rollout speed: FastEngine vs HF `generate`, alternating, in one process (issue 4, part 2).
 
 usage: python benchmarks/rollout_speed.py MODEL_DIR [--bs 1,8,32] [--new 64] [--repeats 3]
-           [--threads 2] [--compile] [--int8 N] [--json out.json]
+           [--threads 2] [--compile] [--int8 N] [--mkldnn] [--json out.json]
 
 Setting (same as shared/peers/hf_generate.py): SmolLM2 chat-templated questions (8, cycled), left
 padding, exactly `--new` sampled tokens (min_new_tokens = max_new_tokens), temperature 1, bf16,
 prompt de-duplication off (the 8 questions repeat, which would flatter prefill). Per batch size:
 one warm-up call per engine, then `--repeats` rounds of (HF call, FastEngine call); each engine's
 best round is reported as whole-call tokens/s (prefill included). Also measured: a weight update
-(`load_weights` from the trainer's fp32 model: copy + oneDNN re-pack), and with `--compile` the
+(`load_weights` from the trainer's fp32 model: cast + pack), and with `--compile` the
 compiled engine's cold start per (batch, cache) bucket. The 1-minute load average is printed
 before and after: on a shared machine, compare ratios from one run, not absolute figures.
 """
@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also run FastEngine(compile=True)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
     ap.add_argument("--int8", type=int, default=0, help="also run FastEngine(int8_max_batch=N)")
+    ap.add_argument("--mkldnn", action="store_true",
+                    help="also run FastEngine(linear_backend='mkldnn') (oneDNN linears; 'fast' is the default backend)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -63,10 +65,15 @@ def main():
         engines["hf"] = HFEngine(a.model_dir, dtype="bf16")
     t0 = time.perf_counter()
     engines["fast"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss))
-    res = {"build_fast_s": time.perf_counter() - t0, "tok_s": {}, "load_before": os.getloadavg()[0]}
+    res = {"build_fast_s": time.perf_counter() - t0, "tok_s": {}, "load_before": os.getloadavg()[0],
+           "fast_linear_backend": engines["fast"].linear_backend}
+    print(f"FastEngine linear backend: {engines['fast'].linear_backend}", flush=True)
     if a.int8:
         engines["fast-int8"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss),
                                           int8_max_batch=a.int8)
+    if a.mkldnn:
+        engines["fast-mkldnn"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss),
+                                            linear_backend="mkldnn")
     if a.compile:
         engines["fast-compile"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False,
                                              max_batch_size=max(bss), compile=True, compact=False)
