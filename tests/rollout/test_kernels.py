@@ -204,3 +204,20 @@ def test_kernel_backend_with_biases_and_untied_head(prompts):
     b = dense.score_logprobs(prompts, out.response_ids)
     assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 0.1
     assert max(abs(x - y) for ra, rb in zip(out.logprobs, a) for x, y in zip(ra, rb)) < 0.1
+
+
+@needs_linear
+def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts):
+    """decode_layers (all layers of a step in one C call) runs the same kernels in the same
+    order as the per-layer calls: identical tokens and log-probs, bit for bit."""
+    eng = FastEngine(model, dtype="bf16", linear_backend="kernel")
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=4, return_logprobs=True)
+    calls = []
+    real = eng._k.decode_layers
+    eng._k.decode_layers = lambda *a, **k: calls.append(1) or real(*a, **k)
+    one = eng.generate(prompts, sp)
+    assert len(calls) == 9                                       # 10 tokens: 9 decode steps
+    eng._one_call = False
+    per_layer = eng.generate(prompts, sp)
+    assert len(calls) == 9
+    assert one.response_ids == per_layer.response_ids and one.logprobs == per_layer.logprobs

@@ -374,6 +374,14 @@ class FastEngine:
                 s[p + "mlp.up_proj.bias"] = (ly.bgu, slice(I, 2 * I))
                 s[p + "mlp.down_proj.bias"] = (ly.bd, None)
         self._unloaded = (set(self._slots) | set(self._kslots)) - ({"lm_head.weight"} if self.tied else set())
+        # kernel backend: the pointer table of `decode_layers` (weights are packed in place, so
+        # the pointers stay valid across load_weights) and its scratch buffer
+        self._ktable, self._kscratch = None, None
+        self._one_call = True          # (tests switch it off to compare with the per-layer calls)
+        if self._kl:
+            self._ktable = self._k.layer_table([
+                (ly.ln1, self._kp[5 * i + _QKV], ly.bqkv, self._kp[5 * i + _O], ly.bo, ly.ln2,
+                 self._kp[5 * i + _GATE], ly.bgu, self._kp[5 * i + _DOWN], ly.bd) for i, ly in enumerate(self.layers)])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF parameter name, tensor) pairs into the engine's weights in place (cast to the
@@ -586,7 +594,8 @@ class FastEngine:
 
         With the fused kernels loaded (eager, `start_B` given: each row's first valid cache
         column), RoPE, the cache write and attention over columns [start_B, col] are one C call
-        per layer and RMSNorm one more; otherwise torch ops, as follows.
+        per layer and RMSNorm one more; with the kernel linears as well, all layers are one C
+        call (`decode_layers`); otherwise torch ops, as follows.
 
         Attention, two ways (as measured per layer on the 2-core CPU, benchmarks in
         docs/rollout.md): rows without left padding (`nopad`) and B <= 4 use SDPA over the first
@@ -601,6 +610,14 @@ class FastEngine:
         kern = self._k is not None and not graph and start_B is not None
         x = self.embed_VE[ids_B]                                    # B×E
         cos_BD, sins_BD = self._cos_PD[pos_B], self._sins_PD[pos_B]
+        if kern and self._kl and not i8 and self._one_call:         # every layer in one C call
+            I = self.config.intermediate_size
+            need = B * (2 * self.hidden + (H + 2 * KV) * D + H * D + I)
+            if self._kscratch is None or self._kscratch.numel() < need:
+                self._kscratch = torch.empty(need, dtype=torch.bfloat16)
+            self._k.decode_layers(self._ktable, x, cos_BD, sins_BD, K_LBKTD, V_LBKTD, start_B, col, H, I, scale,
+                                  self.eps, self._kscratch)
+            return self._head(self._norm(x, self.norm_E))
         cos, sins = cos_BD[:, None], sins_BD[:, None]               # B×1×D
         m = None if kern else maskadd_BT[:, None, None, :]          # B×1×1×T
         for l, ly in enumerate(self.layers):

@@ -53,6 +53,9 @@ class DecodeKernels:
             lib.bf16_linear_pack_rows.restype = None
             lib.bf16_linear.argtypes = [P, P, P, P, P, I, I, I, I, I]
             lib.bf16_linear.restype = None
+            lib.decode_layers_bf16.argtypes = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P,
+                                               I, I, I, I, I, I, I, F, F, P]
+            lib.decode_layers_bf16.restype = None
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn
@@ -129,6 +132,40 @@ class DecodeKernels:
                              None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op,
                              int(out_f32))
         return out
+
+
+    def layer_table(self, layers: list) -> "ctypes.Array":
+        """The weight pointers `decode_layers` reads: per layer (ln1, qkv packed, b_qkv, o packed,
+        b_o, ln2, gate/up packed, b_gu, down packed, b_d), None for an absent bias. The tensors must
+        stay alive and in place (the engine packs new weights into the same storage)."""
+        ptrs = []
+        for ly in layers:
+            ptrs += [None if t is None else t.data_ptr() for t in ly]
+        return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+    def decode_layers(self, table, x_BE: torch.Tensor, cos_BD: torch.Tensor, sins_BD: torch.Tensor,
+                      K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, start_B: torch.Tensor, col: int,
+                      n_heads: int, intermediate: int, scale: float, eps: float,
+                      scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every decoder layer of one bf16 decode step in one call (see decode.c): x_BE, the
+        residual stream (contiguous bf16), is updated in place and returned. K/V: the whole cache
+        L×B×KV×Tmax×D (contiguous). Raises ValueError on a dtype/layout mismatch."""
+        L, B, KV, Tmax, D = K_LBKTD.shape
+        E = x_BE.shape[1]
+        for name, t in (("x", x_BE), ("cos", cos_BD), ("sins", sins_BD), ("K", K_LBKTD), ("V", V_LBKTD)):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous():
+                raise ValueError(f"decode_layers: {name} must be contiguous bfloat16")
+        if start_B.dtype != torch.int64 or not start_B.is_contiguous() or len(table) != 10 * L:
+            raise ValueError("decode_layers: start_B must be contiguous int64 and the table hold 10 pointers per layer")
+        if not 0 <= col < Tmax:
+            raise ValueError(f"decode_layers: column {col} outside the cache (0..{Tmax - 1})")
+        need = B * (2 * E + (n_heads + 2 * KV) * D + n_heads * D + intermediate)
+        if scratch is None or scratch.numel() < need:
+            scratch = torch.empty(need, dtype=torch.bfloat16)
+        self.lib.decode_layers_bf16(x_BE.data_ptr(), B, L, table, cos_BD.data_ptr(), sins_BD.data_ptr(),
+                                    K_LBKTD.data_ptr(), V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(),
+                                    E, n_heads, KV, D, intermediate, Tmax, col, scale, eps, scratch.data_ptr())
+        return x_BE
 
 
 def load(warn: bool = True) -> Optional[DecodeKernels]:

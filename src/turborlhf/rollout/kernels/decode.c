@@ -336,6 +336,34 @@ void bf16_linear(const bf16 *x, const bf16 *wp, const bf16 *bias, const bf16 *ot
         }
     }
 }
+
+/* decode_layers_bf16: all L decoder layers of one decode step in one call (no Python, torch
+ * allocation or ctypes cost between the ~7 kernels of a layer: ~1 ms per step at batch 1). x (B x E,
+ * in/out) is the residual stream; per layer l, w[10 l ...] = {ln1, qkv (packed), b_qkv, o (packed),
+ * b_o, ln2, gate/up (packed swiglu), b_gu, down (packed), b_d} (biases may be NULL):
+ *   h = rms(x, ln1); qkv = h Wqkv + b; a = attention (RoPE, cache write at `col`, over
+ *   [start_b, col]) with the layer's cache K + l * layer_stride; x2 = x + a Wo + b;
+ *   h = rms(x2, ln2); m = silu(h Wg + bg) * (h Wu + bu); x = x2 + m Wd + bd.
+ * scratch: at least B * (2E + (H + 2KV) D + H D + I) bf16. */
+void decode_layers_bf16(bf16 *x, int B, int L, const void *const *w, const bf16 *cos_BD,
+                        const bf16 *sins_BD, bf16 *K, bf16 *V, int64_t layer_stride, const int64_t *start,
+                        int E, int H, int KV, int D, int I, int Tmax, int col, float scale, float eps,
+                        bf16 *scratch) {
+    const int W = (H + 2 * KV) * D, HD = H * D;
+    bf16 *h = scratch, *qkv = h + (size_t)B * E, *a = qkv + (size_t)B * W, *m = a + (size_t)B * HD,
+         *x2 = m + (size_t)B * I;
+    for (int l = 0; l < L; ++l) {
+        const void *const *wl = w + 10 * l;
+        rms_norm_bf16(x, (const bf16 *)wl[0], h, B, E, eps);
+        bf16_linear(h, (const bf16 *)wl[1], (const bf16 *)wl[2], 0, qkv, B, E, W, 0, 0);
+        decode_attention_bf16(qkv, cos_BD, sins_BD, K + l * layer_stride, V + l * layer_stride, start, a,
+                              B, H, KV, D, Tmax, col, scale);
+        bf16_linear(a, (const bf16 *)wl[3], (const bf16 *)wl[4], x, x2, B, HD, E, 1, 0);
+        rms_norm_bf16(x2, (const bf16 *)wl[5], h, B, E, eps);
+        bf16_linear(h, (const bf16 *)wl[6], (const bf16 *)wl[7], 0, m, B, E, 2 * I, 2, 0);
+        bf16_linear(m, (const bf16 *)wl[8], (const bf16 *)wl[9], x2, x, B, I, E, 1, 0);
+    }
+}
 #else
 int bf16_linear_available(void) { return 0; }
 #endif
