@@ -221,3 +221,49 @@ def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts):
     per_layer = eng.generate(prompts, sp)
     assert len(calls) == 9
     assert one.response_ids == per_layer.response_ids and one.logprobs == per_layer.logprobs
+
+
+@needs_linear
+def test_sampler_matches_inverse_cdf_sampling():
+    """The three-pass C sampler against sampling.inverse_cdf_sample on the same uniforms: the
+    same ids except at float-rounding CDF boundaries, the log-prob of the drawn id, never a -inf
+    token, and the right frequencies."""
+    from turborlhf.rollout.sampling import inverse_cdf_sample
+    g = torch.Generator().manual_seed(0)
+    B, V = 64, 1000
+    x = torch.randn(B, V, generator=g) * 3
+    x[:, 500:] = float("-inf")                                    # half the vocabulary forbidden
+    x[0, :] = float("-inf"); x[0, 7] = 0.0                        # a row with one possible token
+    for T in (1.0, 0.7):
+        ids_ref, lp_ref = inverse_cdf_sample(x / T, torch.Generator().manual_seed(1))
+        u = torch.rand(B, 1, generator=torch.Generator().manual_seed(1)).view(-1)
+        ids, lp = KERN.sample(x.contiguous(), T, u)
+        assert ids.dtype == torch.int64 and (ids < 500).all() and ids[0] == 7
+        assert (ids == ids_ref).float().mean() >= 0.95
+        want = torch.log_softmax(x / T, -1).gather(-1, ids[:, None]).squeeze(-1)
+        assert torch.allclose(lp, want, atol=1e-4)
+    # frequencies: 3 tokens with probabilities 0.5, 0.3, 0.2
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(20000, 1).contiguous()
+    ids, _ = KERN.sample(logits, 1.0, torch.rand(20000, generator=g))
+    freq = torch.bincount(ids, minlength=3).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+    with pytest.raises(ValueError, match="temperature"):
+        KERN.sample(logits, 0.0, torch.rand(20000))
+
+
+@needs_linear
+def test_engine_sampler_path_and_suppression(model, prompts):
+    """FastEngine samples plain temperature sampling with the C sampler; min_new_tokens still
+    keeps the stop id out, and top-p goes through the torch sampler."""
+    eng = FastEngine(model, dtype="bf16", linear_backend="kernel")
+    used = []
+    real = eng._k.sample
+    eng._k.sample = lambda *a: used.append(1) or real(*a)
+    stop = eng.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0)).response_ids[0][0]
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=1.0, seed=0,
+                                               stop_token_ids=(stop,)))
+    assert used and all(stop not in r for r in out.response_ids) and all(len(r) == 6 for r in out.response_ids)
+    n = len(used)
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9, seed=0))
+    assert len(used) == n

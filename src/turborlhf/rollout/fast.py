@@ -721,6 +721,23 @@ class FastEngine:
             self.compile_seconds[key] = time.perf_counter() - t0
         return out
 
+    def _sample(self, logits_BV: torch.Tensor, params: SamplingParams, suppress: Optional[torch.Tensor],
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sampling.sample`; plain sampling (temperature > 0, no top-k/top-p) runs in the kernel
+        library's three-pass sampler when the kernel linears are loaded (the same uniforms from
+        `gen`, so the same draws up to float rounding at a CDF boundary)."""
+        V = logits_BV.shape[-1]
+        if (self._kl and params.temperature > 0 and not 0 < params.top_k < V and params.top_p >= 1.0
+                and logits_BV.dtype == torch.float32):
+            x = logits_BV.contiguous()
+            if suppress is not None and suppress.numel():
+                x = x.clone() if x is logits_BV else x
+                x[:, suppress] = float("-inf")
+            u = torch.rand(x.shape[0], 1, generator=gen)
+            return self._k.sample(x, params.temperature, u.view(-1))
+        return sample(logits_BV, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                      suppress_ids=suppress, generator=gen)
+
     def _bucket_batch(self, n: int) -> int:
         if not self._compile:
             return n
@@ -799,8 +816,7 @@ class FastEngine:
         col_1 = torch.zeros(1, dtype=torch.long)
         for t in range(new):
             suppress = stop_t if (has_stop and t < params.min_new_tokens) else None
-            ids_B, lp_B = sample(logits_BV, temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p, suppress_ids=suppress, generator=gen)
+            ids_B, lp_B = self._sample(logits_BV, params, suppress, gen)
             live = ~done_B
             r = rows_B[live]
             out_tok[r, t] = ids_B[live]

@@ -56,6 +56,8 @@ class DecodeKernels:
             lib.decode_layers_bf16.argtypes = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P,
                                                I, I, I, I, I, I, I, F, F, P]
             lib.decode_layers_bf16.restype = None
+            lib.sample_rows_f32.argtypes = [P, I, I, F, P, P, P]
+            lib.sample_rows_f32.restype = None
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn
@@ -166,6 +168,25 @@ class DecodeKernels:
                                     K_LBKTD.data_ptr(), V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(),
                                     E, n_heads, KV, D, intermediate, Tmax, col, scale, eps, scratch.data_ptr())
         return x_BE
+
+
+    def sample(self, logits_BV: torch.Tensor, temperature: float, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draw per row from softmax(logits / temperature) by inverting the CDF at u_B·total
+        (`turborlhf.rollout.sampling.inverse_cdf_sample` without top-k/top-p, in three passes).
+        logits_BV: contiguous float32 (-inf = probability 0, at least one finite per row); u_B:
+        float32 uniforms in [0, 1). Returns (ids_B int64, logp_B float32). Raises ValueError on a
+        bad dtype, layout or temperature."""
+        B, V = logits_BV.shape
+        if logits_BV.dtype != torch.float32 or not logits_BV.is_contiguous() or temperature <= 0:
+            raise ValueError("sample: logits must be contiguous float32 and temperature > 0")
+        u = u_B.to(torch.float32).contiguous()
+        if u.numel() != B:
+            raise ValueError(f"sample: {u.numel()} uniforms for {B} rows")
+        ids = torch.empty(B, dtype=torch.int64)
+        logp = torch.empty(B, dtype=torch.float32)
+        self.lib.sample_rows_f32(logits_BV.data_ptr(), B, V, float(temperature), u.data_ptr(), ids.data_ptr(),
+                                 logp.data_ptr())
+        return ids, logp
 
 
 def load(warn: bool = True) -> Optional[DecodeKernels]:

@@ -364,6 +364,71 @@ void decode_layers_bf16(bf16 *x, int B, int L, const void *const *w, const bf16 
         bf16_linear(m, (const bf16 *)wl[8], (const bf16 *)wl[9], x2, x, B, I, E, 1, 0);
     }
 }
+
+/* sample_rows_f32: one draw per row from softmax(x / temperature) by inverting the CDF, as
+ * turborlhf.rollout.sampling.inverse_cdf_sample does with torch ops (amax, exp, cumsum,
+ * searchsorted: six passes over B x V floats and a B x V cdf) in three passes without the cdf:
+ * the max, the exp and sums of blocks of 16, then a walk over the block sums to the block where
+ * the cumulative sum passes u * total (its 16 exps recomputed, bit-identical), the first column
+ * whose cumulative sum exceeds it being drawn. -inf logits have probability 0. u: one uniform in
+ * [0, 1) per row. Out: ids (int64), logp = x/T at the id - max - log(total). */
+void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
+                     float *logp) {
+    const int nb = (V + 15) / 16;
+    const __m512 T = _mm512_set1_ps(temperature);
+    #pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; ++b) {
+        const float *xb = x + (size_t)b * V;
+        float bsum[nb];
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < nb; ++j) {
+            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+            const __mmask16 mk = (__mmask16)((1u << n) - 1);
+            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
+            mv = _mm512_max_ps(mv, y);
+        }
+        const float m = _mm512_reduce_max_ps(mv);
+        const __m512 M = _mm512_set1_ps(m);
+        float total = 0.f;
+        for (int j = 0; j < nb; ++j) {
+            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+            const __mmask16 mk = (__mmask16)((1u << n) - 1);
+            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
+            __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(y, M)));
+            e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                   _mm512_setzero_ps());           /* exp(-inf) = 0 exactly */
+            bsum[j] = _mm512_reduce_add_ps(e);
+            total += bsum[j];
+        }
+        float target = u[b] * total;
+        if (target >= total) target = nextafterf(total, 0.f);
+        int id = -1;
+        float acc = 0.f;
+        for (int j = 0; j < nb && id < 0; ++j) {
+            if (acc + bsum[j] <= target && j < nb - 1) { acc += bsum[j]; continue; }
+            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+            const __mmask16 mk = (__mmask16)((1u << n) - 1);
+            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
+            __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(y, M)));
+            e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                   _mm512_setzero_ps());
+            float ev[16];
+            _mm512_storeu_ps(ev, e);
+            for (int k = 0; k < n; ++k) {
+                if (ev[k] > 0.f) id = 16 * j + k;        /* the last possible one, if rounding */
+                acc += ev[k];                            /* never lets acc pass the target */
+                if (acc > target && ev[k] > 0.f) break;
+            }
+            if (acc > target) break;
+            id = -1;                                     /* (rounding: the block sum passed, its terms did not) */
+        }
+        if (id < 0) {                                    /* rounding: the last column of positive probability */
+            for (int k = V - 1; k >= 0; --k) if (xb[k] / temperature > -INFINITY) { id = k; break; }
+        }
+        ids[b] = id;
+        logp[b] = xb[id] / temperature - m - logf(total);
+    }
+}
 #else
 int bf16_linear_available(void) { return 0; }
 #endif
