@@ -19,7 +19,8 @@ measures both in one process):
   recompile;
 - prefill and scoring run the linears on the non-padding tokens only;
 - RoPE, the KV-cache write and decode attention in one C call per layer, RMSNorm in another
-  (`turborlhf.rollout.kernels`, built on first use; the torch ops below are the fallback);
+  (`turborlhf.rollout.kernels`, built on first use; the torch ops below are the fallback); with
+  the kernel linears, all layers of a decode step are a single C call (`decode_layers`);
 - a static KV cache `K_LBKTD` allocated once per call; prompts are left-padded into columns
   [0, P) and generated token t is written at column P + t for every row;
 - identical prompts (and the n samples of a prompt) are prefilled once and their cache rows
@@ -27,7 +28,8 @@ measures both in one process):
 - decode attention is grouped-query attention done as one matmul per KV head (the G query heads
   that share a KV head form the "query length" dimension) instead of repeat_kv + SDPA;
 - RoPE as x·cos + roll(x)·sin± (sin with the rotate-half sign folded in): 4 ops, exact;
-- sampling by inverse CDF (see `sampling.py`), ~20× faster than `torch.multinomial`;
+- sampling by inverse CDF (see `sampling.py`), ~20× faster than `torch.multinomial`; plain
+  temperature sampling in the kernel library's three-pass sampler when the kernel linears run;
 - more requests than `max_batch_size` are batched by prompt length (less left padding in the
   prefill and in every step's attention), results returned in request order;
 - finished rows are dropped: when half the rows are done the batch is compacted (cache rows
