@@ -3,7 +3,7 @@ the token-level contract of `RolloutEngine`."""
 import pytest
 import torch
 
-from rollout_helpers import tiny_llama
+from rollout_helpers import tiny_llama, tiny_qwen2
 from turborlhf.rollout import RolloutEngine, SamplingParams, make_engine
 from turborlhf.rollout.fast import FastEngine, is_supported
 from turborlhf.rollout.hf import HFEngine
@@ -49,16 +49,7 @@ def test_greedy_untied_and_qwen2(prompts):
     m = tiny_llama(1, tie=False)
     out = FastEngine(m, dtype="fp32").generate(prompts, GREEDY)
     assert out.response_ids == [hf_greedy(m, p, 16) for p in prompts]
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(2)
-    q = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=512, initializer_range=0.2,
-                                     tie_word_embeddings=True)).eval()
-    with torch.no_grad():
-        for n, p in q.named_parameters():
-            if n.endswith("bias"):
-                p.normal_(0, 0.5)
+    q = tiny_qwen2(tie=True)
     assert is_supported(q.config)
     out = FastEngine(q, dtype="fp32").generate(prompts, GREEDY)
     assert out.response_ids == [hf_greedy(q, p, 16) for p in prompts]

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from rollout_helpers import tiny_llama
+from rollout_helpers import tiny_llama, tiny_qwen2
 from turborlhf.rollout import SamplingParams
 from turborlhf.rollout import kernels as K
 from turborlhf.rollout.fast import FastEngine, _rms
@@ -187,16 +187,7 @@ def test_pack_rows_in_pieces_equals_whole_and_errors():
 def test_kernel_backend_with_biases_and_untied_head(prompts):
     """Qwen2-style q/k/v biases and an untied LM head through the kernel linears: the same
     log-probs as the dense bf16 backend, to bf16 rounding."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(2)
-    q = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=512, initializer_range=0.2,
-                                     tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for n, p in q.named_parameters():
-            if n.endswith("bias"):
-                p.normal_(0, 0.5)
+    q = tiny_qwen2(tie=False)
     kern = FastEngine(q, dtype="bf16", linear_backend="kernel")
     dense = FastEngine(q, dtype="bf16", linear_backend="dense")
     out = kern.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, return_logprobs=True))

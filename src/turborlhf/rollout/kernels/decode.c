@@ -372,6 +372,18 @@ void decode_layers_bf16(bf16 *x, int B, int L, const void *const *w, const bf16 
  * the cumulative sum passes u * total (its 16 exps recomputed, bit-identical), the first column
  * whose cumulative sum exceeds it being drawn. -inf logits have probability 0. u: one uniform in
  * [0, 1) per row. Out: ids (int64), logp = x/T at the id - max - log(total). */
+static inline __m512 block_scaled(const float *xb, int j, int V, __m512 T) {  /* x/T of columns 16j.. (-inf past V) */
+    const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+    const __mmask16 mk = (__mmask16)((1u << n) - 1);
+    return _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
+}
+
+static inline __m512 block_exp(const float *xb, int j, int V, __m512 T, __m512 M) {  /* exp(x/T - max), 0 at -inf */
+    const __m512 y = block_scaled(xb, j, V, T);
+    return _mm512_mask_mov_ps(exp_ps(_mm512_sub_ps(y, M)),
+                              _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
+}
+
 void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
                      float *logp) {
     const int nb = (V + 15) / 16;
@@ -381,23 +393,12 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         const float *xb = x + (size_t)b * V;
         float bsum[nb];
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < nb; ++j) {
-            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
-            const __mmask16 mk = (__mmask16)((1u << n) - 1);
-            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
-            mv = _mm512_max_ps(mv, y);
-        }
+        for (int j = 0; j < nb; ++j) mv = _mm512_max_ps(mv, block_scaled(xb, j, V, T));
         const float m = _mm512_reduce_max_ps(mv);
         const __m512 M = _mm512_set1_ps(m);
         float total = 0.f;
         for (int j = 0; j < nb; ++j) {
-            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
-            const __mmask16 mk = (__mmask16)((1u << n) - 1);
-            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
-            __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(y, M)));
-            e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                   _mm512_setzero_ps());           /* exp(-inf) = 0 exactly */
-            bsum[j] = _mm512_reduce_add_ps(e);
+            bsum[j] = _mm512_reduce_add_ps(block_exp(xb, j, V, T, M));
             total += bsum[j];
         }
         float target = u[b] * total;
@@ -405,26 +406,19 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         int id = -1;
         float acc = 0.f;
         for (int j = 0; j < nb && id < 0; ++j) {
-            if (acc + bsum[j] <= target && j < nb - 1) { acc += bsum[j]; continue; }
+            if (j < nb - 1 && acc + bsum[j] <= target) { acc += bsum[j]; continue; }
+            /* the crossing block: its exps again (bit-identical), the first column past the target;
+             * if rounding keeps its terms below the target, the walk goes on with the next block */
             const int n = V - 16 * j < 16 ? V - 16 * j : 16;
-            const __mmask16 mk = (__mmask16)((1u << n) - 1);
-            __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
-            __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(y, M)));
-            e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                   _mm512_setzero_ps());
             float ev[16];
-            _mm512_storeu_ps(ev, e);
+            _mm512_storeu_ps(ev, block_exp(xb, j, V, T, M));
             for (int k = 0; k < n; ++k) {
-                if (ev[k] > 0.f) id = 16 * j + k;        /* the last possible one, if rounding */
-                acc += ev[k];                            /* never lets acc pass the target */
-                if (acc > target && ev[k] > 0.f) break;
+                acc += ev[k];
+                if (ev[k] > 0.f && acc > target) { id = 16 * j + k; break; }
             }
-            if (acc > target) break;
-            id = -1;                                     /* (rounding: the block sum passed, its terms did not) */
         }
-        if (id < 0) {                                    /* rounding: the last column of positive probability */
-            for (int k = V - 1; k >= 0; --k) if (xb[k] / temperature > -INFINITY) { id = k; break; }
-        }
+        if (id < 0)                                      /* rounding: the last column of positive probability */
+            for (int k = V - 1; k >= 0 && id < 0; --k) if (xb[k] / temperature > -INFINITY) id = k;
         ids[b] = id;
         logp[b] = xb[id] / temperature - m - logf(total);
     }
