@@ -258,3 +258,12 @@ def test_engine_sampler_path_and_suppression(model, prompts):
     n = len(used)
     eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9, seed=0))
     assert len(used) == n
+
+
+def test_rope_signed_equals_rotate_half_bit_for_bit():
+    """The 4-op RoPE of the engine (roll and a pre-negated sin) is transformers' rotate_half form."""
+    from turborlhf.rollout.llama_ops import _rope, _rope_signed
+    g = torch.Generator().manual_seed(0)
+    x, cos, sin = (torch.randn(3, 5, 64, generator=g).bfloat16() for _ in range(3))
+    sins = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+    assert torch.equal(_rope(x, cos, sin), _rope_signed(x, cos, sins))

@@ -1,0 +1,110 @@
+"""The pure pieces FastEngine is built from (`rollout/fast.py`): which configs it supports, RoPE
+frequencies as transformers computes them, RMSNorm and RoPE in torch ops (the reference and
+fallback paths), int8 weight quantisation, oneDNN weight packing, and reading an HF checkpoint.
+Kept apart from the engine class so each can be read and tested on its own."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_supported", "mkldnn_packing_available"]
+
+_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+def is_supported(config) -> bool:
+    """True if FastEngine can run a model with this `transformers` config."""
+    archs = set(getattr(config, "architectures", None) or [])
+    mt = getattr(config, "model_type", "")
+    if not (archs & _ARCHS or mt in {"llama", "qwen2", "mistral"}):
+        return False
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if mt == "mistral" and getattr(config, "sliding_window", None):
+        return False
+    if mt == "qwen2" and getattr(config, "use_sliding_window", False):
+        return False
+    rp = _rope_parameters(config)
+    if rp.get("rope_type", "default") == "dynamic":
+        return False
+    return True
+
+
+def _rope_parameters(config) -> dict:
+    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rp = dict(rp)
+    if "rope_theta" not in rp:
+        rp["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    return rp
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention_scaling) exactly as transformers computes them."""
+    rp = _rope_parameters(config)
+    if rp["rope_type"] == "default":
+        theta = float(rp["rope_theta"])
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return ROPE_INIT_FUNCTIONS[rp["rope_type"]](config, "cpu")
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' LlamaRMSNorm: normalise in float32, cast back, scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin (the 'half' layout transformers uses for Llama)."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def _rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Same value as `_rope`, bit for bit: rotate_half(x)·sin == roll(x, D/2)·sin± where sin± is
+    sin with its first half negated (negation is exact). 4 ops instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: w ≈ q · scale[:, None], |q| <= 127. Returns (q int8 N×K,
+    scale N in `dtype`, the activation dtype `torch._weight_int8pack_mm` expects)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(dtype)
+
+
+def mkldnn_packing_available() -> bool:
+    """True if this torch build has oneDNN and the linear weight-packing ops Inductor uses."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """Dense out×in weight → oneDNN blocked layout (an opaque MKLDNN tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Read every *.safetensors (or pytorch_model*.bin) file of an HF directory."""
+    import glob
+    import os
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+        for f in files:
+            state.update(load_file(f))
+        return state
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    for f in files:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
