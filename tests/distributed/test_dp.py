@@ -72,6 +72,7 @@ def _rank(rank: int, world: int, port: int, cfg, exp, out_file: str) -> None:
     _train(cfg, exp, out_file)
     import torch.distributed as dist
 
+    dist.barrier()    # no rank tears its gloo pairs down while another still uses them
     dist.destroy_process_group()
 
 
