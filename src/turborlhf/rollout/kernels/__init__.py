@@ -114,7 +114,7 @@ class DecodeKernels:
 
     def linear(self, x_MK: torch.Tensor, packed: torch.Tensor, N: int, bias_N: Optional[torch.Tensor] = None,
                other_MN: Optional[torch.Tensor] = None, op: int = 0, out_f32: bool = False) -> torch.Tensor:
-        """y = x·Wᵀ (+ bias) of a `pack_linear` weight with N output rows, then op 0: y;
+        """y = x·Wᵀ (+ bias) of a `new_packed`/`pack_rows` weight with N output rows, then op 0: y;
         ADD: y + other_MN; SWIGLU: silu(gate)·up, N/2 columns (W packed with swiglu=True, bias of
         the fused [gate; up]). x_MK: contiguous bf16, K even. Returns M × N (or N/2) bf16, or
         fp32 with out_f32. Arithmetic: bf16 products summed in fp32 (vdpbf16ps)."""
@@ -123,7 +123,7 @@ class DecodeKernels:
             raise ValueError(f"linear: x must be contiguous bfloat16 with an even width, got {x_MK.dtype} "
                              f"{tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
         if packed.numel() != self.packed_numel(N, K, op == self.SWIGLU):
-            raise ValueError(f"linear: packed weight too small for {N}×{K}")
+            raise ValueError(f"linear: packed weight does not match a {N}×{K} weight")
         n_out = N // 2 if op == self.SWIGLU else N
         if op == self.ADD:
             if other_MN is None or other_MN.shape != (M, N) or other_MN.dtype != torch.bfloat16 \
@@ -134,7 +134,6 @@ class DecodeKernels:
                              None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op,
                              int(out_f32))
         return out
-
 
     def layer_table(self, layers: list) -> "ctypes.Array":
         """The weight pointers `decode_layers` reads: per layer (ln1, qkv packed, b_qkv, o packed,
@@ -168,7 +167,6 @@ class DecodeKernels:
                                     K_LBKTD.data_ptr(), V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(),
                                     E, n_heads, KV, D, intermediate, Tmax, col, scale, eps, scratch.data_ptr())
         return x_BE
-
 
     def sample(self, logits_BV: torch.Tensor, temperature: float, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draw per row from softmax(logits / temperature) by inverting the CDF at u_B·total
