@@ -150,3 +150,21 @@ def test_packed_forward_with_gradient_checkpointing_equals_padded(tiny_model, mo
     response_logprobs(m, ids, attn, target)[0].sum().backward()
     for k, p in m.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-5), k
+
+
+def test_score_head_runs_in_fp32_under_bf16_autocast(tiny_model):
+    """Under autocast the head's output must not be rounded to bf16 (close pairs would tie)."""
+    from turborlhf.engine.train import autocast
+    from turborlhf.models.forward import hidden_states
+
+    m = load_scalar_model(str(tiny_model)).eval()
+    with torch.no_grad():
+        m.score.weight.mul_(100.0)  # scores of a few units, where bf16 steps are 2^-7..2^-5
+        ids, attn = pad_batch([[1, 5, 9, 11, 13], [1, 4, 6], [2, 3], [9, 9, 9, 9]], 0)
+        with autocast("bf16"):
+            s = last_token_scores(m, ids, attn)
+            h = hidden_states(m, ids, attn)
+        ref = torch.nn.functional.linear(h[torch.arange(4), attn.sum(1) - 1].float(), m.score.weight).squeeze(-1)
+    assert s.dtype == torch.float32
+    assert torch.equal(s, ref)
+    assert not torch.equal(s, s.bfloat16().float())  # not on the bf16 grid

@@ -26,6 +26,7 @@ from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
 
 __all__ = ["hidden_states", "packs_sequences", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
+           "apply_score_head",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
 
@@ -162,7 +163,7 @@ def last_token_scores(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
     hidden = hidden_states(model, input_ids_BT, attention_mask_BT)
     idx = last_index(attention_mask_BT)
     h_BH = hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
-    return _score_head(model)(h_BH).squeeze(-1).float()
+    return apply_score_head(model, h_BH)
 
 
 def token_values(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -172,14 +173,23 @@ def token_values(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT
     response token t is chosen is therefore ``values_BT[b, t-1]`` (callers shift).
     """
     hidden = hidden_states(model, input_ids_BT, attention_mask_BT)
-    return _score_head(model)(hidden).squeeze(-1).float()
+    return apply_score_head(model, hidden)
 
 
-def _score_head(model: nn.Module) -> nn.Module:
+def apply_score_head(model: nn.Module, hidden_XH: torch.Tensor) -> torch.Tensor:
+    """The scalar head ``score`` on hidden states ``X×H`` → ``X`` fp32, computed in the head's own
+    dtype (fp32 master weights: fp32) with autocast off.
+
+    Under bf16 autocast the head's output would be rounded to bf16: 8 significant bits, steps of
+    2⁻⁶ ≈ 0.016 for scores in [2, 4). Close chosen/rejected scores then tie exactly (a tie counts
+    as wrong in pair accuracy) and per-token values lose their low bits. A 1-output linear costs
+    nothing in fp32. peft's ``modules_to_save`` wrapper forwards to the active copy.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.score
-    # peft's modules_to_save wrapper forwards to the active copy
-    return head
+    w_dtype = next(head.parameters()).dtype
+    with torch.autocast(hidden_XH.device.type, enabled=False):
+        return head(hidden_XH.to(w_dtype)).squeeze(-1).float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,6 +257,5 @@ def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> tuple[to
     continuation's last token. Equal to `last_token_scores` on the two sequences separately."""
     hidden = hidden_states(model, batch.ids_BL, batch.mask_B1LL, batch.pos_BL)
     rows = torch.arange(hidden.shape[0])
-    head = _score_head(model)
-    return (head(hidden[rows, batch.a_last_B]).squeeze(-1).float(),
-            head(hidden[rows, batch.b_last_B]).squeeze(-1).float())
+    return (apply_score_head(model, hidden[rows, batch.a_last_B]),
+            apply_score_head(model, hidden[rows, batch.b_last_B]))
