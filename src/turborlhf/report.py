@@ -45,6 +45,7 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     rm_res = eval_rm(rm_dir, str(data / "test_pairs.jsonl"))
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]
+    summary["rm_test_length"] = rm_res["length"]
     R = E.rollout
     common = dict(n=E.n_prompts, max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
                   seed=E.seed, engine=R.engine)
@@ -83,7 +84,9 @@ def print_summary(s: dict) -> None:
     if "rm_test_accuracy" not in s:
         return
     print("\n================ turborlhf summary ================")
-    print(f"reward model: test accuracy {s['rm_test_accuracy']:.3f} on {s['rm_test_pairs']} held-out pairs")
+    print(f"reward model: test accuracy {s['rm_test_accuracy']:.3f} on {s['rm_test_pairs']} held-out pairs"
+          + (f" (\"the shorter response wins\" scores {s['rm_test_length']['shorter_wins']:.3f} on them)"
+             if s.get("rm_test_length", {}).get("shorter_wins") is not None else ""))
     a, b = s["sft_policy"], s["ppo_policy"]
     print(f"SFT policy:   reward {a['reward_mean']:+.3f} ± {a['reward_std']:.3f}, "
           f"length {a['response_length_mean']:.1f} tokens ({a['n']} test prompts)")

@@ -25,6 +25,12 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
                          check=True, capture_output=True, text=True).stdout
     res = json.loads(out.strip().splitlines()[-1])
     assert res["n"] == 20 and 0 <= res["accuracy"] <= 1
+    L = res["length"]  # the strata re-add to the overall accuracy
+    n_s = L["n_chosen_shorter"]
+    assert 0 < n_s < 20 and L["shorter_wins"] == n_s / 20
+    assert abs(L["accuracy_chosen_shorter"] * n_s + L["accuracy_chosen_not_shorter"] * (20 - n_s)
+               - res["accuracy"] * 20) < 1e-6
+    assert s["rm_test_length"]["shorter_wins"] is not None
     out = subprocess.run(exe + ["eval-policy", "--policy", run_dir / "ppo", "--reward-model", run_dir / "rm",
                                 "--prompts", run_dir / "data" / "test_prompts.jsonl", "--n", "4",
                                 "--max-new-tokens", "6", "--json"], check=True, capture_output=True, text=True).stdout

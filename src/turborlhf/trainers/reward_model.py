@@ -27,12 +27,12 @@ from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
-__all__ = ["train", "evaluate_pairs"]
+__all__ = ["train", "evaluate_pairs", "score_pairs", "summarize_scores"]
 
 
 @torch.no_grad()
-def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> dict:
-    """Accuracy (strict >, ties wrong), mean loss and margin, and score mean/std over pairs."""
+def score_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen_N, rejected_N) fp32 scores of N encoded pairs, in their order (batched by length)."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["chosen"]) + len(encoded[i]["rejected"]))
@@ -42,11 +42,21 @@ def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size
         c, r = pair_scores(model, tokenizer, [encoded[i] for i in idx], dtype)
         ch[idx], rj[idx] = c.float(), r.float()
     model.train(was_training)
+    return ch, rj
+
+
+def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> dict:
+    """Accuracy (strict >, ties wrong), mean loss and margin, and score mean/std over pairs."""
+    return summarize_scores(*score_pairs(model, tokenizer, encoded, dtype, batch_size))
+
+
+def summarize_scores(ch: torch.Tensor, rj: torch.Tensor) -> dict:
+    """Accuracy (strict >, ties wrong), mean loss and margin, score mean/std of (chosen_N, rejected_N)."""
     loss, stats = pairwise_rm_loss(ch, rj)
     both = torch.cat([ch, rj])
     return {"accuracy": float((ch > rj).float().mean()), "loss": float(loss.mean()),
             "margin": float((ch - rj).mean()), "score_mean": float(both.mean()), "score_std": float(both.std()),
-            "n": len(encoded)}
+            "n": len(ch)}
 
 
 def train(cfg: RMConfig, resume: bool = False) -> Path:
