@@ -43,6 +43,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 __all__ = ["ModelShape", "model_shape", "train_activation_bytes", "inference_activation_bytes",
@@ -242,10 +243,10 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
         hidden = 0 if lora_rank else w * E                          # a frozen head needs no input for its grad
         out = resp_tokens * (4 * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
         transient = min(resp_tokens, HEAD_CHUNK) * V * (4 + 4 + w)
-    elif head == "values":
-        out, transient = N * w * E, 0
+    elif head == "values":   # the scalar head runs in fp32 (`apply_score_head`): it keeps an fp32 input
+        out, transient = N * 4 * E, 0
     else:
-        out, transient = rows * (2 if packed else 1) * w * E, 0
+        out, transient = rows * (2 if packed else 1) * 4 * E, 0
     if gradient_checkpointing:
         saved = s.layers * N * 4 * E + const + out
         layer_casts = casts // max(s.layers, 1)
@@ -497,7 +498,15 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         actor.notes.append("EMA: an fp32 copy of the actor")
         actor.weights += 4 * actor_s.params
     frozen_dtype = cfg.actor.dtype
-    exp = {"actor": inference_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype)}
+    # One process (backend local) runs the roles one after another: the actor trains and steps
+    # (its gradients freed, set_to_none) before the critic trains. Under Ray both train at once.
+    sequential = getattr(getattr(cfg, "distributed", None), "backend", "local") == "local"
+    fused_a, fused_c = _fused_update(cfg, rows, "actor"), _fused_update(cfg, rows, "critic")
+    infer_a = inference_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype)
+    exp = {"actor": infer_a}
+    if fused_a:   # the experience forward ran with autograd and its graph waits for the update
+        exp["actor"] = act_a["saved"]
+        actor.notes.append("fused update: experience graph kept")
     step = {"actor": actor.grads + actor.step_transient}
     if A.needs_critic:
         from turborlhf.config import ModelCfg
@@ -510,10 +519,18 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                                        fused_layers=fused_layers_for(critic_s, kind))
         critic.activations = act_c["peak"]
         roles["critic"] = critic
-        exp["critic"] = inference_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, head="values")
+        exp["critic"] = (act_c["saved"] if fused_c
+                         else inference_activation_bytes(critic_s, mb, L, 0, cfg.actor.dtype, head="values"))
+        if fused_c:
+            critic.notes.append("fused update: experience graph kept")
         phases["train actor"] = train_a
-        phases["train critic"] = {"actor": actor.grads, "critic": critic.grads + act_c["peak"]}
-        step = {"actor": actor.grads + actor.step_transient, "critic": critic.grads}
+        if sequential:
+            phases["actor step"] = step
+            phases["train critic"] = {"critic": critic.grads + act_c["peak"]}
+            step = {"critic": critic.grads + critic.step_transient}
+        else:
+            phases["train critic"] = {"actor": actor.grads, "critic": critic.grads + act_c["peak"]}
+            step = {"actor": actor.grads + actor.step_transient, "critic": critic.grads}
     else:
         phases["train actor"] = train_a
     rm_paths = ([cfg.reward_model] if cfg.reward_model else []) + [r.path for r in cfg.rewards if r.kind == "model"]
@@ -532,7 +549,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         else:
             rs = _shape(ref_path, None, resolve)
             roles["reference"] = _frozen_role("reference", rs, frozen_dtype, scalar=False)
-        exp["reference"] = exp["actor"]
+        exp["reference"] = infer_a
     engine = Role(name="rollout", model=actor_s.name, weights=(2 if R.dtype == "bf16" else 4) * actor_s.params)
     gen_rows = min(rows, R.batch_size)
     engine.kv_cache = kv_cache_bytes(actor_s, gen_rows, prompt_len, R.max_new_tokens, R.dtype)
@@ -542,11 +559,29 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     engine.activations = prefill
     engine.notes.append(f"KV cache for {gen_rows} rows × {prompt_len}+{R.max_new_tokens} tokens")
     roles["rollout"] = engine
-    phases = {"generate": {"rollout": engine.kv_cache + prefill}, "experience (no grad)": exp, **phases,
-              "optimizer step": step}
+    if sequential:   # one forward at a time: kept graphs stay, each no-grad forward's activations go
+        kept = {r: b for r, b in exp.items() if (r == "actor" and fused_a) or (r == "critic" and fused_c)}
+        free = {r: b for r, b in exp.items() if r not in kept}
+        exp = dict(kept)
+        if free:
+            top = max(free, key=free.get)
+            exp[top] = exp.get(top, 0) + free[top]
+    last_step = "critic step" if "actor step" in phases else "optimizer step"
+    phases = {"generate": {"rollout": engine.kv_cache + prefill},
+              ("experience" if fused_a or fused_c else "experience (no grad)"): exp, **phases, last_step: step}
     return _Spec(roles, phases, [f"rollout batch {rows} sequences, micro-batch {mb} × ({prompt_len} prompt + "
                                  f"{R.max_new_tokens} response tokens), responses at max_new_tokens (worst case)"
                                  + (f"; {data['note']}" if data else "")])
+
+
+def _fused_update(cfg, rows: int, role: str) -> bool:
+    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo.use_fused_update`,
+    imported lazily: the trainer pulls in torch)."""
+    from turborlhf.trainers.ppo import use_fused_update
+
+    d = getattr(cfg, "distributed", None)
+    world = getattr(getattr(d, role, None), "world_size", 1) if d is not None else 1
+    return use_fused_update(cfg, rows, SimpleNamespace(role=role, world_size=world))
 
 
 def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:

@@ -150,3 +150,24 @@ def test_plan_reads_the_real_distributed_section(tiny_model, capsys):
                "distributed.reference.devices_per_node=2"])
     out = capsys.readouterr().out
     assert rc in (0, 1) and "actor+reference" in out, out
+
+
+def test_ppo_plan_follows_the_fused_update_and_the_local_role_order(tiny_model):
+    """One process: the actor steps (gradients freed) before the critic trains, and `fused_update`
+    keeps experience graphs alive: `both` above `auto` above `never` in the experience phase."""
+    from turborlhf.config import load_config, PPOConfig
+    from turborlhf.plan import SPECS, _resolver
+
+    def spec(mode):
+        cfg = load_config(PPOConfig, TINY / "ppo.yaml", [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}",
+                                                         "data.prompts_file=x", f"algo.fused_update={mode}",
+                                                         "algo.ppo_epochs=1", "algo.num_mini_batches=1",
+                                                         "train.micro_batch_size=64"])
+        return SPECS["ppo"](cfg, _resolver(None), "cpu")
+
+    never, auto, both = spec("never"), spec("auto"), spec("both")
+    exp = lambda s: sum(next(v for k, v in s.phases.items() if k.startswith("experience")).values())
+    assert exp(never) < exp(auto) < exp(both)
+    assert "experience (no grad)" in never.phases and "experience" in auto.phases
+    assert set(auto.phases["train critic"]) == {"critic"}      # no actor gradients held
+    assert list(auto.phases)[-3:] == ["actor step", "train critic", "critic step"]
