@@ -1,7 +1,7 @@
 """`turborlhf eval-rm` and `turborlhf eval-policy`: machine-readable evaluation.
 
     turborlhf eval-rm --model runs/demo/rm --data pairs.jsonl.gz --json
-    → {"accuracy": 0.63, "n": 180, "loss": ..., "margin": ..., ...}
+    → {"accuracy": 0.63, "n": 180, "loss": ..., "margin": ..., "length": {"shorter_wins": ...}, ...}
 
     turborlhf eval-policy --policy runs/demo/ppo --reward-model runs/demo/rm --prompts prompts.jsonl --json
     → {"reward_mean": ..., "reward_std": ..., "n": 64, "response_length_mean": ..., ...}
