@@ -1,9 +1,9 @@
 """turborlhf.algo against the peers' own code: TRL 1.16.0, TRL 1.12.0 (PPO helpers), OpenRLHF 0.11.2
 and 0.9.0 (KTOLoss) (issue 3).
 
-The comparisons live in benchmarks/peers/compare_algo.py (one registry, so the script's table and
-these tests cannot drift apart); each peer runs there in its own child process with only its
-folder and our ``src`` on PYTHONPATH. Here every registered comparison is one test:
+The comparisons live in benchmarks/peers/compare_{openrlhf,trl}.py and are run by
+compare_algo.py (one registry, so its table and these tests cannot drift apart); each peer runs
+there in its own child process with only its folder and our ``src`` on PYTHONPATH. Here every registered comparison is one test:
 
 * ``test_matches_peer``: with the options that reproduce the peer, max |ours - peer| <= 1e-5 over
   seeded random inputs (fp64 and, where values stay small, fp32);
