@@ -46,6 +46,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
+from turborlhf.evaluate import length_strata  # noqa: E402  (runs in the project's environment)
+
 torch.manual_seed(a.seed)
 tok = AutoTokenizer.from_pretrained(a.model)
 tok.padding_side = "right"
@@ -78,11 +80,10 @@ def evaluate() -> dict:
     model.train()
     c, r = torch.cat(ch), torch.cat(rj)
     correct = (c > r).tolist()
-    shorter = [len(t["chosen"]) < len(t["rejected"]) for t in test]  # as `turborlhf eval-rm`'s "length"
-    by = {k: [x for x, s in zip(correct, shorter) if s == want] for k, want in (("shorter", True), ("not", False))}
+    strata = length_strata(test, correct)   # the very strata `turborlhf eval-rm` reports
     return {"accuracy": sum(correct) / len(test), "loss": float(-F.logsigmoid(c - r).mean()), "n": len(test),
-            "accuracy_chosen_shorter": sum(by["shorter"]) / max(1, len(by["shorter"])),
-            "accuracy_chosen_not_shorter": sum(by["not"]) / max(1, len(by["not"]))}
+            "accuracy_chosen_shorter": strata["accuracy_chosen_shorter"],
+            "accuracy_chosen_not_shorter": strata["accuracy_chosen_not_shorter"]}
 
 
 model.train()
