@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
@@ -35,6 +35,9 @@ class Cfg(BaseModel):
     """Base for all config parts: unknown keys are errors, instances are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    # device/precision choices made for this host by `turborlhf.engine.run.resolve_hardware`
+    # (field → {value, reason}); not a field: never in YAML, saved as the run's hardware.json
+    _hardware: dict = PrivateAttr(default_factory=dict)
 
 
 C = TypeVar("C", bound=Cfg)
@@ -83,8 +86,13 @@ class ModelCfg(Cfg):
     name_or_path: str = Field(
         "smollm2-135m-instruct",
         description="local HF directory, hub id, or a named model of the zoo (smollm2-135m-instruct)")
-    dtype: Literal["bf16", "fp32"] = Field(
-        "bf16", description="compute precision: bf16 autocast over fp32 master weights, or plain fp32")
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute precision: bf16 autocast over fp32 master weights, or plain fp32; auto = bf16 "
+                            "only where the device computes it natively and fast (a CUDA GPU with bf16, a CPU with "
+                            "AVX-512-BF16 or AMX), else fp32 (README: Hardware)")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="where the model trains and scores: auto = cuda, then mps, then cpu "
+                            "(ppo places its roles by distributed.device)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory "
                                                             "(HF gradient_checkpointing_enable, non-reentrant)")
     lora: LoraCfg = Field(default_factory=LoraCfg, description="LoRA adapters (peft)")
@@ -107,9 +115,10 @@ class OptimCfg(Cfg):
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of lr (cosine/linear)")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; 0 disables")
-    state_dtype: Literal["bf16", "fp32"] = Field(
-        "bf16", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
-                            "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW)")
+    state_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
+                            "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW); "
+                            "auto = bf16 where the model computes in bf16, else fp32")
     offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
                                              "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
                                              "GPU memory; a no-op when the model is on the CPU already")
@@ -142,7 +151,9 @@ class RolloutCfg(Cfg):
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     max_prompt_len: int = Field(256, ge=1, description="prompts are cut from the left to this many tokens")
     batch_size: int = Field(32, ge=1, description="sequences generated together")
-    dtype: Literal["bf16", "fp32"] = Field("bf16", description="weights precision inside the engine")
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="weights precision inside the engine; auto = bf16 where the engine's device computes it "
+                            "natively (README: Hardware), else fp32")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
     sync_tolerance: float = Field(0.05, gt=0, description="max |difference| of the mean per-token log-prob (nats) "
@@ -246,7 +257,9 @@ class DistributedCfg(Cfg):
                              "on a Ray cluster ($RAY_ADDRESS / ray_address, else a local cluster is started)")
     ray_address: Optional[str] = Field(None, description="Ray cluster to join (ray://... or host:port); default "
                                                          "$RAY_ADDRESS, and without it a local cluster is started")
-    device: Literal["cpu", "gpu"] = Field("cpu", description="what a worker's device is: a CPU slot or one GPU")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="what a worker's device is: a CPU slot or one GPU; auto = gpu where torch sees CUDA "
+                            "(and actor.device allows it), else cpu")
     local_num_cpus: int = Field(0, ge=0, description="CPU slots of a locally started cluster (logical, may exceed "
                                                      "the cores); 0 = exactly what the placement needs")
     actor: RoleResourcesCfg = Field(default_factory=RoleResourcesCfg, description="actor (trained policy)")

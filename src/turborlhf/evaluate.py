@@ -22,10 +22,12 @@ __all__ = ["main", "eval_rm", "eval_policy"]
 
 
 def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8, limit: int = 0,
-            dtype: str = "bf16") -> dict:
+            dtype: str = "auto", device: str = "auto") -> dict:
     """Accuracy (strict >) of a reward model on preference pairs (raw HH or pair format), with the
-    length baseline of the same pairs (``length``, see `length_strata`)."""
+    length baseline of the same pairs (``length``, see `length_strata`). `dtype`/`device`: as a
+    trainer's ``model.dtype``/``model.device`` (``auto``: this host's choice, README: Hardware)."""
     from turborlhf.data.loaders import load_pairs
+    from turborlhf.engine.hardware import compute_dtype
     from turborlhf.engine.train import set_threads
     from turborlhf.models.load import load_scalar_model, load_tokenizer
     from turborlhf.rewards.model import encode_pairs
@@ -34,7 +36,8 @@ def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8,
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
-    model = load_scalar_model(model_dir, tok)
+    model = load_scalar_model(model_dir, tok, device=device)
+    dtype = compute_dtype(dtype, next(model.parameters()).device)
     pairs = load_pairs(data, tok)
     if limit:
         pairs = pairs[:limit]
@@ -66,13 +69,15 @@ def length_strata(pairs: list[dict], correct: list[bool]) -> dict:
 
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
-                       seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32) -> tuple:
-    """Seeded generation for text prompts → (prompt_ids, response_ids, finished)."""
+                       seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
+                       dtype: str = "auto") -> tuple:
+    """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` is the
+    engine's (``auto``: bf16 where native, else fp32)."""
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.rollout import make_engine
     from turborlhf.rollout.base import SamplingParams
 
-    eng = make_engine(engine, policy, dtype="bf16", max_batch_size=batch_size)
+    eng = make_engine(engine, policy, dtype=dtype, max_batch_size=batch_size)
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
@@ -90,7 +95,8 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
 def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,
                 temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
                 reference_dir: Optional[str] = None, samples_out: Optional[str] = None,
-                tag_bin: Optional[int] = None, use_tag: bool = True) -> dict:
+                tag_bin: Optional[int] = None, use_tag: bool = True, dtype: str = "auto",
+                device: str = "auto") -> dict:
     """Generate for the first `n` prompts and score with the reward model.
 
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
@@ -102,11 +108,15 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     conditioned with the tag of bin `tag_bin` (default: its best bin; `use_tag=False` turns this
     off); the reward model and the reference see the untagged prompt. The result then also has
     ``tag`` and ``tag_bin``.
+
+    `dtype`/`device`: as a trainer's ``model.dtype``/``model.device`` for the scoring models and the
+    rollout engine (``auto``: this host's choice, README: Hardware).
     """
     import torch
 
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
+    from turborlhf.engine.hardware import compute_dtype, resolve_device
     from turborlhf.engine.train import autocast, set_threads
     from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
     from turborlhf.rewards.model import score_token_ids
@@ -115,7 +125,10 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(policy_dir)
-    policy = load_causal_lm(policy_dir, tok)
+    dev = resolve_device(device)
+    dtype = compute_dtype(dtype, dev)
+    frozen = torch.bfloat16 if dtype == "bf16" else torch.float32
+    policy = load_causal_lm(policy_dir, tok, device=dev)
     prompts = load_prompts(prompts_file, tok)[:n]
     tag = None
     gen_prompts = prompts
@@ -125,16 +138,17 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]
         print(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}", flush=True)
-    p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine)
+    p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine,
+                                           dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else "cpu"))
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
-    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
+    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
     # exactly as PPO's reward model sees it (closing it with EOS inflated its score)
     seqs = [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
             for p, t, f in zip(prompts, texts, fin)]
-    scores = score_token_ids(rm, rm_tok.pad_token_id, seqs, "bf16")
+    scores = score_token_ids(rm, rm_tok.pad_token_id, seqs, dtype)
     lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
     res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
            "n": len(prompts), "response_length_mean": float(lens.mean()),
@@ -143,10 +157,10 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         from turborlhf.models.forward import response_logprobs
         from turborlhf.trainers.ppo import assemble
 
-        ref = load_causal_lm(reference_dir, tok, dtype=torch.bfloat16)
+        ref = load_causal_lm(reference_dir, tok, dtype=frozen, device=dev)
         ref_p_ids = p_ids if tag is None else [encode_prompt(tok, p, 256) for p in prompts]
         kls = []
-        with torch.no_grad(), autocast("bf16"):
+        with torch.no_grad(), autocast(dtype, dev):
             for s in range(0, len(p_ids), 8):
                 sums = []
                 for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
@@ -191,15 +205,19 @@ def main(name: str, argv: list[str]) -> int:
         p.add_argument("--tag-bin", type=int, help="conditional-SFT policy: generate with this score bin's tag "
                        "(default: its best bin)")
         p.add_argument("--no-tag", action="store_true", help="conditional-SFT policy: generate untagged")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute precision (auto: bf16 only where the device computes it natively)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the models run (auto: cuda, then mps, then cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
     # everything but the final JSON goes to stderr so stdout stays machine-readable
     with contextlib.redirect_stdout(sys.stderr):
         if name == "eval-rm":
-            res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit)
+            res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit, a.dtype, a.device)
         else:
             res = eval_policy(a.policy, a.reward_model, a.prompts, a.n, a.max_new_tokens, a.temperature, a.top_p,
-                              a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag)
+                              a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag, a.dtype, a.device)
     if a.json:
         print(json.dumps(res))
     else:

@@ -74,9 +74,12 @@ def test_dpo_trains_caches_reference_once_and_resumes(tiny_model, tiny_data, tmp
     _dpo(tiny_model, tiny_data, out)  # 8 pairs, 4 per step, 4 steps = 2 epochs
     rows = _train_rows(out)
     assert len(rows) == 4 and all(math.isfinite(r["train/loss"]) for r in rows)
-    # policy == reference at step 1: h = 0, so loss = ln 2 and every implicit reward is 0 (ties)
+    # policy == reference at step 1: h = 0, so loss = ln 2 and every implicit reward is 0 up to the
+    # rounding of two differently batched forwards (~1e-6 on AVX2-only CPUs, exactly 0 on others);
+    # accuracy (a strict >) counts that rounding, so it is not asserted here
     assert abs(rows[0]["train/loss"] - LN2) < 1e-5
-    assert abs(rows[0]["rewards/margin"]) < 1e-5 and rows[0]["rewards/accuracy"] == 0.0
+    assert abs(rows[0]["rewards/margin"]) < 1e-5
+    assert abs(rows[0]["rewards/chosen"]) < 1e-5 and abs(rows[0]["rewards/rejected"]) < 1e-5
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "train/grad_norm"):
         assert key in rows[0]
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]

@@ -15,12 +15,18 @@ This module imports no torch at import time.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
 import os
 import platform
+import time
+import warnings
 from pathlib import Path
 
-__all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary"]
+__all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
+           "resolve_device", "Precision", "choose_precision", "compute_dtype", "cpu_bf16_slowdown", "DEVICES", "DTYPES"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -106,3 +112,158 @@ def host_summary() -> dict:
         "isa": sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in feats),
         "limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)},
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# Device and precision: the one place that turns ``device: auto`` and ``dtype: auto`` into a choice
+# ----------------------------------------------------------------------------------------------
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "bf16", "fp32")
+
+
+class HardwareError(ValueError):
+    """A requested device is not available on this host (the message says which and why)."""
+
+
+def resolve_device(name: str = "auto"):
+    """``"auto"`` → the first of cuda, mps, cpu that torch can use; an explicit name is checked.
+
+    Returns a ``torch.device`` (``cuda`` means the current CUDA device: under Ray each GPU worker
+    sees one). Raises `HardwareError` for an unknown name or a device torch cannot use here."""
+    import torch
+
+    name = (name or "auto").lower()
+    if name not in DEVICES:
+        raise HardwareError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+    has_cuda = torch.cuda.is_available()
+    has_mps = bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+    if name == "auto":
+        name = "cuda" if has_cuda else "mps" if has_mps else "cpu"
+    if name == "cuda" and not has_cuda:
+        raise HardwareError("device=cuda but torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if name == "mps" and not has_mps:
+        raise HardwareError("device=mps but torch.backends.mps.is_available() is False")
+    return torch.device(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A resolved compute precision: ``dtype`` is ``"bf16"`` or ``"fp32"``; ``reason`` is the one
+    line printed in the start-up table and saved with the run (``hardware.json``)."""
+
+    dtype: str
+    reason: str
+
+
+def _probe_key() -> str:
+    import torch
+
+    parts = [cpu_model(), ",".join(sorted(cpu_features())), torch.__version__, str(torch.get_num_threads()),
+             os.environ.get("ATEN_CPU_CAPABILITY", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _probe_path() -> Path:
+    root = os.environ.get("TURBORLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "turborlhf")
+    return Path(root) / "host" / f"probe-{_probe_key()}.json"
+
+
+def _time_linear(dtype, M: int = 256, K: int = 576, N: int = 1536, reps: int = 5) -> float:
+    """Best-of-`reps` seconds of one ``F.linear`` M×K @ K×N in `dtype` (SmolLM2-135M's MLP shape)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    torch.nn.functional.linear(x, w)                       # warm-up (oneDNN primitive creation)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_slowdown() -> float:
+    """Measured time of a bf16 ``F.linear`` over the fp32 one on this CPU (below 1: bf16 is faster).
+
+    A short probe (~0.1 s where bf16 is native, up to ~1 s where it is emulated), cached per host
+    (CPU model, usable instruction sets, torch version, threads) in
+    ``$TURBORLHF_CACHE/host/probe-<key>.json``. Measured on 2-core AMD EPYCs: ~0.3 with
+    AVX-512-BF16 (Zen 4), ~5 with AVX2 only (Zen 3)."""
+    import torch
+
+    path = _probe_path()
+    try:
+        return float(json.loads(path.read_text())["bf16_over_fp32"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ratio = _time_linear(torch.bfloat16) / max(_time_linear(torch.float32), 1e-9)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"bf16_over_fp32": ratio, "host": host_summary(), "torch": torch.__version__}))
+        os.replace(tmp, path)
+    except OSError:
+        pass                                                # a read-only cache only costs a re-probe
+    return ratio
+
+
+_warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _choose(requested: str, device_type: str) -> Precision:
+    import torch
+
+    if requested not in DTYPES:
+        raise HardwareError(f"dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    if requested == "fp32":
+        return Precision("fp32", "fp32 as configured")
+    if device_type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        if requested == "bf16" or ok:
+            return Precision("bf16", "bf16: the CUDA device computes it natively" if ok else "bf16 as configured")
+        return Precision("fp32", "fp32: this CUDA device has no native bf16")
+    if device_type == "mps":
+        # bf16 on MPS needs macOS 14+; it was never run for this project, so auto stays fp32 there
+        return Precision(requested if requested == "bf16" else "fp32",
+                         "bf16 as configured" if requested == "bf16" else "fp32: the default on Apple MPS")
+    native = sorted(cpu_features() & BF16_FEATURES)
+    if native:
+        slow = cpu_bf16_slowdown()
+        if slow <= 1.0:
+            return Precision("bf16", f"bf16: native on this CPU ({'/'.join(native)}; a bf16 linear measured "
+                                     f"{1 / max(slow, 1e-9):.1f}x as fast as fp32)")
+        if requested == "auto":
+            return Precision("fp32", f"fp32: bf16 measured {slow:.1f}x slower than fp32 here despite "
+                                     f"{'/'.join(native)}")
+        return Precision("bf16", f"bf16 as configured ({slow:.1f}x slower than fp32 on this CPU)")
+    if requested == "auto":
+        return Precision("fp32", "fp32: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    slow = cpu_bf16_slowdown()
+    msg = (f"dtype=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16): bf16 is emulated, "
+           f"a linear measured {slow:.1f}x slower than fp32; dtype=auto would choose fp32")
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+    return Precision("bf16", f"bf16 as configured (emulated: {slow:.1f}x slower than fp32)")
+
+
+def choose_precision(requested: str = "auto", device="cpu") -> Precision:
+    """The compute precision for `device` (a ``torch.device``, ``"cpu"``, ``"cuda"`` or ``"mps"``).
+
+    ``fp32`` stays fp32. ``auto`` gives bf16 only where the device computes it natively and fast:
+    a CUDA device with bf16, or a CPU with AVX-512-BF16 or AMX whose measured bf16 linear
+    (`cpu_bf16_slowdown`) is not slower than fp32; otherwise fp32. An explicit ``bf16`` is kept
+    everywhere, with one warning giving the measured slowdown where the CPU emulates it. Decided
+    once per process and device type. Raises `HardwareError` for an unknown value."""
+    dev = getattr(device, "type", None) or str(device).split(":")[0]
+    return _choose((requested or "auto").lower(), dev)
+
+
+def compute_dtype(requested: str = "auto", device="cpu") -> str:
+    """``"bf16"`` or ``"fp32"``: `choose_precision(...)`.dtype."""
+    return choose_precision(requested, device).dtype

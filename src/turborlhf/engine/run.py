@@ -2,18 +2,22 @@
 config snapshot, the deterministic batch plan, and the final model export."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import _write_hf
 
-__all__ = ["setup_run", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
+C = TypeVar("C", bound=Cfg)
+
+__all__ = ["setup_run", "resolve_hardware", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
 
 
 class RunInterrupted(RuntimeError):
@@ -21,11 +25,107 @@ class RunInterrupted(RuntimeError):
 
 
 def setup_run(cfg: Cfg, output_dir: str) -> Path:
-    """Create the run directory and write the resolved config as ``config.yaml``."""
+    """Create the run directory and write the resolved config as ``config.yaml``, and the host and
+    the device/precision choices of `resolve_hardware` (with their reasons) as ``hardware.json``."""
+    from turborlhf.engine.hardware import host_summary
+
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    record = {"host": host_summary(), "choices": cfg._hardware}
+    (out / "hardware.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
+
+
+def _device_of(section: Cfg, top: Cfg) -> str:
+    """The device type a model/engine section computes on ('cpu', 'cuda', 'mps')."""
+    from turborlhf.engine.hardware import resolve_device
+
+    dist = getattr(top, "distributed", None)
+    if dist is not None and getattr(dist, "device", None) in ("cpu", "gpu"):      # ppo: roles by distributed.device
+        return "cuda" if dist.device == "gpu" else "cpu"
+    return resolve_device(getattr(section, "device", "auto")).type
+
+
+def resolve_hardware(cfg: C, name: str = "") -> C:
+    """`cfg` with every ``auto`` of device and precision replaced by this host's choice
+    (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
+    ``distributed.device`` (ppo), ``rollout.dtype`` (the engine's device: CUDA for vLLM, else the
+    CPU) and ``optim.state_dtype`` (bf16 moments where the models compute in bf16). Prints the
+    choices once as a start-up table (`name` labels it); `setup_run` saves them in
+    ``hardware.json``. Explicit values are kept (`choose_precision` warns once where an explicit
+    bf16 is emulated). Raises `HardwareError` for a device this host lacks."""
+    from turborlhf.config import ModelCfg, OptimCfg, RolloutCfg
+    from turborlhf.engine.hardware import choose_precision, resolve_device
+
+    choices: dict[str, dict] = {}
+    dist = getattr(cfg, "distributed", None)
+    if dist is not None and getattr(dist, "device", None) == "auto":
+        actor = getattr(cfg, "actor", None)
+        dev = resolve_device(getattr(actor, "device", "auto")).type
+        kind = "gpu" if dev == "cuda" else "cpu"
+        choices["distributed.device"] = {"value": kind, "reason": "a CUDA device is visible" if kind == "gpu" else
+                                         f"roles run on a CPU slot (best device here: {dev})"}
+        cfg = cfg.model_copy(update={"distributed": dist.model_copy(update={"device": kind})})
+
+    compute = []
+
+    def walk(node: Cfg, path: str) -> Cfg:
+        updates = {}
+        for field in type(node).model_fields:
+            value = getattr(node, field)
+            where = f"{path}{field}"
+            if isinstance(value, ModelCfg):
+                dev = _device_of(value, cfg)
+                upd = {}
+                if value.device == "auto":
+                    upd["device"] = dev
+                    choices[f"{where}.device"] = {"value": dev, "reason": "as distributed.device" if dist is not None
+                                                  else "the first of cuda, mps, cpu that torch can use"}
+                prec = choose_precision(value.dtype, dev)
+                compute.append(prec.dtype)
+                if value.dtype == "auto" or prec.dtype != value.dtype:
+                    upd["dtype"] = prec.dtype
+                choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
+                if upd:
+                    updates[field] = value.model_copy(update=upd)
+            elif isinstance(value, RolloutCfg):
+                dev = "cuda" if value.engine == "vllm" else "cpu"
+                prec = choose_precision(value.dtype, dev)
+                choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
+                if value.dtype != prec.dtype:
+                    updates[field] = value.model_copy(update={"dtype": prec.dtype})
+            elif isinstance(value, Cfg) and not isinstance(value, OptimCfg):
+                new = walk(value, f"{where}.")
+                if new is not value:
+                    updates[field] = new
+        return node.model_copy(update=updates) if updates else node
+
+    cfg = walk(cfg, "")
+
+    def optim(node: Cfg, path: str) -> Cfg:
+        updates = {}
+        for field in type(node).model_fields:
+            value = getattr(node, field)
+            if isinstance(value, OptimCfg) and value.state_dtype == "auto":
+                sd = "bf16" if compute and all(c == "bf16" for c in compute) else "fp32"
+                choices[f"{path}{field}.state_dtype"] = {
+                    "value": sd, "reason": "bf16 moments beside bf16 compute" if sd == "bf16" else
+                    "fp32 moments (torch's fused AdamW) beside fp32 compute"}
+                updates[field] = value.model_copy(update={"state_dtype": sd})
+            elif isinstance(value, Cfg) and not isinstance(value, (ModelCfg, RolloutCfg)):
+                new = optim(value, f"{path}{field}.")
+                if new is not value:
+                    updates[field] = new
+        return node.model_copy(update=updates) if updates else node
+
+    cfg = optim(cfg, "")
+    if choices:
+        width = max(len(k) for k in choices)
+        print("\n".join([f"[{name or 'run'}] device and precision:"] +
+                        [f"  {k:<{width}}  {v['value']:<4}  {v['reason']}" for k, v in choices.items()]), flush=True)
+    cfg._hardware = choices
+    return cfg
 
 
 def plan_steps(lengths: list[int], per_step: int, epochs: float, max_steps: int, seed: int) -> list[list[int]]:

@@ -1,8 +1,8 @@
 """One rank's training mechanics: precision, optimizer, schedule, seeding, gradient steps.
 
-Precision: parameters stay fp32 (AdamW's moments are bf16 by default, `turborlhf.engine.optim`);
-forward/backward run under bf16 autocast
-(``dtype: bf16``), which is ~4× faster for matmuls on AVX-512-bf16 CPUs and on GPUs.
+Precision: parameters stay fp32 (AdamW's moments are bf16 beside bf16 compute, `turborlhf.engine.optim`);
+forward/backward run under bf16 autocast where ``dtype`` resolves to bf16 (`turborlhf.engine.hardware`:
+native bf16 only, ~2-4× faster matmuls on AVX-512-BF16/AMX CPUs and on GPUs), else in fp32.
 """
 from __future__ import annotations
 
@@ -19,12 +19,22 @@ __all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "CPUO
            "clip_and_step", "trainable_parameters", "rng_state", "set_rng_state", "count_parameters"]
 
 
-def autocast(dtype: str):
-    """Context manager for the configured compute dtype (``bf16`` or ``fp32``)."""
-    if dtype == "bf16":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(dtype: str, device: torch.device | str | None = None):
+    """Context manager for the configured compute dtype (``auto``, ``bf16`` or ``fp32``).
+
+    bf16 autocast is entered for `device`'s type (the model's device: pass
+    ``next(model.parameters()).device``); with no `device`, for the CPU and, where torch sees
+    CUDA, for CUDA too, so a model on either runs as configured. ``auto`` is resolved per device
+    type by `turborlhf.engine.hardware.compute_dtype` (bf16 only where it is native and fast)."""
+    from turborlhf.engine.hardware import compute_dtype
+
+    types = [torch.device(device).type] if device is not None else \
+        ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    stack = contextlib.ExitStack()
+    for t in types:
+        if t in ("cpu", "cuda", "mps") and compute_dtype(dtype, t) == "bf16":
+            stack.enter_context(torch.autocast(device_type=t, dtype=torch.bfloat16))
+    return stack
 
 
 def seed_everything(seed: int) -> None:
@@ -135,7 +145,12 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
         if force_offload or any(p.device.type != "cpu" for p in params):
             return CPUOffloadAdamW(groups, **kw)          # its fp32 copies are CPU tensors: fused works
         print("[optim] offload: the parameters are in CPU memory already, nothing to offload", flush=True)
-    if getattr(cfg, "state_dtype", "fp32") == "bf16" and all(p.dtype == torch.float32 for p in params):
+    state_dtype = getattr(cfg, "state_dtype", "fp32")
+    if state_dtype == "auto":      # a config that did not go through resolve_hardware: follow the compute choice
+        from turborlhf.engine.hardware import compute_dtype
+
+        state_dtype = compute_dtype("auto", params[0].device if params else "cpu")
+    if state_dtype == "bf16" and all(p.dtype == torch.float32 for p in params):
         from turborlhf.engine.optim import BF16StateAdamW
 
         return BF16StateAdamW(groups, lr=kw["lr"], betas=kw["betas"], eps=kw["eps"])

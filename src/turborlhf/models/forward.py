@@ -15,6 +15,7 @@ is 0 are 0.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +29,31 @@ from turborlhf.models.load import backbone_of
 __all__ = ["hidden_states", "packs_sequences", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
            "apply_score_head",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
+
+
+def _on_model_device(fn):
+    """Run `fn(model, *tensors, ...)` on the model's device: tensor arguments are moved there and
+    tensor results come back to the device of the first tensor argument (trainers keep their
+    batches on the CPU; a model on a GPU then computes there and only per-token or per-sequence
+    results travel back). A no-op when both are the CPU."""
+
+    def moved(x, dev):
+        if isinstance(x, torch.Tensor):
+            return x.to(dev, non_blocking=True)
+        if isinstance(x, tuple):
+            return tuple(moved(t, dev) for t in x)
+        return x
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        home = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        dev = next(model.parameters()).device
+        if home is None or home == dev:
+            return fn(model, *args, **kwargs)
+        out = fn(model, *(moved(a, dev) for a in args), **{k: moved(v, dev) for k, v in kwargs.items()})
+        return moved(out, home)
+
+    return wrapper
 
 
 def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
@@ -79,6 +105,7 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
     return h_NH.new_zeros((B * T, h_NH.shape[-1])).index_copy(0, idx_N, h_NH).view(B, T, -1)
 
 
+@_on_model_device
 def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                       target_mask_BT: torch.Tensor, with_entropy: bool = False,
                       entropy_grad: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -158,6 +185,7 @@ def last_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BT.long() * pos).argmax(-1)
 
 
+@_on_model_device
 def last_token_scores(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
     """Reward-model scores ``B`` (fp32): the scalar head at the last attended token (the EOS)."""
     hidden = hidden_states(model, input_ids_BT, attention_mask_BT)
@@ -166,6 +194,7 @@ def last_token_scores(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
     return apply_score_head(model, h_BH)
 
 
+@_on_model_device
 def token_values(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
     """Critic values ``B×T`` (fp32): the scalar head at every position.
 
@@ -255,7 +284,9 @@ def pack_shared_prefix(seqs_a: list[list[int]], seqs_b: list[list[int]], pad_id:
 def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Reward-model scores ``(a_B, b_B)`` (fp32) of packed pairs: the scalar head at each
     continuation's last token. Equal to `last_token_scores` on the two sequences separately."""
-    hidden = hidden_states(model, batch.ids_BL, batch.mask_B1LL, batch.pos_BL)
-    rows = torch.arange(hidden.shape[0])
-    return (apply_score_head(model, hidden[rows, batch.a_last_B]),
-            apply_score_head(model, hidden[rows, batch.b_last_B]))
+    dev = next(model.parameters()).device
+    hidden = hidden_states(model, batch.ids_BL.to(dev), batch.mask_B1LL.to(dev), batch.pos_BL.to(dev))
+    rows = torch.arange(hidden.shape[0], device=dev)
+    a_B = apply_score_head(model, hidden[rows, batch.a_last_B.to(dev)])
+    b_B = apply_score_head(model, hidden[rows, batch.b_last_B.to(dev)])
+    return a_B.to(batch.ids_BL.device), b_B.to(batch.ids_BL.device)

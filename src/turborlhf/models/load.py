@@ -86,13 +86,19 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: bool, dtype: torch.dtype,
-                     load_in_4bit: bool = False, **kw) -> nn.Module:
+                     load_in_4bit: bool = False, device: str | torch.device = "cpu", **kw) -> nn.Module:
     """`auto_cls.from_pretrained` plus the conventions of this module (special ids, no dropout,
     trainable padding row, gradient checkpointing, on CPU the short-sequence training attention of
-    `turborlhf.models.attention`); 4-bit NF4 weights on the current CUDA device
+    `turborlhf.models.attention`); weights loaded straight onto `device` (``auto``: see
+    `turborlhf.engine.hardware.resolve_device`); 4-bit NF4 weights on the current CUDA device
     with `load_in_4bit` (then prepared for k-bit training with peft)."""
+    from turborlhf.engine.hardware import resolve_device
+
+    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     if load_in_4bit:
         kw.update(quantization_config=quantization_config_4bit(), device_map={"": torch.cuda.current_device()})
+    elif device.type != "cpu":
+        kw.update(device_map={"": device})
     model = auto_cls.from_pretrained(path, dtype=dtype, **kw)
     use_training_attention(model)
     if not load_in_4bit and next(model.parameters()).device.type == "cpu":
@@ -113,18 +119,21 @@ def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: boo
 
 
 def load_causal_lm(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
-                   dtype: torch.dtype = torch.float32, load_in_4bit: bool = False) -> nn.Module:
-    """Causal LM in `dtype` (fp32 master weights by default), train mode off (call .train()).
-    `load_in_4bit`: NF4 weights on the GPU (QLoRA; see `quantization_config_4bit`)."""
+                   dtype: torch.dtype = torch.float32, load_in_4bit: bool = False,
+                   device: str | torch.device = "cpu") -> nn.Module:
+    """Causal LM in `dtype` (fp32 master weights by default) on `device` (``"auto"``: cuda, mps,
+    cpu), train mode off (call .train()). `load_in_4bit`: NF4 weights on the GPU (QLoRA; see
+    `quantization_config_4bit`)."""
     from transformers import AutoModelForCausalLM
 
     return _from_pretrained(AutoModelForCausalLM, resolve_model_path(name_or_path), tokenizer,
-                            gradient_checkpointing, dtype, load_in_4bit)
+                            gradient_checkpointing, dtype, load_in_4bit, device)
 
 
 def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
-                      dtype: torch.dtype = torch.float32, load_in_4bit: bool = False) -> nn.Module:
-    """`AutoModelForSequenceClassification(num_labels=1)`: a reward model or critic.
+                      dtype: torch.dtype = torch.float32, load_in_4bit: bool = False,
+                      device: str | torch.device = "cpu") -> nn.Module:
+    """`AutoModelForSequenceClassification(num_labels=1)`: a reward model or critic, on `device`.
 
     From a causal-LM directory the head is new; from a saved reward model it is reloaded.
     """
@@ -137,7 +146,7 @@ def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing:
     hf_logging.set_verbosity(logging.ERROR)  # "newly initialized: score.weight" is expected here
     try:
         return _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(name_or_path), tokenizer,
-                                gradient_checkpointing, dtype, load_in_4bit, num_labels=1)
+                                gradient_checkpointing, dtype, load_in_4bit, device, num_labels=1)
     finally:
         hf_logging.set_verbosity(prev)
 
@@ -148,8 +157,8 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
 
     Args:
         kind: ``"causal"`` (policy/actor) or ``"scalar"`` (reward model / critic, scalar head).
-        model_cfg: gives ``lora`` (rank 0 = full fine-tuning), ``load_in_4bit`` (QLoRA) and
-            ``gradient_checkpointing``.
+        model_cfg: gives ``lora`` (rank 0 = full fine-tuning), ``load_in_4bit`` (QLoRA),
+            ``gradient_checkpointing`` and ``device`` (where the model is loaded).
         tokenizer: its pad id is written into the model config.
         init: where the weights start (default ``model_cfg.name_or_path``).
         ckpt_dir: a checkpoint's model directory when resuming.
@@ -167,7 +176,7 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
     lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
     src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
     model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
-                          load_in_4bit=model_cfg.load_in_4bit)
+                          load_in_4bit=model_cfg.load_in_4bit, device=getattr(model_cfg, "device", "cpu"))
     if lora is not None:
         if ckpt_dir is not None:
             from peft import PeftModel

@@ -55,7 +55,7 @@ def compute_reference_logps(model, pad_id: int, seq_sets: dict[str, Sequence[dic
 
 
 def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Sequence[dict]], dtype: str,
-                    batch_size: int, initial_policy=None, tag: str = "dpo") -> dict[str, torch.Tensor]:
+                    batch_size: int, initial_policy=None, tag: str = "dpo", device: str = "auto") -> dict[str, torch.Tensor]:
     """Reference log-probs for `seq_sets`, computed once and cached in ``<out>/ref_logps.pt``.
 
     Args:
@@ -70,6 +70,7 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
             Otherwise the reference is loaded (fp32 weights, same autocast as the policy), used,
             and freed.
         tag: prefix of log lines.
+        device: where a loaded reference computes (``auto``: cuda, mps, cpu), as the policy's.
 
     Returns:
         name → ``N`` fp32 tensor, in the order of ``seq_sets[name]``.
@@ -88,7 +89,7 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
         with adapters_disabled(initial_policy):
             logps = compute_reference_logps(initial_policy, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
     else:
-        ref = load_causal_lm(reference, tokenizer).eval().requires_grad_(False)
+        ref = load_causal_lm(reference, tokenizer, device=device).eval().requires_grad_(False)
         logps = compute_reference_logps(ref, tokenizer.pad_token_id, seq_sets, dtype, batch_size)
         del ref
         gc.collect()

@@ -20,14 +20,15 @@ def _config_of(model_or_path):
     return AutoConfig.from_pretrained(model_or_path)
 
 
-def make_engine(kind: str, model_or_path, dtype: str = "bf16", **kw) -> RolloutEngine:
+def make_engine(kind: str, model_or_path, dtype: str = "auto", **kw) -> RolloutEngine:
     """Build a rollout engine.
 
     kind: 'auto' | 'fast' → FastEngine when the architecture is supported, else HFEngine
           (on CPU; 'fast' with an unsupported model also falls back, with a warning);
           'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily).
     model_or_path: a loaded transformers causal LM (weights copied) or an HF directory.
-    dtype: 'bf16' | 'fp32' | 'fp16'. kw: passed to the engine constructor.
+    dtype: 'auto' | 'bf16' | 'fp32' | 'fp16' ('auto': bf16 where the engine's device computes it
+        natively, else fp32; `turborlhf.engine.hardware`). kw: passed to the engine constructor.
     Raises ValueError for an unknown kind; ImportError (with install instructions) for 'vllm'
     when the vllm package is not installed.
     """

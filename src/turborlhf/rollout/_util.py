@@ -15,10 +15,15 @@ _DTYPES = {
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """'bf16' | 'fp16' | 'fp32' (or a torch.dtype) → torch.dtype. Raises ValueError if unknown."""
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """'auto' | 'bf16' | 'fp16' | 'fp32' (or a torch.dtype) → torch.dtype; 'auto' is the host's
+    choice for `device` (`turborlhf.engine.hardware.compute_dtype`). Raises ValueError if unknown."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if str(dtype).lower() == "auto":
+        from turborlhf.engine.hardware import compute_dtype
+
+        dtype = compute_dtype("auto", device)
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:

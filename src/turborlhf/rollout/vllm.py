@@ -115,7 +115,7 @@ class VLLMEngine:
     def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 256,
                  enforce_eager: Optional[bool] = None, in_process: bool = True, seed: int = 0,
                  llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None):
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
         self._tmp = None
         module = model_or_path if isinstance(model_or_path, torch.nn.Module) else None

@@ -34,7 +34,7 @@ from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
-from turborlhf.engine.run import plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import seed_everything, set_threads
 from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
 from turborlhf.rewards.model import score_texts
@@ -248,7 +248,7 @@ def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch
     policy to run to the budget and stop nowhere). The RM is freed afterwards."""
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device).eval().requires_grad_(False)
     out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
                        cfg.model.dtype, cfg.data.score_batch_size, add_eos=[r.get("finished", True) for r in rows])
            if rows else torch.empty(0) for rows in sets]
@@ -306,6 +306,7 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
 
 def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
+    cfg = resolve_hardware(cfg, "conditional-sft")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)

@@ -51,7 +51,7 @@ from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.data.tokenize import encode_prompt_response
 from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
@@ -163,6 +163,7 @@ def _eval_metrics(ev: dict) -> dict:
 
 def train(cfg: DPOConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
+    cfg = resolve_hardware(cfg, "dpo")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -194,7 +195,8 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     else:
         reference = cfg.reference or cfg.model.name_or_path
         reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
-        ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "dpo")
+        ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "dpo",
+                              device=cfg.model.device)
     print_batch_table("dpo", [("pairs", len(train_enc)), ("test_pairs", len(test_enc)),
                               ("pairs_per_step", T.pairs_per_step),
                               ("micro_batch_size (pairs)", T.micro_batch_size),
@@ -286,7 +288,7 @@ def eval_dpo(policy: str, reference: str, data: str, beta: float = 0.1, max_len:
     n = len(enc)
     logps = {}
     for name, src in (("policy", policy), ("reference", reference)):
-        model = load_causal_lm(src, tok).eval().requires_grad_(False)
+        model = load_causal_lm(src, tok, device="auto").eval().requires_grad_(False)
         logps[name] = sequence_logps(model, tok.pad_token_id, seqs, dtype, 2 * batch_size)
         del model
         gc.collect()

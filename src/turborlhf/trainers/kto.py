@@ -39,7 +39,7 @@ from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
 from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger
@@ -135,6 +135,7 @@ def evaluate(model, tok, test_enc: Sequence[dict], test_kl: Sequence[dict], ref:
 
 def train(cfg: KTOConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
+    cfg = resolve_hardware(cfg, "kto")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -171,7 +172,8 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     sets = {"train": train_enc, "train_kl": [s for kl in step_kl for s in kl], "test": test_enc, "test_kl": test_kl}
     reference = cfg.reference or cfg.model.name_or_path
     reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
-    ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "kto")
+    ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "kto",
+                          device=cfg.model.device)
     print_batch_table("kto", [("examples", len(train_enc)), ("desirable", n_des), ("undesirable", len(rows) - n_des),
                               ("test_examples", len(test_enc)), ("examples_per_step", T.examples_per_step),
                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan)),

@@ -62,7 +62,7 @@ from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs, token_values
@@ -636,6 +636,7 @@ class StopRequested:
 
 def train(cfg: PPOConfig, resume: bool = False) -> Path:
     # 0. run directory, threads, seed, prompts and the step plan
+    cfg = resolve_hardware(cfg, "ppo")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)

@@ -37,8 +37,9 @@ STATE_FILE = "worker_state.pt"
 
 
 def _device(cfg) -> torch.device:
-    """cuda:0 (Ray gives each GPU worker one visible device) with ``distributed.device: gpu``."""
-    if cfg.distributed.device == "gpu":
+    """cuda:0 (Ray gives each GPU worker one visible device) with ``distributed.device: gpu`` (or
+    ``auto`` where torch sees CUDA: `turborlhf.engine.run.resolve_hardware` decides it up front)."""
+    if cfg.distributed.device == "gpu" or (cfg.distributed.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("distributed.device=gpu but this worker sees no CUDA device")
         return torch.device("cuda", 0)

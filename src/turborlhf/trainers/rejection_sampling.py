@@ -40,7 +40,7 @@ from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
 from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger
@@ -203,6 +203,7 @@ def _training_rows(out: Path, k: int, accumulate: bool) -> list[dict]:
 
 def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
+    cfg = resolve_hardware(cfg, "rejection-sampling")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -214,7 +215,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 

@@ -19,7 +19,7 @@ from turborlhf.config import SFTConfig
 from turborlhf.data.loaders import load_sft
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
 from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
 from turborlhf.metrics import M, MetricsLogger
@@ -116,6 +116,7 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
 
 def train(cfg: SFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
+    cfg = resolve_hardware(cfg, "sft")      # device and precision: auto → this host's choice
     out = setup_run(cfg, cfg.output_dir)
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)

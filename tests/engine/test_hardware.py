@@ -1,0 +1,140 @@
+"""Device and precision per host (`turborlhf.engine.hardware`, `turborlhf.engine.run.resolve_hardware`).
+
+The AVX2-only cases run in a subprocess with torch and oneDNN limited by their documented switches
+(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), so they hold on every x86-64 host."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from turborlhf.config import SFTConfig, load_config
+from turborlhf.engine import hardware
+from turborlhf.engine.hardware import BF16_FEATURES, HardwareError, choose_precision, cpu_features, resolve_device
+
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+x86 = pytest.mark.skipif("avx2" not in hardware._raw_flags(), reason="needs an x86-64 CPU with AVX2")
+
+
+def _run(code: str, env: dict, tmp_path) -> dict:
+    full = {**os.environ, **env, "TURBORLHF_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@x86
+def test_limits_remove_avx512_and_bf16(tmp_path):
+    code = ("import json; from turborlhf.engine.hardware import cpu_features, host_summary;"
+            "print(json.dumps({'f': sorted(cpu_features()), 'h': host_summary()}))")
+    out = _run(code, AVX2_ENV, tmp_path)
+    assert "avx2" in out["f"] and not any(f.startswith(("avx512", "amx")) for f in out["f"])
+    assert out["h"]["limits"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "avx512_bf16" not in out["h"]["isa"]
+
+
+@x86
+def test_avx2_host_chooses_fp32_and_warns_on_explicit_bf16(tmp_path):
+    code = ("import json, warnings; from turborlhf.engine.hardware import choose_precision\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    auto = choose_precision('auto', 'cpu'); bf = choose_precision('bf16', 'cpu')\n"
+            "print(json.dumps({'auto': auto.dtype, 'why': auto.reason, 'bf': bf.dtype, 'w': [str(x.message) for x in w]}))")
+    out = _run(code, AVX2_ENV, tmp_path)
+    assert out["auto"] == "fp32" and "no native bf16" in out["why"]
+    assert out["bf"] == "bf16"                                   # an explicit bf16 still runs
+    assert len(out["w"]) == 1 and "slower than fp32" in out["w"][0] and "emulated" in out["w"][0]
+
+
+def test_native_bf16_host_chooses_bf16_when_the_probe_agrees(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_features", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    hardware._choose.cache_clear()
+    try:
+        monkeypatch.setattr(hardware, "cpu_bf16_slowdown", lambda: 0.4)
+        p = choose_precision("auto", "cpu")
+        assert p.dtype == "bf16" and "avx512_bf16" in p.reason
+        hardware._choose.cache_clear()
+        monkeypatch.setattr(hardware, "cpu_bf16_slowdown", lambda: 3.0)   # flags say native, the probe disagrees
+        assert choose_precision("auto", "cpu").dtype == "fp32"
+    finally:
+        hardware._choose.cache_clear()
+
+
+def test_fp32_is_kept_and_bad_values_name_themselves():
+    assert choose_precision("fp32", "cpu").dtype == "fp32"
+    with pytest.raises(HardwareError, match="dtype must be one of"):
+        choose_precision("fp8", "cpu")
+    with pytest.raises(HardwareError, match="device must be one of"):
+        resolve_device("tpu")
+
+
+def test_device_auto_and_unavailable_devices():
+    want = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert resolve_device("auto").type == want
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="no CUDA device"):
+            resolve_device("cuda")
+
+
+def test_probe_is_cached_per_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path))
+    hardware.cpu_bf16_slowdown.cache_clear()
+    try:
+        r = hardware.cpu_bf16_slowdown()
+        files = list((tmp_path / "host").glob("probe-*.json"))
+        assert len(files) == 1 and json.loads(files[0].read_text())["bf16_over_fp32"] == pytest.approx(r)
+        files[0].write_text(json.dumps({"bf16_over_fp32": 123.0}))      # a second process reads the cache
+        hardware.cpu_bf16_slowdown.cache_clear()
+        assert hardware.cpu_bf16_slowdown() == 123.0
+    finally:
+        hardware.cpu_bf16_slowdown.cache_clear()
+
+
+def test_resolve_hardware_fills_every_auto_and_setup_run_saves_it(tmp_path, capsys):
+    from turborlhf.engine.run import resolve_hardware, setup_run
+
+    cfg = load_config(SFTConfig, overrides=["data.train_file=x.jsonl", f"output_dir={tmp_path}"])
+    assert (cfg.model.dtype, cfg.model.device, cfg.optim.state_dtype) == ("auto", "auto", "auto")
+    r = resolve_hardware(cfg, "sft")
+    want = choose_precision("auto", "cpu").dtype if resolve_device().type == "cpu" else None
+    assert r.model.dtype in ("bf16", "fp32") and r.model.device == resolve_device().type
+    if want:
+        assert r.model.dtype == want and r.optim.state_dtype == want
+    assert "[sft] device and precision:" in capsys.readouterr().out
+    setup_run(r, str(tmp_path))
+    rec = json.loads((tmp_path / "hardware.json").read_text())
+    assert rec["choices"]["model.dtype"]["value"] == r.model.dtype and rec["choices"]["model.dtype"]["reason"]
+    assert rec["host"]["cores"] >= 1 and "isa" in rec["host"]
+    # explicit values stay as configured
+    r2 = resolve_hardware(load_config(SFTConfig, overrides=["data.train_file=x", "model.dtype=fp32",
+                                                            "optim.state_dtype=bf16"]))
+    assert (r2.model.dtype, r2.optim.state_dtype) == ("fp32", "bf16")
+
+
+def test_autocast_follows_the_resolved_dtype_and_the_device():
+    from turborlhf.engine.train import autocast
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with autocast("fp32", "cpu"):
+        assert lin(x).dtype == torch.float32
+    with autocast("bf16", "cpu"):
+        assert lin(x).dtype == torch.bfloat16
+    with autocast("auto", "cpu"):
+        assert lin(x).dtype == (torch.bfloat16 if choose_precision("auto", "cpu").dtype == "bf16" else torch.float32)
+    with autocast("bf16", "meta"):                   # not an autocast device type: nothing entered
+        assert lin(x).dtype == torch.float32
+
+
+def test_bf16_choice_needs_native_features():
+    """On this host: auto is bf16 only where the CPU has AVX-512-BF16 or AMX."""
+    hardware._choose.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not (cpu_features() & BF16_FEATURES):
+            assert choose_precision("auto", "cpu").dtype == "fp32"
