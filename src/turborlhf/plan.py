@@ -687,6 +687,8 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
 
     `from_data`: size activations by the run's own heaviest micro-batch (`batches_from_data`)
     instead of the configured maxima."""
+    from turborlhf.engine.run import resolve_hardware
+
     resolve = _resolver(model_config)
     host = host_memory if host_memory is not None else _host_memory()
     if command == "pipeline":
@@ -696,11 +698,13 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         resolve = _resolver(model_config or cfg.model)      # later stages start from earlier outputs
         for stage, scfg in stage_configs(cfg, cfg.model).items():
             if stage in cfg.stages:
+                scfg = resolve_hardware(scfg, show=False)       # dtype/device auto → this host's choice
                 kind = getattr(getattr(scfg, "distributed", None), "device", "cpu")
                 p = _assemble(stage, SPECS[stage](scfg, resolve, kind), scfg, device_memory, host)
                 p.stage = stage
                 out.append(p)
         return out
+    cfg = resolve_hardware(cfg, show=False)
     kind = getattr(getattr(cfg, "distributed", None), "device", "cpu")
     data = None
     if from_data:

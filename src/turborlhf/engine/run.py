@@ -47,12 +47,12 @@ def _device_of(section: Cfg, top: Cfg) -> str:
     return resolve_device(getattr(section, "device", "auto")).type
 
 
-def resolve_hardware(cfg: C, name: str = "") -> C:
+def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     """`cfg` with every ``auto`` of device and precision replaced by this host's choice
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.dtype`` (the engine's device: CUDA for vLLM, else the
     CPU) and ``optim.state_dtype`` (bf16 moments where the models compute in bf16). Prints the
-    choices once as a start-up table (`name` labels it); `setup_run` saves them in
+    choices once as a start-up table (`name` labels it; not with `show=False`); `setup_run` saves them in
     ``hardware.json``. Explicit values are kept (`choose_precision` warns once where an explicit
     bf16 is emulated). Raises `HardwareError` for a device this host lacks."""
     from turborlhf.config import ModelCfg, OptimCfg, RolloutCfg
@@ -120,7 +120,7 @@ def resolve_hardware(cfg: C, name: str = "") -> C:
         return node.model_copy(update=updates) if updates else node
 
     cfg = optim(cfg, "")
-    if choices:
+    if choices and show:
         width = max(len(k) for k in choices)
         print("\n".join([f"[{name or 'run'}] device and precision:"] +
                         [f"  {k:<{width}}  {v['value']:<4}  {v['reason']}" for k, v in choices.items()]), flush=True)

@@ -53,6 +53,9 @@ class _ModelSource:
         rm_tok = load_tokenizer(path)
         self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
         self.tok = tokenizer if self.same_vocab else rm_tok
+        from turborlhf.engine.hardware import compute_dtype
+
+        dtype = compute_dtype(dtype, "cpu")       # built on the CPU; the PPO reward worker moves it
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.model = load_scalar_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
         self.dtype, self.chunk = dtype, chunk
@@ -127,7 +130,7 @@ class CombinedReward:
         return combine_scores(per, self.weights), per
 
 
-def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "bf16",
+def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "auto",
                  chunk: int = 8) -> CombinedReward:
     """Load every source.
 
@@ -136,7 +139,8 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
             ``timeout_s``, ``retries``).
         reward_model: optional RM directory, added first as source ``rm`` with weight 1.
         tokenizer: the policy's tokenizer (decodes texts; decides whether an RM can read ids).
-        dtype: compute precision of in-process reward models (``bf16`` or ``fp32``).
+        dtype: compute precision of in-process reward models (``auto``, ``bf16`` or ``fp32``; ``auto``:
+            this host's CPU choice, `turborlhf.engine.hardware`).
         chunk: rows per reward-model forward pass.
 
     Raises:

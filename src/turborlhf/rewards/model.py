@@ -26,7 +26,7 @@ def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
     return out
 
 
-def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "bf16",
+def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "auto",
                 shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores ``(chosen_B, rejected_B)`` of encoded pairs in one forward pass (grad enabled if
     the caller enables it).
@@ -48,7 +48,7 @@ def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "bf16",
 
 
 @torch.no_grad()
-def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: str = "bf16",
+def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: str = "auto",
                     batch_size: int = 16) -> torch.Tensor:
     """Scores ``B`` of full token sequences, batched by similar length (order preserved)."""
     was_training = model.training
@@ -65,7 +65,7 @@ def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: st
 
 
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int = 1024,
-                dtype: str = "bf16", batch_size: int = 16, add_eos: Optional[Sequence[bool]] = None) -> torch.Tensor:
+                dtype: str = "auto", batch_size: int = 16, add_eos: Optional[Sequence[bool]] = None) -> torch.Tensor:
     """Scores of (prompt, response) texts; EOS appended to each response, or only where
     `add_eos[i]` (a response cut at a token budget is then scored as cut, as `eval-policy` and
     `ppo` score it)."""

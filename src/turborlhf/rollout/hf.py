@@ -24,11 +24,11 @@ class HFEngine:
 
     model_or_path: a loaded `transformers` causal LM (its weights are copied, never shared) or an
         HF model directory / hub id.
-    dtype: 'bf16' | 'fp16' | 'fp32' of the engine's copy.
+    dtype: 'auto' | 'bf16' | 'fp16' | 'fp32' of the engine's copy ('auto': bf16 where the CPU computes it natively).
     max_batch_size: sequences per `generate` call (larger requests are split).
     """
 
-    def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 64):
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 64):
         self.dtype = resolve_dtype(dtype)
         if isinstance(model_or_path, torch.nn.Module):
             model = copy.deepcopy(model_or_path)

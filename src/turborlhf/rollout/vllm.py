@@ -101,7 +101,7 @@ class VLLMEngine:
     model_or_path: an HF model directory, or a loaded `transformers` causal LM: then only its
         config is written to a temporary directory, vLLM starts with dummy weights and the
         module's weights are pushed in memory.
-    dtype: 'bf16' | 'fp16' | 'fp32'.
+    dtype: 'auto' | 'bf16' | 'fp16' | 'fp32' ('auto': bf16 on a CUDA device with bf16, else fp32).
     max_batch_size: vLLM's `max_num_seqs`.
     enforce_eager: None → True on CPU (see module docstring), vLLM's default on GPU.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless
@@ -112,7 +112,7 @@ class VLLMEngine:
     Raises ImportError (with install instructions) when vllm is not installed.
     """
 
-    def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 256,
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 256,
                  enforce_eager: Optional[bool] = None, in_process: bool = True, seed: int = 0,
                  llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None):
         self.dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
