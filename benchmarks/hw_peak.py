@@ -1,5 +1,5 @@
 """The machine's physical limits for the roofline of `turborlhf bench generate` (from
-shared/peers/hw_peak.py): bf16 matmul GFLOP/s (n x n @ n x n, best of `--iters` after 3 warm-ups)
+shared/peers/hw_peak.py): bf16 and fp32 matmul GFLOP/s (n x n @ n x n, best of `--iters` after 3 warm-ups)
 and memory bandwidth over a 1 GiB fp32 tensor (read: `sum`; copy: read + write), best of `--iters`,
 at `--threads`. The roofline uses the read figure (decoding reads weights).
 
@@ -21,17 +21,20 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(a.threads)
-    x = torch.randn(a.n, a.n, dtype=torch.bfloat16)
-    y = torch.randn(a.n, a.n, dtype=torch.bfloat16)
-    for _ in range(3):
-        x @ y
-    best = float("inf")
-    for _ in range(a.iters):
-        t = time.perf_counter()
-        x @ y
-        best = min(best, time.perf_counter() - t)
-    gflops = 2 * a.n ** 3 / best / 1e9
-    del x, y
+
+    def matmul_gflops(dtype) -> float:
+        x = torch.randn(a.n, a.n, dtype=dtype)
+        y = torch.randn(a.n, a.n, dtype=dtype)
+        for _ in range(3):
+            x @ y
+        best = float("inf")
+        for _ in range(a.iters):
+            t = time.perf_counter()
+            x @ y
+            best = min(best, time.perf_counter() - t)
+        return 2 * a.n ** 3 / best / 1e9
+
+    gflops, fp32_gflops = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
     buf = torch.ones(a.mib * 2 ** 20 // 4, dtype=torch.float32)
     buf.sum()
     best = float("inf")
@@ -48,7 +51,7 @@ if __name__ == "__main__":
         dst.copy_(buf)
         best = min(best, time.perf_counter() - t)
     copy_gbs = 2 * buf.numel() * 4 / best / 1e9   # read + write
-    print(f"bf16 matmul {a.n}: {gflops:.0f} GFLOP/s; memory read {read_gbs:.1f} GB/s, copy (read+write) "
+    print(f"matmul {a.n}: bf16 {gflops:.0f}, fp32 {fp32_gflops:.0f} GFLOP/s; memory read {read_gbs:.1f} GB/s, copy (read+write) "
           f"{copy_gbs:.1f} GB/s ({a.threads} threads)", flush=True)
-    print(RESULT_TAG + json.dumps({"bf16_gflops": gflops, "read_gb_s": read_gbs, "copy_gb_s": copy_gbs,
+    print(RESULT_TAG + json.dumps({"bf16_gflops": gflops, "fp32_gflops": fp32_gflops, "read_gb_s": read_gbs, "copy_gb_s": copy_gbs,
                                    "threads": a.threads}), flush=True)

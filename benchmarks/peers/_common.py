@@ -28,6 +28,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="optimizer steps (warm-up included)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="compute precision (the harness passes the host's best: bf16 only where it is native)")
     p.add_argument("--out", required=True, help="scratch output directory")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="TRL's default; off unless asked, to match turborlhf's default")

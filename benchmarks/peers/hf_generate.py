@@ -1,4 +1,4 @@
-"""HF `generate` throughput (the peer of `turborlhf bench generate`): bf16 weights, sampling.
+"""HF `generate` throughput (the peer of `turborlhf bench generate`): weights in --dtype, sampling.
 
 Adapted from shared/peers/hf_generate.py: the prompts are the harness's (first HH user turn, chat
 template, the first B of them for batch size B, left-padded, last `--max-prompt-len` tokens);
@@ -27,6 +27,7 @@ def parser(description):
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights precision")
     return p
 
 
@@ -39,7 +40,7 @@ if __name__ == "__main__":
     torch.manual_seed(a.seed)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[a.dtype])).eval()
     rows = C.read_jsonl(a.data)
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]

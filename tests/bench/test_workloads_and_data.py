@@ -82,6 +82,20 @@ def test_options_reach_both_sides(tmp_path):
     assert raw["model"]["gradient_checkpointing"]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("command", ["ppo", "grpo", "dpo", "rm", "generate"])
+def test_both_sides_run_at_the_harness_precision(command, dtype, tmp_path):
+    """No side is pinned to bf16: the host's choice reaches our config and the peer's --dtype."""
+    w, ctx = WORKLOADS[command], _ctx(tmp_path, dtype=dtype)
+    raw = our_config(w, ctx, tmp_path / "run", 0) if w.trainer else None
+    assert _opt(peer_args(w, raw, ctx, tmp_path, 0), "--dtype") == dtype
+    if raw is None:
+        assert _opt(our_command(w, ctx, None, 0), "--dtype") == dtype
+        return
+    model = raw.get("model") or raw["actor"]
+    assert model["dtype"] == dtype and raw.get("rollout", {"dtype": dtype})["dtype"] == dtype
+
+
 def test_generate_sides_share_their_options(tmp_path):
     ctx = _ctx(tmp_path)
     ours = our_command(WORKLOADS["generate"], ctx, None, 3)

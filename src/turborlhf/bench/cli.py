@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both sides recompute activations (TRL's default); default off on both, as turborlhf's")
     p.add_argument("--peer-dir", default=None, help="use this folder (put first on the peer's PYTHONPATH) "
                                                     "instead of installing the peer")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="both sides' precision; auto = this host's best (bf16 only where the CPU computes it "
+                        "natively, else fp32: README, Hardware)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed")
     p.add_argument("--keep-runs", action="store_true", help="keep our runs' output directories (models, checkpoints)")
     return p
@@ -167,9 +170,13 @@ def _main(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"error: --batch-sizes must be comma-separated integers, got {a.batch_sizes!r}", file=sys.stderr)
         return 2
+    from turborlhf.engine.hardware import choose_precision
+
+    precision = choose_precision(a.dtype, "cpu")
+    _log(f"[bench] precision of both sides: {precision.dtype} ({precision.reason})")
     ctx = RunContext(repo=repo, model_dir=model_dir, data={}, threads=threads, warmup=a.warmup, steps=a.steps,
                      force_length=not a.no_force_length, gradient_checkpointing=a.gradient_checkpointing,
-                     batch_sizes=batch_sizes)
+                     batch_sizes=batch_sizes, dtype=precision.dtype)
     base_cfg = yaml.safe_load((repo / w.config).read_text()) if w.config else None
     n_pairs, n_prompts = data_needed(w, base_cfg, ctx)
     ctx.data = write_bench_data(hh, out / "data", n_pairs, n_prompts)
@@ -228,6 +235,7 @@ def _main(a: argparse.Namespace) -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
     result = _result(w, ctx, a, ours, peer, hw_runs, peer_info, load_start, t_start)
+    result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(R.format_table(result), flush=True)
     if a.json:
@@ -243,7 +251,9 @@ def _hw_peak(repo: Path, ctx: RunContext, env: dict, logs: Path, rep: int, timeo
         if not res.ok:
             raise ValueError(f"exit {res.returncode}: {res.stderr_tail(5)}")
         hw_runs.append(parse_bench_result(res.stdout()))
-        _log(f"[bench] {tag}: {hw_runs[-1]['bf16_gflops']:.0f} GFLOP/s bf16, {hw_runs[-1]['read_gb_s']:.1f} GB/s read")
+        h = hw_runs[-1]
+        _log(f"[bench] {tag}: {h['bf16_gflops']:.0f} GFLOP/s bf16, {h.get('fp32_gflops', float('nan')):.0f} fp32, "
+             f"{h['read_gb_s']:.1f} GB/s read")
     except ValueError as e:
         _log(f"[bench] {tag}: no hardware figures ({e}); the roofline will be missing")
 
@@ -293,13 +303,15 @@ def _side_steps(side: Side, warmup: int) -> tuple[list[float], dict]:
 def _result(w: Workload, ctx: RunContext, a, ours: Side, peer: Side, hw_runs: list, peer_info: dict,
             load_start, t_start: float) -> dict:
     from turborlhf import __version__
+    from turborlhf.engine.hardware import host_summary
 
     r: dict = {"command": w.command, "peer": w.peer_name, "description": w.description, "reps": a.reps,
                "warmup": ctx.warmup, "steps": ctx.steps, "threads": ctx.threads, "model": ctx.model_dir,
                "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": round(time.time() - t_start, 1),
                "force_length": ctx.force_length, "gradient_checkpointing": ctx.gradient_checkpointing,
                "turborlhf_version": __version__, "peer_install": peer_info,
-               "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+               "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                           **host_summary()},
                "ours_peak_rss_gib": ours.peak_rss_gib, "peer_peak_rss_gib": peer.peak_rss_gib,
                "rss_ratio": R.ratio(ours.peak_rss_gib, peer.peak_rss_gib),
                "targets": dict(w.targets), "target_met": {}, "sample_unit": w.sample_unit}
@@ -349,11 +361,15 @@ def _generate_result(r: dict, ctx: RunContext, ours: Side, peer: Side, hw_runs: 
     r["hardware"] = None
     r["roofline_tokens_per_s"] = {str(b): None for b in ctx.batch_sizes}
     if hw_runs and n_params:
-        gflops = max(h["bf16_gflops"] for h in hw_runs)
+        key = "bf16_gflops" if ctx.dtype == "bf16" else "fp32_gflops"      # the peak of the precision run
+        gflops = max(h.get(key) or h["bf16_gflops"] for h in hw_runs)
         bw = max(h["read_gb_s"] for h in hw_runs)
-        flops_tok, wbytes = 2.0 * n_params, 2.0 * n_params
-        r["hardware"] = {"bf16_gflops": gflops, "read_gb_s": bw, "n_params": n_params,
+        flops_tok, wbytes = 2.0 * n_params, (2.0 if ctx.dtype == "bf16" else 4.0) * n_params
+        r["hardware"] = {"bf16_gflops": max(h["bf16_gflops"] for h in hw_runs), "matmul_gflops": gflops,
+                         "dtype": ctx.dtype, "read_gb_s": bw, "n_params": n_params,
                          "gflop_per_token": flops_tok / 1e9, "weight_mb": wbytes / 1e6}
+        if all(h.get("fp32_gflops") for h in hw_runs):
+            r["hardware"]["fp32_gflops"] = max(h["fp32_gflops"] for h in hw_runs)
         r["roofline_tokens_per_s"] = {str(b): R.roofline_tokens_per_s(b, gflops, bw, flops_tok, wbytes)
                                       for b in ctx.batch_sizes}
     r["roofline_fraction"] = {k: R.ratio(r["tokens_per_s"][k], r["roofline_tokens_per_s"][k]) for k in r["tokens_per_s"]}

@@ -81,9 +81,16 @@ def _target_text(t: Optional[tuple[str, float]], unit: str = "") -> str:
 
 def format_table(r: dict) -> str:
     """Markdown table of a result object (see the module docstring), with a header line."""
+    m = r.get("machine") or {}
+    prec = (r.get("precision") or {}).get("ours", "bf16")
     head = (f"turborlhf bench {r['command']} vs {r['peer']}: {r['description']}; {r['reps']} rep(s) x "
-            f"({r['warmup']} warm-up + {r['steps']} measured), {r['threads']} threads, bf16, {r['date']}")
+            f"({r['warmup']} warm-up + {r['steps']} measured), {r['threads']} threads, {prec} on both sides, "
+            f"{r['date']}")
     lines = [head, ""]
+    if m.get("cpu"):
+        lines[1:1] = [f"host: {m['cpu']}, {m.get('cores')} cores, {'/'.join(m.get('isa') or []) or 'no AVX2'}"
+                      + (f" (limited by {', '.join(f'{k}={v}' for k, v in m['limits'].items())})" if m.get("limits") else ""),
+                      ""]
     if r["command"] == "generate":
         lines += ["| batch | ours tok/s | HF generate tok/s | speedup | roofline tok/s | ours / roofline "
                   "| HF / roofline | target |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -98,9 +105,10 @@ def format_table(r: dict) -> str:
         lines += ["", f"peak RSS GiB: ours {fmt(r['ours_peak_rss_gib'])}, HF generate {fmt(r['peer_peak_rss_gib'])}"]
         hw = r.get("hardware") or {}
         if hw:
-            lines.append(f"roofline inputs: bf16 matmul {fmt(hw.get('bf16_gflops'), 0)} GFLOP/s, memory read "
-                         f"{fmt(hw.get('read_gb_s'), 1)} GB/s, {fmt(hw.get('gflop_per_token'), 3)} GFLOP and "
-                         f"{fmt(hw.get('weight_mb'), 0)} MB of bf16 weights per generated token")
+            dt = hw.get("dtype", "bf16")
+            lines.append(f"roofline inputs: {dt} matmul {fmt(hw.get('matmul_gflops', hw.get('bf16_gflops')), 0)} GFLOP/s, "
+                         f"memory read {fmt(hw.get('read_gb_s'), 1)} GB/s, {fmt(hw.get('gflop_per_token'), 3)} GFLOP and "
+                         f"{fmt(hw.get('weight_mb'), 0)} MB of {dt} weights per generated token")
     else:
         unit = r["sample_unit"]
         t_speed, t_rss = r["targets"].get("speedup"), r["targets"].get("rss_ratio")

@@ -90,6 +90,7 @@ class RunContext:
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     new_tokens: int = 64
     max_prompt_len: int = 96
+    dtype: str = "bf16"            # both sides' compute precision: the host's best (`bench.cli`)
 
     @property
     def total_steps(self) -> int:
@@ -156,6 +157,11 @@ def our_config(w: Workload, ctx: RunContext, output_dir: Path, seed: int) -> dic
     set_dotted(cfg, "log.tensorboard", False)
     set_dotted(cfg, "log.every", 1)
     _FILL[w.command](cfg, ctx)
+    for section in ("model", "actor"):          # the same precision as the peer's, not pinned by the YAML
+        if section in cfg:
+            set_dotted(cfg, f"{section}.dtype", ctx.dtype)
+    if "rollout" in cfg:
+        set_dotted(cfg, "rollout.dtype", ctx.dtype)
     return cfg
 
 
@@ -210,7 +216,7 @@ def peer_args(w: Workload, cfg: dict, ctx: RunContext, out_dir: Path, seed: int)
     if w.command == "generate":
         return _generate_args(ctx, seed)
     args = ["--model", ctx.model_dir, "--data", str(ctx.data[w.data_kind]), "--steps", str(ctx.total_steps),
-            "--threads", str(ctx.threads), "--seed", str(seed), "--out", str(out_dir)]
+            "--threads", str(ctx.threads), "--seed", str(seed), "--out", str(out_dir), "--dtype", ctx.dtype]
     for opt, key in _PEER_OPTIONS[w.command]:
         args += [opt, _g(cfg, key)]
     if ctx.force_length and w.command in ("ppo", "grpo"):
@@ -227,7 +233,7 @@ def _generate_args(ctx: RunContext, seed: int) -> list[str]:
     return ["--model", ctx.model_dir, "--data", str(ctx.data["prompts"]),
             "--batch-sizes", ",".join(str(b) for b in ctx.batch_sizes), "--new", str(ctx.new_tokens),
             "--max-prompt-len", str(ctx.max_prompt_len), "--warmup", str(ctx.warmup), "--calls", str(ctx.steps),
-            "--threads", str(ctx.threads), "--seed", str(seed)]
+            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", ctx.dtype]
 
 
 def our_command(w: Workload, ctx: RunContext, config_path: Optional[Path], seed: int) -> list[str]:
