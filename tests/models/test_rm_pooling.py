@@ -150,3 +150,33 @@ def test_trained_rm_with_eos_pad_matches_transformers(tmp_path, tiny_data):
     assert res["accuracy"] == pytest.approx(float((ch > rj).float().mean()))
     assert res["margin"] == pytest.approx(float((ch - rj).mean()), abs=1e-5)
     assert res["score_mean"] == pytest.approx(float(torch.cat([ch, rj]).mean()), abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_ppo_reward_source_scores_like_transformers(arch, tmp_path):
+    """PPO's in-process `model` reward source on the rollout layout (left-padded prompts,
+    right-padded responses, pad = EOS; one response cut without EOS) equals plain transformers
+    on each sequence alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.rewards.combine import RewardInputs, _ModelSource
+
+    model_dir = _save_rm(arch, tmp_path / arch, _eos_pad_tokenizer())
+    tok = load_tokenizer(model_dir)
+    eos = tok.eos_token_id
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in _rendered(tok)]
+    responses = [tok(r, add_special_tokens=False)["input_ids"] + [eos] for r in CHOSEN]
+    responses[1] = responses[1][:-1]                                  # cut at the token budget: no EOS
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.full((len(prompts), P + R), eos)
+    attn = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
+        attn[i, P - len(p):P + len(r)] = 1
+    source = _ModelSource(model_dir, tok, "fp32", chunk=2)
+    ours = source(RewardInputs(ids, attn, prompts, responses, tok))
+    hf_model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        hf = torch.tensor([float(hf_model(input_ids=torch.tensor([p + r])).logits[0, 0])
+                           for p, r in zip(prompts, responses)])
+    assert torch.allclose(ours, hf, atol=1e-5), (ours, hf)
