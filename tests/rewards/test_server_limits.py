@@ -394,3 +394,16 @@ def test_expect_100_continue_with_a_large_body_is_refused_first():
         reply = _read_reply(s)
     assert reply.startswith(b"HTTP/1.1 413") and b"100 Continue" not in reply
 
+
+
+def test_token_limit_uses_the_reward_models_tokenizer(tiny_model):
+    from turborlhf.rewards.server import load_rm_scorer
+
+    scorer = load_rm_scorer(str(tiny_model), "fp32", 64, 4)
+    n = scorer.count_tokens("hello there " * 30)
+    assert n > 20
+    with _Live(scorer, limits=ServerLimits(max_text_tokens=20), count_tokens=scorer.count_tokens) as live:
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=30, retries=0)
+        with pytest.raises(RemoteRewardError, match=rf"prompts\[0\] has {n} tokens, over the limit of 20"):
+            client.score(["hello there " * 30], ["ok"])
+        assert len(client.score(["hello"], ["ok"])) == 1
