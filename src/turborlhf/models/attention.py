@@ -145,7 +145,9 @@ def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: tor
     The linears of the layer ran on the N real tokens only; here q, k and v are scattered into a
     right-padded ``B×heads×max_len×D`` batch (a copy of q, k, v: small next to the layer's
     linears), attended with a causal + key-length mask by the padded path below, and gathered back
-    to the packed layout ``1×N×H×D``. Per sequence this is exactly the padded computation."""
+    to the packed layout ``1×N×H×D``. Per sequence this is exactly the padded computation,
+    including a sliding-window layer's window (the ``sliding_window`` argument the layer passes:
+    key j is seen from query i when j > i − window, transformers' ``sliding_window_overlay``)."""
     lens_B = cu_seqlens.diff().long()
     B, Tm = lens_B.shape[0], int(max_len)
     seq_N = torch.repeat_interleave(torch.arange(B, device=lens_B.device), lens_B)
@@ -158,6 +160,9 @@ def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: tor
 
     ar = torch.arange(Tm, device=lens_B.device)
     mask_B1TT = (ar[:, None] >= ar[None, :])[None, None] & (ar < lens_B[:, None])[:, None, None, :]
+    window = kwargs.pop("sliding_window", None)
+    if window:
+        mask_B1TT = mask_B1TT & (ar[None, :] > ar[:, None] - int(window))[None, None]
     out_BTHD, _ = _attention_forward(module, pad(query_1HND), pad(key_1KND), pad(value_1KND), mask_B1TT,
                                      dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
     return out_BTHD.reshape(B * Tm, *out_BTHD.shape[2:]).index_select(0, dest_N).unsqueeze(0)

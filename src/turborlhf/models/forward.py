@@ -2,7 +2,9 @@
 
 - log-probs are computed only at the positions that need them (response tokens), through the LM
   head in chunks, so the fp32 ``B×T×V`` logits tensor is never materialised;
-- reward scores read only the last attended position (one head application per sequence);
+- reward scores read one position per sequence (one head application each): the position
+  transformers' ``*ForSequenceClassification`` pools, so a saved reward model scores the same in
+  plain transformers (`score_index`);
 - position ids come from the attention mask (``cumsum - 1``), so right-padded batches and PPO's
   left-padded-prompt / right-padded-response layout both get the positions the engine used;
 - padding is removed: with turborlhf's CPU training attention the decoder stack runs on the real
@@ -27,7 +29,7 @@ from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
 
 __all__ = ["hidden_states", "packs_sequences", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
-           "apply_score_head",
+           "apply_score_head", "pooling_pad_id", "score_index",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
 
@@ -61,16 +63,56 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
     """Final-layer hidden states ``B×T×H`` of the decoder stack (no LM head, no cache).
 
     `attention_mask_BT` is a 2-D padding mask, or a 4-D boolean ``B×1×T×T`` mask (True = may
-    attend) used as is, in which case `position_ids_BT` must be given.
+    attend), in which case `position_ids_BT` must be given. A 4-D mask is handed to the model in
+    the form its attention needs (`_custom_mask`: additive for eager attention, with the sliding
+    window of sliding-window layers applied), as transformers does for the masks it builds.
     """
     if position_ids_BT is None:
         position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
     backbone = backbone_of(model)
     if attention_mask_BT.dim() == 2 and packs_sequences(backbone) and not bool(attention_mask_BT.all()):
         return _packed_hidden_states(backbone, input_ids_BT, attention_mask_BT.bool(), position_ids_BT)
-    out = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
-                   use_cache=False)
+    mask = _custom_mask(backbone, attention_mask_BT, position_ids_BT) if attention_mask_BT.dim() == 4 else attention_mask_BT
+    out = backbone(input_ids=input_ids_BT, attention_mask=mask, position_ids=position_ids_BT, use_cache=False)
     return out.last_hidden_state
+
+
+def _custom_mask(backbone: nn.Module, allowed_B1TT: torch.Tensor, position_ids_BT: torch.Tensor):
+    """A boolean ``B×1×T×T`` mask (True = may attend) as the decoder stack's attention needs it.
+
+    transformers passes a 4-D mask to every layer unchanged, so what its own mask builders
+    (``create_causal_mask``, ``create_sliding_window_causal_mask``) would add is added here:
+
+    - sliding-window layers (``config.sliding_window``; Gemma2/3 alternate them with full layers,
+      Mistral uses them everywhere, Qwen2 with ``use_sliding_window``): a query at position i sees
+      keys at positions j > i − window only (transformers' ``sliding_window_overlay``, on position
+      ids so packed rows keep each sequence's own distances). With ``config.layer_types`` the model
+      receives ``{"full_attention": mask, "sliding_attention": mask}``, the per-layer-type form
+      those models accept in place of building masks;
+    - eager attention (Gemma2's only implementation, for its logit soft-capping) adds the mask to
+      the scores, so it gets an additive mask (0 or the dtype's minimum, as transformers'
+      ``eager_mask``); SDPA and the training attention take the boolean mask.
+    """
+    cfg = backbone.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    dtype = backbone.get_input_embeddings().weight.dtype
+
+    def fmt(m: torch.Tensor) -> torch.Tensor:
+        if getattr(cfg, "_attn_implementation", None) != "eager":
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+    if not window:
+        return fmt(allowed_B1TT)
+    pos = position_ids_BT.to(allowed_B1TT.device)
+    sliding = allowed_B1TT & (pos[:, None, None, :] > pos[:, None, :, None] - int(window))
+    if layer_types is None:                      # Mistral-style: every layer slides
+        return fmt(sliding)
+    return {"full_attention": fmt(allowed_B1TT), "sliding_attention": fmt(sliding)}
 
 
 def packs_sequences(backbone: nn.Module) -> bool:
@@ -185,11 +227,40 @@ def last_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BT.long() * pos).argmax(-1)
 
 
+def pooling_pad_id(model: nn.Module) -> Optional[int]:
+    """The ``pad_token_id`` of a (peft-wrapped) model's text config: the id transformers'
+    sequence-classification pooling skips (`score_index`). `turborlhf.models.load` sets it to the
+    tokenizer's pad id."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "pad_token_id", None)
+
+
+def score_index(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, pad_id: Optional[int]) -> torch.Tensor:
+    """Index ``B`` of the token a reward model's head reads: the rightmost attended token whose id
+    is not `pad_id`, which is the token transformers' ``*ForSequenceClassification`` pools
+    ("rightmost token != config.pad_token_id", ``GenericForSequenceClassification.forward``).
+
+    With a pad token distinct from EOS this is the last attended token, the EOS. With pad == EOS
+    (Llama-3-style tokenizers without a spare token, kept by `turborlhf.models.load.load_tokenizer`)
+    trailing EOS tokens are skipped and the last response token is read, as transformers reads it.
+    `pad_id` None, or a row whose attended tokens are all `pad_id`: the last attended token.
+    """
+    last = last_index(attention_mask_BT)
+    if pad_id is None:
+        return last
+    keep = attention_mask_BT.bool() & (input_ids_BT != pad_id)
+    return torch.where(keep.any(-1), last_index(keep), last)
+
+
 @_on_model_device
 def last_token_scores(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-    """Reward-model scores ``B`` (fp32): the scalar head at the last attended token (the EOS)."""
+    """Reward-model scores ``B`` (fp32): the scalar head at the last attended token (the EOS), or
+    at the last non-pad token when the pad id is the EOS id (`score_index`): the score
+    ``AutoModelForSequenceClassification`` gives the same right-padded batch."""
     hidden = hidden_states(model, input_ids_BT, attention_mask_BT)
-    idx = last_index(attention_mask_BT)
+    idx = score_index(input_ids_BT, attention_mask_BT, pooling_pad_id(model))
     h_BH = hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
     return apply_score_head(model, h_BH)
 
@@ -234,6 +305,22 @@ class SharedPrefixBatch:
     Fields: ids_BL, pos_BL, mask_B1LL (bool, True = may attend), a_last_B / b_last_B (index of
     the last token of each continuation), and per-row segment starts for log-prob targets.
     """
+
+    def score_positions(self, pad_id: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed indices ``(a_B, b_B)`` of the token `score_index` reads in each separate
+        sequence ``prefix+a`` / ``prefix+b``: the last token not equal to `pad_id` (it may lie in
+        the shared prefix), else the last token."""
+        if pad_id is None:
+            return self.a_last_B, self.b_last_B
+        a_out, b_out = self.a_last_B.clone(), self.b_last_B.clone()
+        for i, (p, a, b) in enumerate(zip(self.prefix_len, self.a_len, self.b_len)):
+            row = self.ids_BL[i]
+            for out, idx in ((a_out, torch.arange(p + a)),
+                             (b_out, torch.cat([torch.arange(p), torch.arange(p + a, p + a + b)]))):
+                real = idx[row[idx] != pad_id]
+                if real.numel():
+                    out[i] = real[-1]
+        return a_out, b_out
 
     def __init__(self, ids, pos, mask, prefix_len, a_len, b_len):
         self.ids_BL, self.pos_BL, self.mask_B1LL = ids, pos, mask
@@ -282,11 +369,14 @@ def pack_shared_prefix(seqs_a: list[list[int]], seqs_b: list[list[int]], pad_id:
 
 
 def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reward-model scores ``(a_B, b_B)`` (fp32) of packed pairs: the scalar head at each
-    continuation's last token. Equal to `last_token_scores` on the two sequences separately."""
+    """Reward-model scores ``(a_B, b_B)`` (fp32) of packed pairs: the scalar head at the position
+    `last_token_scores` reads in each sequence (`SharedPrefixBatch.score_positions`). Equal to
+    `last_token_scores` on the two sequences separately. Computed on the model's device; the
+    scores come back to the batch's."""
     dev = next(model.parameters()).device
     hidden = hidden_states(model, batch.ids_BL.to(dev), batch.mask_B1LL.to(dev), batch.pos_BL.to(dev))
     rows = torch.arange(hidden.shape[0], device=dev)
-    a_B = apply_score_head(model, hidden[rows, batch.a_last_B.to(dev)])
-    b_B = apply_score_head(model, hidden[rows, batch.b_last_B.to(dev)])
+    a_idx, b_idx = batch.score_positions(pooling_pad_id(model))
+    a_B = apply_score_head(model, hidden[rows, a_idx.to(dev)])
+    b_B = apply_score_head(model, hidden[rows, b_idx.to(dev)])
     return a_B.to(batch.ids_BL.device), b_B.to(batch.ids_BL.device)

@@ -9,7 +9,9 @@ it is reloaded as is, so `AutoModelForSequenceClassification.from_pretrained(dir
 Padding: when a tokenizer pads with its EOS token (SmolLM2 does), HF's sequence-classification
 pooling ("rightmost token != pad_token_id") would skip the trailing EOS. We switch the pad token
 to the tokenizer's unk token when it is distinct, and set `config.pad_token_id` accordingly, so
-the saved reward model scores the EOS position exactly as our trainers do.
+the saved reward model scores the EOS position. A tokenizer with no spare token (Llama-3 style:
+no unk) keeps pad = EOS; our scoring then reads the token HF's pooling reads, the last one before
+the trailing EOS (`turborlhf.models.forward.score_index`), so scores agree either way.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Scoring with a reward model: preference pairs (accuracy) and prompt/response texts.
 
 A reward model is an `AutoModelForSequenceClassification(num_labels=1)`; the score of a sequence
-is the head at its last attended token (the EOS), see `turborlhf.models.forward.last_token_scores`.
+is the head at its last attended token (the EOS), or at the last token before the trailing EOS
+when the pad id is the EOS id: the token transformers' own pooling reads, so a saved reward model
+scores the same in plain transformers (`turborlhf.models.forward.last_token_scores`, `score_index`).
 """
 from __future__ import annotations
 

@@ -3,29 +3,42 @@
 Protocol (JSON over HTTP/1.1)::
 
     POST <url>/score   {"prompts": [str, ...], "responses": [str, ...]}  ->  {"scores": [float, ...]}
-    GET  <url>/health  -> {"status": "ok", "model": ..., "requests": n, "batches": m, ...}
+    GET  <url>/health  -> {"status": "ok", "requests": n, "batches": m, "limits": {...}, ...}
 
 ``prompts`` are chat-template-rendered prompt texts and ``responses`` plain response texts; the
 server appends EOS and scores the last token, exactly as `turborlhf.rewards.model.score_texts`.
 
-Failures: a connection error, a timeout or an HTTP 5xx answer is retried ``retries`` times with
-exponential backoff (``backoff_s · 2^k``); an HTTP 4xx answer (a bad request) and a malformed
-answer are not retried. When no try succeeds, `RemoteRewardError` names the role and the URL:
+Authentication: with a token (argument, or ``$TURBORLHF_RM_TOKEN``) every request sends
+``Authorization: Bearer <token>``, as ``turborlhf serve-rm --token`` requires.
+
+Requests of more than ``max_texts`` pairs are sent as several requests (the server's
+``--max-texts`` limit defaults to 1024).
+
+Failures: a connection error, a timeout, a reply that is not HTTP or is cut short, or an HTTP
+5xx answer is retried ``retries`` times with exponential backoff (``backoff_s · 2^k``); an HTTP
+4xx answer (a bad request) and a malformed answer (not JSON, wrong count, a score that is not a
+finite number, booleans included) are not retried. Every failure is one `RemoteRewardError` line
+naming the role and the URL, e.g.
 ``reward model at http://127.0.0.1:8000 did not answer after 3 tries: <last error>``.
 
 Only the standard library is used (``urllib``), so the client adds no dependency.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import os
 import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Sequence
+from typing import Optional, Sequence
 
-__all__ = ["RemoteRewardError", "RemoteRewardModel"]
+__all__ = ["RemoteRewardError", "RemoteRewardModel", "TOKEN_ENV"]
+
+#: environment variable holding the bearer token (same as `turborlhf.rewards.server.TOKEN_ENV`)
+TOKEN_ENV = "TURBORLHF_RM_TOKEN"
 
 
 class RemoteRewardError(RuntimeError):
@@ -41,21 +54,26 @@ class RemoteRewardModel:
         retries: further tries after a failed one (total tries = ``retries + 1``).
         backoff_s: wait before the first retry; doubles after each further failure.
         role: how errors name the server (``reward model``, ``critic``, ...).
+        token: bearer token sent with every request (default ``$TURBORLHF_RM_TOKEN``; None or
+            empty: no ``Authorization`` header).
+        max_texts: pairs per request; longer lists are split into several requests.
 
     Raises:
         ValueError: a URL that is not ``http://`` or ``https://``, or negative retries/timeouts.
     """
 
     def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 0.5,
-                 role: str = "reward model") -> None:
+                 role: str = "reward model", token: Optional[str] = None, max_texts: int = 256) -> None:
         base = url.rstrip("/")
         if base.endswith("/score"):
             base = base[: -len("/score")]
         if not base.startswith(("http://", "https://")):
             raise ValueError(f"{role} URL must start with http:// or https://, got {url!r}")
-        if timeout_s <= 0 or retries < 0 or backoff_s < 0:
-            raise ValueError(f"{role} at {base}: need timeout_s > 0, retries >= 0, backoff_s >= 0")
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_texts < 1:
+            raise ValueError(f"{role} at {base}: need timeout_s > 0, retries >= 0, backoff_s >= 0, max_texts >= 1")
         self.url, self.timeout_s, self.retries, self.backoff_s, self.role = base, timeout_s, retries, backoff_s, role
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.max_texts = max_texts
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
         """One score per (prompt, response) pair, in order.
@@ -66,24 +84,34 @@ class RemoteRewardModel:
         """
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        if not prompts:
-            return []
-        answer = self._request("/score", {"prompts": list(prompts), "responses": list(responses)})
+        out: list[float] = []
+        for s in range(0, len(prompts), self.max_texts):
+            out += self._score_chunk(list(prompts[s:s + self.max_texts]), list(responses[s:s + self.max_texts]))
+        return out
+
+    def _score_chunk(self, prompts: list[str], responses: list[str]) -> list[float]:
+        answer = self._request("/score", {"prompts": prompts, "responses": responses})
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(prompts):
             raise RemoteRewardError(f"{self.role} at {self.url} sent a malformed answer: expected "
                                     f"{{'scores': [{len(prompts)} numbers]}}, got {str(answer)[:200]}")
-        if not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scores):
-            raise RemoteRewardError(f"{self.role} at {self.url} sent non-finite scores: {scores[:8]}")
+        bad = [i for i, s in enumerate(scores)
+               if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+        if bad:
+            raise RemoteRewardError(f"{self.role} at {self.url} sent scores that are not finite numbers: "
+                                    f"scores[{bad[0]}] = {json.dumps(scores[bad[0]])[:60]} ({len(bad)} bad)")
         return [float(s) for s in scores]
 
     def health(self) -> dict:
-        """The server's ``GET /health`` answer (status, model, request and batch counters).
+        """The server's ``GET /health`` answer (status, request and batch counters, limits).
 
         Raises:
             RemoteRewardError: as :meth:`score`.
         """
-        return self._request("/health", None)
+        answer = self._request("/health", None)
+        if not isinstance(answer, dict):
+            raise RemoteRewardError(f"{self.role} at {self.url} sent a malformed /health answer: {str(answer)[:200]}")
+        return answer
 
     def _request(self, path: str, payload: dict | None):
         url = self.url + path
@@ -93,17 +121,23 @@ class RemoteRewardModel:
         for k in range(tries):
             if k:
                 time.sleep(self.backoff_s * 2 ** (k - 1))
-            req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.token:
+                headers["Authorization"] = f"Bearer {self.token}"
+            req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     body = resp.read()
             except urllib.error.HTTPError as e:
                 detail = _error_text(e)
                 if e.code < 500:  # our request is wrong: retrying cannot help
+                    hint = (f" (set ${TOKEN_ENV} to the server's token)" if e.code == 401 else "")
                     raise RemoteRewardError(f"{self.role} at {self.url} rejected the request "
-                                            f"(HTTP {e.code}): {detail}") from None
+                                            f"(HTTP {e.code}): {detail}{hint}") from None
                 last = f"HTTP {e.code}: {detail}"
+                continue
+            except http.client.HTTPException as e:  # not HTTP, or cut short: a broken server/proxy
+                last = f"broken HTTP reply ({type(e).__name__}: {' '.join(str(e).split())[:120] or 'no detail'})"
                 continue
             except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, OSError) as e:
                 reason = getattr(e, "reason", e)
@@ -113,7 +147,7 @@ class RemoteRewardModel:
                 continue
             try:
                 return json.loads(body)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):       # not JSON, not UTF-8, or absurdly nested
                 raise RemoteRewardError(f"{self.role} at {self.url} sent an answer that is not JSON: "
                                         f"{body[:200]!r}") from None
         raise RemoteRewardError(f"{self.role} at {self.url} did not answer after {tries} "
@@ -123,6 +157,7 @@ class RemoteRewardModel:
 def _error_text(e: urllib.error.HTTPError) -> str:
     try:
         body = e.read().decode(errors="replace")
-        return json.loads(body).get("error", body)
+        detail = json.loads(body).get("error", body)
+        return " ".join(str(detail).split())[:300]
     except Exception:
-        return str(e.reason)
+        return " ".join(str(e.reason).split())[:300]

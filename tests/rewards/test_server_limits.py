@@ -1,0 +1,409 @@
+"""serve-rm's limits against a live server on 127.0.0.1 (a fake scorer in-process): body size,
+texts per request and tokens per text, read timeouts for slow and half-open clients, a bounded
+number of connections, deep JSON, fair batching of large and small requests, bearer-token
+authentication, what /health shows; and the client against broken servers on loopback."""
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from turborlhf.rewards.remote import RemoteRewardError, RemoteRewardModel
+from turborlhf.rewards.server import RewardHTTPServer, ServerLimits, is_loopback, main as serve_main, make_server
+
+HOST = "127.0.0.1"
+
+
+class _Live:
+    """A server on 127.0.0.1:0 run in a thread; stopped on exit."""
+
+    def __init__(self, score=None, **kw):
+        self.calls = []
+
+        def default(prompts, responses):
+            self.calls.append(len(prompts))
+            return [float(len(r)) for r in responses]
+
+        self.server = make_server(score or default, host=HOST, port=0, **kw)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.server.scorer.close()
+        self.thread.join(timeout=5)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def raw(self, timeout=5.0) -> socket.socket:
+        s = socket.create_connection((HOST, self.port), timeout=timeout)
+        return s
+
+    def request(self, method, path, body=None, headers=None, timeout=10.0):
+        c = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, json.loads(r.read() or b"null")
+        finally:
+            c.close()
+
+
+def _read_reply(s: socket.socket, limit: int = 1 << 16) -> bytes:
+    """Everything the server sends until it closes (bounded)."""
+    out = b""
+    while len(out) < limit:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _score_body(n=1, text="x"):
+    return json.dumps({"prompts": ["p"] * n, "responses": [text] * n}).encode()
+
+
+# ----------------------------------------------------------------------------------------------
+# body size, texts, tokens
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [50 << 20, 8 << 30])
+def test_large_body_is_refused_before_it_is_read(length):
+    with _Live(limits=ServerLimits(max_body_bytes=1 << 20, read_timeout_s=30)) as live, live.raw() as s:
+        s.sendall(f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {length}\r\n\r\n".encode() + b"[" * 65536)   # the start of the body only
+        t0 = time.monotonic()
+        reply = _read_reply(s)
+        assert time.monotonic() - t0 < 5          # answered at once, not after reading 50 MB / 8 GiB
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head
+    assert f"{length} bytes exceeds the limit of {1 << 20}" in json.loads(body)["error"]
+
+
+def test_missing_or_bad_content_length():
+    with _Live() as live:
+        for head, code in ((b"POST /score HTTP/1.1\r\nHost: x\r\n\r\n", b"411"),
+                           (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"400"),
+                           (b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"411")):
+            with live.raw() as s:
+                s.sendall(head)
+                assert _read_reply(s).startswith(b"HTTP/1.1 " + code)
+
+
+def test_too_many_texts_and_too_long_texts_get_413():
+    limits = ServerLimits(max_texts=100, max_text_tokens=50)
+    with _Live(limits=limits, count_tokens=lambda t: len(t.split())) as live:
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=10, retries=2, backoff_s=0.01,
+                                   max_texts=5000)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413\): 101 prompt/response pairs exceed the limit of "
+                                                    r"100 per request \(--max-texts\)"):
+            client.score(["p"] * 101, ["r"] * 101)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413\): responses\[1\] has 60 tokens, over the limit of 50"):
+            client.score(["p", "p"], ["short", "w " * 60])
+        assert client.score(["p"] * 100, ["r"] * 100) == [1.0] * 100     # at the limit: fine
+        # the client splits long lists by itself
+        splitting = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=10, retries=0, max_texts=40)
+        before = splitting.health()["requests"]
+        assert splitting.score(["p"] * 101, ["ab"] * 101) == [2.0] * 101
+        assert splitting.health()["requests"] - before == 3
+
+
+def test_deep_json_gets_400():
+    with _Live() as live:
+        for body in (b"[" * 100_000, b'{"prompts": ' + b"[" * 100_000 + b"]" * 100_000 + b', "responses": []}'):
+            status, answer = live.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+            assert status == 400, answer
+            assert "nested too deeply" in answer["error"] or "bad request" in answer["error"]
+        status, answer = live.request("POST", "/score", body=b"[" * 100_000)
+        assert (status, answer["error"]) == (400, "bad request: JSON nested too deeply")
+        assert live.request("POST", "/score", body=_score_body())[0] == 200    # still serving
+
+
+# ----------------------------------------------------------------------------------------------
+# slow, half-open and too many clients
+# ----------------------------------------------------------------------------------------------
+
+def test_half_open_and_slow_clients_are_timed_out():
+    with _Live(limits=ServerLimits(read_timeout_s=0.5)) as live:
+        # connects and sends nothing
+        with live.raw() as idle:
+            t0 = time.monotonic()
+            assert _read_reply(idle) == b""
+            assert 0.3 < time.monotonic() - t0 < 4
+        # sends a byte of the headers every 0.1 s (each read is quick, the request never ends)
+        with live.raw() as slow:
+            t0 = time.monotonic()
+            closed = False
+            for ch in b"POST /score HTTP/1.1\r\nHost: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx":
+                try:
+                    slow.sendall(bytes([ch]))
+                except OSError:
+                    closed = True
+                    break
+                slow.settimeout(0.1)
+                try:
+                    if slow.recv(1) == b"":
+                        closed = True
+                        break
+                except socket.timeout:
+                    pass
+            assert closed and time.monotonic() - t0 < 4
+        # full headers, then only part of the body: 408
+        with live.raw() as partial:
+            partial.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prom")
+            assert _read_reply(partial).startswith(b"HTTP/1.1 408")
+        assert live.request("POST", "/score", body=_score_body())[0] == 200
+
+
+def test_connections_are_bounded():
+    with _Live(limits=ServerLimits(read_timeout_s=3.0, max_connections=4)) as live:
+        threads_before = threading.active_count()
+        socks = [live.raw() for _ in range(300)]         # half-open: never send anything
+        try:
+            time.sleep(0.3)
+            assert threading.active_count() <= threads_before + 4
+            busy = 0
+            for s in socks[4:]:
+                s.settimeout(2.5)
+                reply = _read_reply(s)
+                busy += reply.startswith(b"HTTP/1.1 503")
+            assert busy == 296
+        finally:
+            for s in socks:
+                s.close()
+        assert live.server.rejected_busy == 296
+        deadline = time.monotonic() + 8                  # the 4 held threads end by the read timeout
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= threads_before
+        assert live.request("POST", "/score", body=_score_body())[0] == 200
+
+
+def test_client_retries_a_busy_server():
+    with _Live(limits=ServerLimits(read_timeout_s=1.5, max_connections=1)) as live:
+        hog = live.raw()
+        time.sleep(0.1)
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=5, retries=4, backoff_s=0.3)
+        threading.Timer(0.2, hog.close).start()          # the slot frees up during the backoff
+        assert client.score(["p"], ["abc"]) == [3.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# batching: bounded model calls, small requests not starved, a stuck model times out
+# ----------------------------------------------------------------------------------------------
+
+def test_large_request_is_split_and_small_requests_ride_along():
+    order, gate = [], threading.Event()
+
+    def score(prompts, responses):
+        order.append(list(responses))
+        if len(order) == 1:
+            gate.wait(10)                  # hold the first call until the small request is queued
+        time.sleep(0.02)
+        return [float(len(r)) for r in responses]
+
+    with _Live(score, max_batch_size=8, max_wait_ms=0, limits=ServerLimits(max_texts=1000)) as live:
+        url = f"http://{HOST}:{live.port}"
+        big_done, small = threading.Event(), []
+
+        def big():
+            RemoteRewardModel(url, timeout_s=30, retries=0, max_texts=1000).score(["p"] * 400, ["bb"] * 400)
+            big_done.set()
+
+        def one():
+            small.append(RemoteRewardModel(url, timeout_s=30, retries=0).score(["p"], ["s"]))
+            small.append(big_done.is_set())
+
+        tb = threading.Thread(target=big)
+        tb.start()
+        for _ in range(500):
+            if order:
+                break
+            time.sleep(0.01)
+        ts = threading.Thread(target=one)
+        ts.start()
+        for _ in range(500):
+            if live.server.scorer._q.qsize():
+                break
+            time.sleep(0.01)
+        gate.set()
+        ts.join(timeout=30)
+        tb.join(timeout=30)
+    assert small == [[1.0], False]                        # answered while the large request still ran
+    assert big_done.is_set()
+    assert all(len(call) <= 8 for call in order) and sum(map(len, order)) == 401
+    assert "s" in order[1], order[:3]                     # in the very next model call
+
+
+def test_stuck_model_times_the_request_out():
+    release = threading.Event()
+
+    def score(prompts, responses):
+        release.wait(10)
+        return [0.0] * len(prompts)
+
+    with _Live(score, max_wait_ms=0, limits=ServerLimits(score_timeout_s=0.3)) as live:
+        status, answer = live.request("POST", "/score", body=_score_body())
+        release.set()
+    assert status == 503 and "not scored within 0.3 s" in answer["error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# authentication and /health
+# ----------------------------------------------------------------------------------------------
+
+def test_bearer_token_required_and_accepted(monkeypatch):
+    monkeypatch.delenv("TURBORLHF_RM_TOKEN", raising=False)
+    with _Live(token="s3cret", model_name="/private/models/rm") as live:
+        url = f"http://{HOST}:{live.port}"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, answer = live.request("POST", "/score", body=_score_body(), headers=headers)
+            assert status == 401 and "bearer token" in answer["error"]
+            assert live.request("GET", "/health", headers=headers)[0] == 401
+        with pytest.raises(RemoteRewardError, match=rf"reward model at {url} rejected the request \(HTTP 401\).*"
+                                                    r"TURBORLHF_RM_TOKEN"):
+            RemoteRewardModel(url, timeout_s=5, retries=2).score(["p"], ["r"])
+        assert RemoteRewardModel(url, timeout_s=5, token="s3cret").score(["p"], ["rr"]) == [2.0]
+        monkeypatch.setenv("TURBORLHF_RM_TOKEN", "s3cret")
+        health = RemoteRewardModel(url, timeout_s=5).health()
+    assert health["status"] == "ok" and health["auth"] is True and health["limits"]["max_texts"] == 1024
+    assert "/private" not in json.dumps(health) and "model" not in health
+
+
+def test_health_does_not_show_the_model_path():
+    with _Live(model_name="/home/someone/secret-rm") as live:
+        status, health = live.request("GET", "/health")
+    assert status == 200 and "secret-rm" not in json.dumps(health)
+    assert {"requests", "batches", "items", "limits"} <= set(health)
+
+
+def test_non_loopback_address_needs_a_token(capsys, monkeypatch):
+    monkeypatch.delenv("TURBORLHF_RM_TOKEN", raising=False)
+
+    def never_bind(self):  # this test must not listen on any address but loopback, even if the check breaks
+        raise AssertionError(f"would bind {self.server_address}")
+
+    monkeypatch.setattr(RewardHTTPServer, "server_bind", never_bind)
+    for host in ("0.0.0.0", "", "::", "10.1.2.3"):
+        assert not is_loopback(host)
+        with pytest.raises(ValueError, match="without a token"):
+            make_server(lambda p, r: [0.0] * len(p), host=host, port=0)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert serve_main(["--model", "does-not-exist", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "refusing to listen on '0.0.0.0' without a token" in err
+    assert "TURBORLHF_RM_TOKEN" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# the client against broken servers (a raw socket on loopback)
+# ----------------------------------------------------------------------------------------------
+
+class _FakeServer:
+    """Accepts up to len(replies) connections on 127.0.0.1, answers each with the next raw reply
+    (after reading the request's headers and body) and closes it."""
+
+    def __init__(self, replies):
+        self.replies, self.served = list(replies), 0
+        self.sock = socket.socket()
+        self.sock.bind((HOST, 0))
+        self.sock.listen()
+        self.sock.settimeout(10)
+        self.url = f"http://{HOST}:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        for reply in self.replies:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                head, _, body = data.partition(b"\r\n\r\n")
+                n = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")), 0)
+                while len(body) < n:
+                    body += conn.recv(4096)
+                conn.sendall(reply)
+                self.served += 1
+
+    def close(self):
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def _http(body: bytes, status="200 OK") -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+
+
+@pytest.mark.parametrize("reply, what", [
+    (b"hello, I am not a web server\r\n\r\n", "BadStatusLine"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"scores\": [1", "IncompleteRead"),
+])
+def test_client_broken_replies_are_retried_then_one_line(reply, what):
+    fake = _FakeServer([reply] * 3)
+    try:
+        client = RemoteRewardModel(fake.url, timeout_s=5, retries=2, backoff_s=0.01)
+        with pytest.raises(RemoteRewardError) as e:
+            client.score(["p"], ["r"])
+    finally:
+        fake.close()
+    msg = str(e.value)
+    assert msg.startswith(f"reward model at {fake.url} did not answer after 3 tries: broken HTTP reply ({what}")
+    assert "\n" not in msg and fake.served == 3
+
+
+def test_client_recovers_after_a_broken_reply_and_a_5xx():
+    fake = _FakeServer([b"garbage\r\n\r\n", _http(b'{"error": "overloaded"}', "502 Bad Gateway"),
+                        _http(b'{"scores": [0.5, -1]}')])
+    try:
+        scores = RemoteRewardModel(fake.url, timeout_s=5, retries=2, backoff_s=0.01).score(["a", "b"], ["c", "d"])
+    finally:
+        fake.close()
+    assert scores == [0.5, -1.0] and fake.served == 3
+
+
+@pytest.mark.parametrize("scores, bad", [("[true]", "true"), ('["1.0"]', '"1.0"'), ("[null]", "null"),
+                                         ("[1e999]", "Infinity"), ('[{"v": 1}]', '{"v": 1}')])
+def test_client_rejects_scores_that_are_not_numbers(scores, bad):
+    fake = _FakeServer([_http(b'{"scores": ' + scores.encode() + b"}")])
+    try:
+        with pytest.raises(RemoteRewardError, match=r"sent scores that are not finite numbers: scores\[0\] = ") as e:
+            RemoteRewardModel(fake.url, timeout_s=5, retries=0).score(["p"], ["r"])
+    finally:
+        fake.close()
+    assert fake.url in str(e.value) and bad in str(e.value)
+
+
+def test_expect_100_continue_with_a_large_body_is_refused_first():
+    with _Live(limits=ServerLimits(max_body_bytes=1000)) as live, live.raw() as s:
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        reply = _read_reply(s)
+    assert reply.startswith(b"HTTP/1.1 413") and b"100 Continue" not in reply
+
+
+
+def test_token_limit_uses_the_reward_models_tokenizer(tiny_model):
+    from turborlhf.rewards.server import load_rm_scorer
+
+    scorer = load_rm_scorer(str(tiny_model), "fp32", 64, 4)
+    n = scorer.count_tokens("hello there " * 30)
+    assert n > 20
+    with _Live(scorer, limits=ServerLimits(max_text_tokens=20), count_tokens=scorer.count_tokens) as live:
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=30, retries=0)
+        with pytest.raises(RemoteRewardError, match=rf"prompts\[0\] has {n} tokens, over the limit of 20"):
+            client.score(["hello there " * 30], ["ok"])
+        assert len(client.score(["hello"], ["ok"])) == 1
