@@ -539,13 +539,17 @@ class RMScorer:
     """``fn(prompts, responses) -> list[float]`` over a reward-model directory (`score_texts`),
     with ``count_tokens(text)`` by the model's tokenizer."""
 
-    def __init__(self, model_dir: str, dtype: str = "bf16", max_len: int = 1024, batch_size: int = 16) -> None:
+    def __init__(self, model_dir: str, dtype: str = "auto", max_len: int = 1024, batch_size: int = 16,
+                 device: str = "auto") -> None:
         import torch
 
+        from turborlhf.engine.hardware import compute_dtype, resolve_device
         from turborlhf.models.load import load_scalar_model, load_tokenizer
 
+        dev = resolve_device(device)
+        dtype = compute_dtype(dtype, dev)       # auto: bf16 only where the device computes it natively
         self.tok = load_tokenizer(model_dir)
-        self.model = load_scalar_model(model_dir, self.tok,
+        self.model = load_scalar_model(model_dir, self.tok, device=dev,
                                        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
         self.model.requires_grad_(False)
         self.dtype, self.max_len, self.batch_size = dtype, max_len, batch_size
@@ -559,9 +563,10 @@ class RMScorer:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
-def load_rm_scorer(model_dir: str, dtype: str = "bf16", max_len: int = 1024, batch_size: int = 16) -> RMScorer:
+def load_rm_scorer(model_dir: str, dtype: str = "auto", max_len: int = 1024, batch_size: int = 16,
+                   device: str = "auto") -> RMScorer:
     """`RMScorer` over a reward-model directory."""
-    return RMScorer(model_dir, dtype, max_len, batch_size)
+    return RMScorer(model_dir, dtype, max_len, batch_size, device)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -584,7 +589,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="seconds for a whole request to arrive (slow/idle connections are closed)")
     p.add_argument("--max-connections", type=int, default=d.max_connections, help="connections served at once")
     p.add_argument("--score-timeout-s", type=float, default=d.score_timeout_s, help="seconds a request may wait for scores")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="reward-model compute precision")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="reward-model compute precision (auto: bf16 only where the device computes it natively)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the reward model runs (auto: cuda, then mps, then cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores or $TURBORLHF_THREADS)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     a = p.parse_args(argv)
@@ -598,7 +606,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from turborlhf.engine.train import set_threads
 
     set_threads(a.threads)
-    score = load_rm_scorer(a.model, a.dtype, a.max_len, a.max_batch_size)
+    score = load_rm_scorer(a.model, a.dtype, a.max_len, a.max_batch_size, a.device)
     server = make_server(score, a.host, a.port, a.max_batch_size, a.max_wait_ms, a.model, quiet=not a.verbose,
                          limits=limits, token=a.token, count_tokens=score.count_tokens)
     print(f"[serve-rm] {a.model} on {server.url} (POST /score, GET /health; max_batch_size={a.max_batch_size}, "
