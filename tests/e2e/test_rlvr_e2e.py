@@ -190,3 +190,25 @@ def test_overlong_filter_masks_truncated_responses(tiny_model, tiny_rm, tiny_dat
     plain = tmp_path / "plain"
     _run(tiny_model, tiny_data, plain, f"reward_model={tiny_rm}", "rollout.min_new_tokens=8")
     assert max_weight_diff(weights(tiny_model), weights(plain)) > 1e-7
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume: with dynamic sampling (refill prompts and seeds per step and round) and the rest on,
+# a run stopped after step 1 and resumed ends with the same actor
+# ----------------------------------------------------------------------------------------------
+
+def test_rlvr_options_resume_exactly(tiny_model, tiny_data, tmp_path):
+    from tests.e2e.helpers import rewind_to
+
+    out = tmp_path / "resume"
+    extra = [_rule(tmp_path, HALF_CONSTANT), "reward_model=null", "algo.dynamic_sampling=true",
+             "algo.overlong_buffer_len=3", "algo.rollout_is=tis",
+             "algo.policy_loss=gspo", "rollout.dtype=bf16", "train.max_steps=3", "train.save_every=1",
+             "train.keep_checkpoints=3"]
+    rows = _run(tiny_model, tiny_data, out, *extra)
+    assert len(rows) == 3 and sum(r["rollout/groups_dropped"] for r in rows[1:]) > 0     # refills after step 1
+    final = weights(out)
+    assert max_weight_diff(weights(tiny_model), final) > 1e-7
+    rewind_to(out, 1)
+    _run(tiny_model, tiny_data, out, *extra, "--resume")
+    assert max_weight_diff(final, weights(out)) < 1e-6

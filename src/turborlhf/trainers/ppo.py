@@ -6,7 +6,7 @@ from TRL/OpenRLHF in docs/algorithms/ppo.md and docs/algorithms/critic_free.md.
 Per step (one rollout batch of `prompts_per_step × n_samples_per_prompt` responses, the samples of
 a prompt consecutive):
 
-1. generate: sample responses with the rollout engine (its own bf16 copy of the actor);
+1. generate with the rollout engine (its bf16 actor copy; + DAPO dynamic sampling: `ppo_rlvr`);
 2. experience: old log-probs (actor), reference log-probs (only if a KL term is on),
    values (critic, only for GAE), scores = Σ weight·score over the reward sources
    (`turborlhf.rewards.combine`: reward models, Python rules, remote `serve-rm` servers);
@@ -15,7 +15,7 @@ a prompt consecutive):
    minus β·KL(actor‖ref) at every token unless the KL is a loss term (`kl_use_loss`);
 4. advantages: `ADVANTAGE_ESTIMATORS[algo.advantage_estimator]`: GAE(γ, λ) (whitened), or the
    reward-to-go of the token rewards (whitened only for REINFORCE++);
-5. train: `ppo_epochs` passes over `num_mini_batches` mini-batches: clipped surrogate policy loss
+5. train: `ppo_epochs` passes over `num_mini_batches` mini-batches: policy loss (`algo.policy_loss`)
    (+ β·KL loss, − entropy bonus, + ptx_coef · SFT loss on one PPO-ptx micro-batch) for the actor,
    reduced by `algo.loss_reduction` with the mini-batch's global counts; clipped value loss for
    the critic; the actor's EMA (`ema_beta`) follows each actor step;
