@@ -87,10 +87,10 @@ def test_mismatch_metrics_and_rollout_is(tiny_model, tiny_rm, tiny_data, tmp_pat
     bf16 = _run(tiny_model, tiny_data, tmp_path / "bf16", rm, "rollout.dtype=bf16")   # a bf16 engine does not
     for a, b in zip(same, bf16):         # measured: ~3e-7 nats/token and ratios up to 1.002 vs ~5e-14 and 1 + 5e-7
         assert b["rollout/mismatch_kl"] > 1000 * a["rollout/mismatch_kl"] and b["rollout/mismatch_max_ratio"] > 1.0002
-    for mode in ("tis", "mis"):
+    for mode, level in (("tis", "token"), ("mis", "sequence")):
         out = tmp_path / mode
         rows = _run(tiny_model, tiny_data, out, rm, "rollout.dtype=bf16", f"algo.rollout_is={mode}",
-                    "algo.rollout_is_threshold=1.0")
+                    f"algo.rollout_is_level={level}", "algo.rollout_is_threshold=1.0")
         for r in rows:
             assert 0 < r["rollout/is_clipfrac"] < 1 and 0 < r["rollout/is_weight_mean"] < 1, (mode, r)
         # same rollouts as the uncorrected bf16 run (same seeds), different update
