@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from turborlhf.config_rlvr import RLVRAlgoFields, check_rlvr
+
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
     "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
@@ -309,7 +311,7 @@ CRITIC_FREE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
-class PPOAlgoCfg(Cfg):
+class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, overlong, rollout IS: config_rlvr.py
     prompts_per_step: int = Field(8, ge=1, description="prompts per rollout batch (one PPO step)")
     n_samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (> 1 for group estimators)")
     advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
@@ -418,6 +420,7 @@ class PPOConfig(Cfg):
             raise ValueError("algo.ptx_coef > 0 needs data.ptx_file (SFT-format or pair-format data)")
         from turborlhf.distributed.roles import check_colocation  # pure Python, no torch/Ray
         check_colocation(self.distributed, self.active_roles)
+        check_rlvr(self)
 
     @property
     def active_roles(self) -> tuple[str, ...]:

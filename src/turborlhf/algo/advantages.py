@@ -1,4 +1,5 @@
-"""Rewards and advantages: KL-shaped token rewards, GAE, discounted returns, group baselines.
+"""Rewards and advantages: KL-shaped token rewards, GAE, discounted returns, group baselines,
+DAPO's dynamic-sampling group filter and overlong reward shaping.
 
 Shapes: ``B`` sequences, ``T`` response tokens (right padding assumed by the peers, but every
 function here treats masked positions as *absent*: they are skipped by the recursions and
@@ -9,7 +10,7 @@ Sources: formulas.md §5–§7; OpenRLHF ``openrlhf/models/utils.py::compute_rew
 compute_advantages_and_returns``; TRL ``grpo_trainer.py``, ``rloo_trainer.py``; GAE:
 Schulman et al. 1506.02438 Eq. 16; GRPO: Shao et al. 2402.03300 §4.1.2; Dr. GRPO: Liu et al.
 2503.20783; RLOO: Ahmadian et al. 2402.14740 Eq. 5 (Kool et al. 2019); REINFORCE++: Hu
-2501.03262.
+2501.03262; DAPO: Yu et al. 2503.14476 §3.2 (dynamic sampling) and §3.4 Eq. 13 (overlong shaping).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ __all__ = [
     "group_mean_baseline",
     "leave_one_out_advantages",
     "sequence_to_token",
+    "kept_groups_mask",
+    "overlong_penalty",
 ]
 
 
@@ -271,3 +274,74 @@ def sequence_to_token(x_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     if x_B.shape != mask_BT.shape[:1]:
         raise ValueError(f"sequence_to_token: x_B shape {tuple(x_B.shape)} != ({mask_BT.shape[0]},)")
     return _zero_masked(x_B[:, None].expand(mask_BT.shape), mask_BT.bool())
+
+
+def kept_groups_mask(scores_B: torch.Tensor, group_size: int, atol: float = 0.0) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have rewards that are not all equal.
+
+    (Yu et al. 2503.14476 §3.2, Eq. 11's constraint ``0 < |{o_i : is_equivalent(a, o_i)}| < G``;
+    verl ``filter_groups``, which keeps a prompt when the std of its group's metric is > 0.) A
+    group whose G scores are all equal gets zero advantage under every group baseline, so it
+    adds no policy gradient, only dilutes the batch; the trainer drops it and samples more prompts.
+
+    Args:
+        scores_B: one scalar score per response, shape (N·G,), the G samples of a prompt
+            consecutive (the rollout layout).
+        group_size: G ≥ 1, samples per prompt.
+        atol: a group is kept when ``max - min > atol`` over its scores (default 0: exactly
+            equal scores are dropped, as verl's ``std > 0``).
+
+    Returns:
+        keep_N: bool tensor of shape (N,), True for groups to keep.
+
+    Raises:
+        ValueError: ``scores_B`` not 1-D, its length not a multiple of ``group_size``,
+            ``group_size < 1`` or ``atol < 0``.
+    """
+    if group_size < 1 or atol < 0:
+        raise ValueError(f"kept_groups_mask: need group_size >= 1 and atol >= 0, got {group_size}, {atol}")
+    if scores_B.dim() != 1 or scores_B.shape[0] % group_size:
+        raise ValueError(f"kept_groups_mask: expected scores of shape (N*{group_size},), got {tuple(scores_B.shape)}")
+    scores_NG = scores_B.view(-1, group_size)
+    return (scores_NG.amax(dim=1) - scores_NG.amin(dim=1)) > atol
+
+
+def overlong_penalty(
+    lengths_B: torch.Tensor,
+    max_len: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2503.14476 §3.4, Eq. 13), added to the score.
+
+    With ``L_max = max_len`` and ``L_cache = buffer_len``::
+
+        R_length(y) = 0                                  if |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                    = -1                                 if |y| > L_max
+
+    times ``penalty_factor`` (verl ``overlong_buffer.penalty_factor``; the paper's is 1). The
+    penalty falls linearly from 0 to ``-penalty_factor`` over the last ``buffer_len`` tokens.
+
+    Args:
+        lengths_B: response lengths in tokens (the stop token counted, as verl's
+            ``valid_response_length``), shape (B,).
+        max_len: L_max ≥ 1, the generation limit (``rollout.max_new_tokens``).
+        buffer_len: L_cache, 1 ≤ L_cache ≤ L_max.
+        penalty_factor: scale ≥ 0 of the penalty.
+
+    Returns:
+        penalty_B ≤ 0 (float), shape (B,).
+
+    Raises:
+        ValueError: ``lengths_B`` not 1-D, ``buffer_len`` outside [1, max_len] or
+            ``penalty_factor < 0``.
+    """
+    if lengths_B.dim() != 1:
+        raise ValueError(f"overlong_penalty: expected lengths of shape (B,), got {tuple(lengths_B.shape)}")
+    if not 1 <= buffer_len <= max_len or penalty_factor < 0:
+        raise ValueError(f"overlong_penalty: need 1 <= buffer_len <= max_len and penalty_factor >= 0, got "
+                         f"buffer_len={buffer_len}, max_len={max_len}, penalty_factor={penalty_factor}")
+    expected = max_len - buffer_len
+    r_B = ((expected - lengths_B.double()) / buffer_len).clamp(-1.0, 0.0)
+    return (penalty_factor * r_B).to(torch.get_default_dtype())

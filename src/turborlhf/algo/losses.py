@@ -1,4 +1,4 @@
-"""Losses: SFT NLL, pairwise reward model, DPO family, KTO, PPO clipped policy and value.
+"""Losses: SFT NLL, pairwise reward model, DPO family, KTO, PPO / GSPO / CISPO policy, value.
 
 Every loss returns an **unreduced** tensor — per token (``_BT``, 0 at masked positions) or per
 sequence/pair (``_B``) — and, where useful, a small dict of detached statistics. Reduce with
@@ -30,6 +30,8 @@ __all__ = [
     "kto_kl_estimate",
     "kto_loss",
     "ppo_policy_loss",
+    "gspo_policy_loss",
+    "cispo_policy_loss",
     "value_loss",
     "value_clipfrac",
     "entropy_from_logits",
@@ -397,6 +399,133 @@ def ppo_policy_loss(
         if dual_clip is not None:
             dual_active_BT = (adv_BT < 0) & (dual_clip * adv_BT > clipped_obj_BT)
             stats["dual_clipfrac"] = masked_mean(dual_active_BT.to(ratio_BT.dtype), mask_b)
+    return loss_BT, stats
+
+
+def gspo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float | None = 4e-4,
+) -> tuple[torch.Tensor, Stats]:
+    """GSPO clipped policy loss with a sequence-level importance ratio (Zheng et al. 2507.18071).
+
+    Eq. 5-7: ``s_i = (π_θ(y_i|x)/π_old(y_i|x))^(1/|y_i|) = exp((1/|y_i|) Σ_t (logp - old_logp))``
+    (the length-normalised geometric mean of the token ratios), clipped per *sequence*:
+    ``J = (1/G) Σ_i min(s_i A_i, clip(s_i, 1-ε_low, 1+ε_high) A_i)``. Written per token in the
+    paper's GSPO-token form (Eq. 13-14, verl ``compute_policy_loss_gspo``, OpenRLHF
+    ``policy_loss_type="gspo"``): ``s_it = sg[s_i] · π_θ(y_it)/sg[π_θ(y_it)]`` has the value
+    ``s_i`` and the gradient ``s_i ∇log π_θ(y_it)``, so
+
+        loss_it = -min(s_it A_it, clip(s_it, 1-ε_low, 1+ε_high) A_it).
+
+    Reduced with ``reduce_loss(mode="seq_mean_token_mean")`` and an advantage that is constant
+    over each response (GRPO's), this is exactly the GSPO objective and gradient; a per-token
+    advantage gives GSPO-token. ``log s_i`` is clamped to [-20, 20] (inside the stop-gradient).
+
+    Args:
+        logp_BT: current policy per-token log-probs (differentiable), shape (B, T).
+        old_logp_BT: behaviour-policy log-probs from the rollout, shape (B, T) (detached here).
+        adv_BT: advantages, shape (B, T) (detached here).
+        mask_BT: 0/1 response-token mask, shape (B, T).
+        eps_low: ε of the lower bound on ``s_i``, in [0, 1). Default 3e-4 (the paper's; sequence
+            ratios sit far closer to 1 than token ratios, so PPO's 0.2 rarely clips).
+        eps_high: ε of the upper bound; ``None`` = ``eps_low``. Default 4e-4 (the paper's).
+
+    Returns:
+        ``(loss_BT, stats)``, loss_BT 0 at masked positions. Stats (detached masked means over
+        the tokens of the local batch): ``clipfrac`` (tokens of responses whose clipped term is
+        active, i.e. token-weighted fraction of clipped responses), ``approx_kl`` (k3 of the
+        token ratios), ``ppo_kl`` (``old_logp - logp``), ``seq_ratio`` (mean ``s_i``).
+
+    Raises:
+        ValueError: shape mismatch or ε out of range.
+    """
+    _check_same("gspo_policy_loss", logp_BT, old_logp_BT, adv_BT, mask_BT, ndim=2)
+    eps_high = eps_low if eps_high is None else eps_high
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
+        raise ValueError(f"gspo_policy_loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    mask_b = mask_BT.bool()
+    logp_BT = _zero_masked(logp_BT, mask_b)
+    old_logp_BT = _zero_masked(old_logp_BT.detach(), mask_b)
+    adv_BT = _zero_masked(adv_BT.detach(), mask_b)
+    n_B = mask_b.sum(dim=1).clamp(min=1).to(logp_BT.dtype)
+    log_s_B = ((logp_BT.detach() - old_logp_BT).sum(dim=1) / n_B).clamp(-20.0, 20.0)
+    log_s_BT = logp_BT - logp_BT.detach() + log_s_B[:, None]          # value log s_i, gradient ∇logp_it
+    s_BT = torch.exp(log_s_BT)
+    surr1_BT = s_BT * adv_BT
+    surr2_BT = s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT
+    loss_BT = _zero_masked(-torch.minimum(surr1_BT, surr2_BT), mask_b)
+    with torch.no_grad():
+        log_ratio_BT = (logp_BT - old_logp_BT).clamp(-20.0, 20.0)
+        stats = {
+            "clipfrac": masked_mean((surr2_BT < surr1_BT).to(logp_BT.dtype), mask_b),
+            "approx_kl": masked_mean(torch.expm1(log_ratio_BT) - log_ratio_BT, mask_b),
+            "ppo_kl": masked_mean(old_logp_BT - logp_BT, mask_b),
+            "seq_ratio": torch.exp(log_s_B).mean(),
+        }
+    return loss_BT, stats
+
+
+def cispo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    eps_high: float,
+    eps_low: float | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1, 2506.13585).
+
+    Eq. 4-5: ``J = (1/Σ_i|o_i|) Σ_i Σ_t sg(r̂_it) Â_it log π_θ(o_it)`` with
+    ``r̂ = clip(r, 1-ε_low, 1+ε_high)``, ``r = π_θ/π_old`` per token, so
+
+        loss_it = -sg(clip(r_it, 1-ε_low, 1+ε_high)) · A_it · logp_it.
+
+    Unlike the PPO clip, no token's gradient is dropped: a token whose ratio left the range
+    keeps its gradient ``r̂ A ∇logp`` with the weight capped. The paper sets no lower bound
+    (ε_low^IS large) and tunes ε_high only; ``eps_low=None`` does the same. Reduce with
+    ``reduce_loss(mode="token_mean")`` for Eq. 4's ``1/Σ|o_i|``. At ``r = 1`` the gradient
+    equals the PPO/GRPO one, but the loss *value* is ``-A·logp`` (not ``-A``), so it is not
+    comparable to the PPO loss. ``log r`` is clamped to [-20, 20].
+
+    Args:
+        logp_BT: current policy per-token log-probs (differentiable), shape (B, T).
+        old_logp_BT: behaviour-policy log-probs from the rollout, shape (B, T) (detached here).
+        adv_BT: advantages, shape (B, T) (detached here).
+        mask_BT: 0/1 response-token mask, shape (B, T).
+        eps_high: ε_high^IS ≥ 0: the weight is at most ``1 + eps_high``.
+        eps_low: ε_low^IS in [0, 1], or ``None`` (default, the paper's choice): no lower bound.
+
+    Returns:
+        ``(loss_BT, stats)``, loss_BT 0 at masked positions. Stats (detached masked means over
+        the local batch): ``clipfrac`` (tokens whose weight was capped, ``r`` outside the
+        range), ``approx_kl`` (k3 of the ratio), ``ppo_kl`` (``old_logp - logp``).
+
+    Raises:
+        ValueError: shape mismatch or ε out of range.
+    """
+    _check_same("cispo_policy_loss", logp_BT, old_logp_BT, adv_BT, mask_BT, ndim=2)
+    if eps_high < 0.0 or (eps_low is not None and not 0.0 <= eps_low <= 1.0):
+        raise ValueError(f"cispo_policy_loss: need eps_high >= 0 and eps_low in [0, 1] or None, "
+                         f"got {eps_high}, {eps_low}")
+    mask_b = mask_BT.bool()
+    logp_BT = _zero_masked(logp_BT, mask_b)
+    old_logp_BT = _zero_masked(old_logp_BT.detach(), mask_b)
+    adv_BT = _zero_masked(adv_BT.detach(), mask_b)
+    log_ratio_BT = (logp_BT.detach() - old_logp_BT).clamp(-20.0, 20.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    lo = 0.0 if eps_low is None else 1.0 - eps_low
+    weight_BT = ratio_BT.clamp(lo, 1.0 + eps_high)
+    loss_BT = _zero_masked(-weight_BT * adv_BT * logp_BT, mask_b)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((weight_BT != ratio_BT).to(logp_BT.dtype), mask_b),
+            "approx_kl": masked_mean((ratio_BT - 1.0) - log_ratio_BT, mask_b),
+            "ppo_kl": masked_mean(old_logp_BT - logp_BT, mask_b),
+        }
     return loss_BT, stats
 
 

@@ -6,7 +6,7 @@ from TRL/OpenRLHF in docs/algorithms/ppo.md and docs/algorithms/critic_free.md.
 Per step (one rollout batch of `prompts_per_step × n_samples_per_prompt` responses, the samples of
 a prompt consecutive):
 
-1. generate: sample responses with the rollout engine (its own bf16 copy of the actor);
+1. generate with the rollout engine (its bf16 actor copy; + DAPO dynamic sampling: `ppo_rlvr`);
 2. experience: old log-probs (actor), reference log-probs (only if a KL term is on),
    values (critic, only for GAE), scores = Σ weight·score over the reward sources
    (`turborlhf.rewards.combine`: reward models, Python rules, remote `serve-rm` servers);
@@ -15,7 +15,7 @@ a prompt consecutive):
    minus β·KL(actor‖ref) at every token unless the KL is a loss term (`kl_use_loss`);
 4. advantages: `ADVANTAGE_ESTIMATORS[algo.advantage_estimator]`: GAE(γ, λ) (whitened), or the
    reward-to-go of the token rewards (whitened only for REINFORCE++);
-5. train: `ppo_epochs` passes over `num_mini_batches` mini-batches: clipped surrogate policy loss
+5. train: `ppo_epochs` passes over `num_mini_batches` mini-batches: policy loss (`algo.policy_loss`)
    (+ β·KL loss, − entropy bonus, + ptx_coef · SFT loss on one PPO-ptx micro-batch) for the actor,
    reduced by `algo.loss_reduction` with the mini-batch's global counts; clipped value loss for
    the critic; the actor's EMA (`ema_beta`) follows each actor step;
@@ -54,8 +54,7 @@ import torch
 
 from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_returns, gae,
                             group_mean_baseline, group_normalized_advantages, kl_estimate, kl_penalized_rewards,
-                            leave_one_out_advantages, masked_mean, masked_whiten, ppo_policy_loss, reduce_loss,
-                            value_loss)
+                            leave_one_out_advantages, masked_mean, masked_whiten, reduce_loss, value_loss)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt
@@ -69,6 +68,7 @@ from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout.base import SamplingParams
+from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
 from turborlhf.trainers.sft import sft_loss_on_batch
 
 __all__ = ["train", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
@@ -136,12 +136,16 @@ class Experience:
     source_scores: Optional[dict] = None   # reward source name → scores_B
     adv_BR: Optional[torch.Tensor] = None
     returns_BR: Optional[torch.Tensor] = None
+    rollout_logp_BR: Optional[torch.Tensor] = None   # the rollout engine's log-probs of the sampled tokens
+    is_weight_BR: Optional[torch.Tensor] = None      # TIS/MIS weights of the policy loss (algo.rollout_is)
+    loss_mask_BR: Optional[torch.Tensor] = None      # actor-loss mask (algo.overlong_filter); None = mask_BR
 
     def rows(self, idx: torch.Tensor) -> "Experience":
         """Sub-batch of rows (trimmed to its own longest response)."""
         sub = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         r = int(sub["mask_BR"].sum(-1).max().clamp(min=1))
-        for k in ("mask_BR", "old_logp_BR", "ref_logp_BR", "values_BR", "kl_BR", "adv_BR", "returns_BR"):
+        for k in ("mask_BR", "old_logp_BR", "ref_logp_BR", "values_BR", "kl_BR", "adv_BR", "returns_BR",
+                  "rollout_logp_BR", "is_weight_BR", "loss_mask_BR"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :r]
         sub["ids_BT"] = sub["ids_BT"][:, :self.P + r]
@@ -229,29 +233,31 @@ def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
     R = cfg.rollout
     return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
                           top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
-                          n=cfg.algo.n_samples_per_prompt, seed=seed)
+                          n=cfg.algo.n_samples_per_prompt, seed=seed, return_logprobs=True)
 
 
-def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int) -> list[tuple[list, SamplingParams]]:
+def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int,
+                  attempt: int = 0) -> list[tuple[list, SamplingParams]]:
     """Split a step's prompts into work items of `distributed.rollout_chunk` prompts (default: one
     engine batch, ``rollout.batch_size // n_samples_per_prompt``), each with its own seed derived from
     (train.seed, step, item). Which engine runs an item then changes nothing: the same items give
-    the same responses on one engine or many."""
+    the same responses on one engine or many. `attempt` ≥ 1: a further dynamic-sampling round."""
     n = cfg.distributed.rollout_chunk or max(1, cfg.rollout.batch_size // cfg.algo.n_samples_per_prompt)
-    base = (cfg.train.seed * 100003 + step) * 1009
+    base = (cfg.train.seed * 100003 + step) * 1009 + attempt * 10**12
     return [(prompts[s:s + n], _sampling(cfg, tok, base + k)) for k, s in enumerate(range(0, len(prompts), n))]
 
 
-def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int):
+def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, attempt: int = 0):
     """Responses for `prompts` (n samples each, consecutive), from the engines' work queue.
-    Returns (response_ids, finished, items per engine rank)."""
-    items = rollout_items(cfg, tok, prompts, step)
+    Returns (response_ids, finished, items per engine rank, the engine's log-probs or None)."""
+    items = rollout_items(cfg, tok, prompts, step, attempt)
     D = cfg.distributed
     outs, served = cluster["rollout"].map_dynamic("generate", items, timeout_s=D.rollout_timeout_s,
                                                   retries=D.rollout_retries)
-    responses = [r for resp, _ in outs for r in resp]
-    finished = [f for _, fin in outs for f in fin]
-    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)]
+    responses = [r for out in outs for r in out[0]]
+    finished = [f for out in outs for f in out[1]]
+    logprobs = None if any(out[2] is None for out in outs) else [lp for out in outs for lp in out[2]]
+    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs
 
 
 def sync_weights(cluster, canary=None, tol: float = 0.05) -> dict:
@@ -351,12 +357,20 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     return A.fused_update == "always" or B <= cfg.train.micro_batch_size * group.world_size
 
 
+def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], responses: list[list[int]]):
+    """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B})."""
+    return _submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
+                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
+
+
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
-                    fused: tuple[bool, bool] = (False, False)) -> Experience:
+                    fused: tuple[bool, bool] = (False, False), rollout_logps: Optional[list[list[float]]] = None,
+                    scores: Optional[tuple] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
     then rewards and advantages on the driver (`score_and_advantages`). ``fused`` = (actor,
-    critic) keep their forward's graph for the coming update (`use_fused_update`)."""
+    critic) keep their forward's graph for the coming update (`use_fused_update`). `rollout_logps`: the
+    engine's, per row; `scores`: (raw, per source) if already scored (dynamic sampling)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
@@ -369,23 +383,24 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     elif cfg.algo.needs_reference and lora_reference(cfg):
         ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
     val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, fused[1]) if cluster.get("critic") else None
-    rew = _submit_rows(cluster["reward"], "score", B, mb,
-                       lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
-    raw_scores, per_source = rew()
+    raw_scores, per_source = scores or score_rows(cluster, cfg, ids, attn, prompt_ids, responses)()
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
-                                val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats)
+                                val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,
+                                None if rollout_logps is None else rlvr.pad_logprobs(rollout_logps, R),
+                                rlvr.score_shaping(cfg, mask.sum(-1)))
 
 
 def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[bool], old_logp_BR,
                          ref_logp_BR, values_BR, raw_scores_B, per_source: dict, kl_coef: float,
-                         reward_stats: Optional[RunningMoments]) -> Experience:
-    """Scores (normalised, EOS-penalised, clipped), per-token KL and the advantage estimator's
-    advantages and returns: pure tensor maths on the driver."""
+                         reward_stats: Optional[RunningMoments], rollout_logp_BR=None, shaping_B=None) -> Experience:
+    """Scores (normalised, + `shaping_B` (overlong penalty), EOS-penalised, clipped), per-token KL,
+    the advantage estimator's advantages and returns, and `rlvr.attach_rollout_fields`: pure tensor maths."""
     eos = torch.tensor(finished, dtype=torch.bool)
     scores = raw_scores_B.clone()
     if A.normalize_reward and reward_stats is not None:
         reward_stats.update(raw_scores_B)
         scores = reward_stats.normalize(scores)
+    scores = scores if shaping_B is None else scores + shaping_B
     if A.missing_eos_penalty is not None:
         scores = torch.where(eos, scores, scores - A.missing_eos_penalty)
     scores = scores.clamp(-A.reward_clip, A.reward_clip)
@@ -395,6 +410,7 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
                      per_source)
     exp.adv_BR, exp.returns_BR = ADVANTAGE_ESTIMATORS[A.advantage_estimator](
         scores, kl, values_BR, mask, _kl_reward_coef(ref_logp_BR is not None, A, kl_coef), A)
+    rlvr.attach_rollout_fields(exp, A, rollout_logp_BR)
     return exp
 
 
@@ -496,17 +512,17 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
     loss is taken through the experience forward's graph instead of a new forward."""
     A, P = cfg.algo, sub.P
     sub = sub.to(device)
-    mask = sub.mask_BR
+    mask = rlvr.policy_mask(sub)     # response tokens, less the overlong filter's rows
     w = float(mask.sum()) / counts["num_tokens"]
     B = mask.shape[0]
     stats = {}
     if kept is not None:
         logp, ent = kept.take(sub)
     else:
-        target = torch.cat([torch.zeros(B, P, device=device), mask], dim=1)
+        target = torch.cat([torch.zeros(B, P, device=device), sub.mask_BR], dim=1)
         logp, ent = actor_forward(actor, cfg, sub.ids_BT, sub.attn_BT, target, P)
-    pg_BR, pg_stats = ppo_policy_loss(logp, sub.old_logp_BR, sub.adv_BR, mask, A.eps_clip, A.eps_clip_high,
-                                      A.dual_clip)
+    pg_BR, pg_stats = rlvr.POLICY_LOSSES[A.policy_loss](logp, sub.old_logp_BR, sub.adv_BR, mask, A)  # ppo|gspo|cispo
+    pg_BR = pg_BR if sub.is_weight_BR is None else pg_BR * sub.is_weight_BR     # TIS/MIS (algo.rollout_is)
     pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
     ent_term = reduce_loss(ent, mask, A.loss_reduction, **counts)
     loss = pg - A.entropy_coef * ent_term
@@ -739,11 +755,10 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     """One PPO step (numbered as in the module docstring); returns the number of steps done."""
     A = cfg.algo
     t_step = time.perf_counter()
-    batch_prompts = [prompt_ids[i] for i in plan[step]]
-    # 1. generate (the n samples of a prompt are consecutive rows) on the engines' work queue
+    # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
     t0 = time.perf_counter()
-    responses, finished, per_engine = generate(cluster, cfg, tok, batch_prompts, step)
-    rows_prompts = [p for p in batch_prompts for _ in range(A.n_samples_per_prompt)]
+    ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step)
+    rows_prompts, responses, finished, per_engine = ro.prompts, ro.responses, ro.finished, ro.per_engine
     t_gen = time.perf_counter() - t0
     cluster["rollout"].run_alive("sleep")
     # 2-4. experience, rewards, advantages
@@ -751,8 +766,10 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     train_actor = step >= A.critic_warmup_steps
     fused = (train_actor and use_fused_update(cfg, len(rows_prompts), cluster["actor"]),
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
-    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused)
+    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused,
+                          ro.logprobs, ro.scores)
     t_exp = time.perf_counter() - t0
+    rlvr.mismatch_alarm(exp, A, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
     t0 = time.perf_counter()
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value)
@@ -768,6 +785,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
         kl_ctl.update(metrics[M.KL], len(exp.scores_B))
     metrics.update(stats)
     metrics.update(sync_metrics)
+    metrics.update(rlvr.rlvr_metrics(exp, cfg) | ro.metrics)
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                     M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
                     float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})

@@ -117,12 +117,14 @@ class _Trainable:
             out.append(o.detach().cpu())
         return torch.cat(out)
 
-    def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn) -> tuple[dict, int]:
+    def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn,
+                           mask_of=lambda exp: exp.mask_BR) -> tuple[dict, int]:
         """Run `micro_fn(sub_experience, counts, kept)` on this rank's micro-batches of every
         mini-batch (a contiguous block of whole micro-batches, as `ppo.row_shards` gave it in the
         experience phase), then `step_fn()`; returns (stats summed over steps, number of optimizer
         steps). `kept` is the micro-batch's `KeptForward` after a fused experience pass (consumed
-        here, so the graphs are freed with this update), else None."""
+        here, so the graphs are freed with this update), else None. `mask_of(exp)`: the mask whose
+        token counts reduce the losses (the actor's: `ppo_rlvr.policy_mask`, less filtered rows)."""
         from turborlhf.trainers.ppo import minibatch_counts, row_shards
 
         rank, world = dp_rank_world()
@@ -135,7 +137,7 @@ class _Trainable:
 
         kept, self._kept = getattr(self, "_kept", None), None
         for mini in schedule:
-            counts = minibatch_counts(exp.mask_BR[mini], self.cfg)
+            counts = minibatch_counts(mask_of(exp)[mini], self.cfg)
             shard = row_shards(len(mini), mb, world).get(rank)     # the rows the experience gave this rank
             for micro in (mini[shard].split(mb) if shard is not None else []):
                 if kept is not None and not kept:
@@ -224,6 +226,7 @@ class ActorWorker(_Trainable):
     def train(self, exp, schedule: list, kl_coef: float) -> tuple[dict, int]:
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
         from turborlhf.trainers.ppo import actor_micro_step
+        from turborlhf.trainers.ppo_rlvr import policy_mask
 
         def micro(sub, counts, kept):
             return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device, kept)
@@ -235,7 +238,7 @@ class ActorWorker(_Trainable):
                 self.ema.update()
             return stats
 
-        return self._train_minibatches(exp, schedule, micro, step)
+        return self._train_minibatches(exp, schedule, micro, step, mask_of=policy_mask)
 
     def _ptx(self) -> dict:
         """PPO-ptx on one micro-batch of SFT data, split over the ranks with the global token count."""
@@ -462,12 +465,13 @@ class RolloutWorker:
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"
 
-    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], list[bool]]:
-        """Responses (stop token included) and finished flags, samples of a prompt consecutive."""
+    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], list[bool], Optional[list]]:
+        """Responses (stop token included), finished flags and the engine's log-probs of the sampled
+        tokens (None unless ``params.return_logprobs``), samples of a prompt consecutive."""
         if self.engine is None:
             self.engine = self._build()
         out = self.engine.generate(prompts, params)
-        return out.response_ids, out.finished
+        return out.response_ids, out.finished, out.logprobs
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         if self.engine is None:

@@ -1,0 +1,252 @@
+"""The RLVR parts of `turborlhf ppo` (reinforcement learning with verifiable rewards), as helpers
+the PPO driver calls; the maths is in `turborlhf.algo`, the equations and the peers' names in
+docs/algorithms/critic_free.md.
+
+- `POLICY_LOSSES`: the per-token policy loss, ``algo.policy_loss`` = ppo | gspo | cispo;
+- `collect_rollouts`: step 1 of the PPO step, generation, with DAPO dynamic sampling
+  (``algo.dynamic_sampling``): groups whose scores are all equal are dropped and more prompts
+  sampled, at most ``dynamic_sampling_max_tries`` rounds;
+- `score_shaping`: DAPO's overlong penalty added to the score (``algo.overlong_buffer_len``);
+- `attach_rollout_fields`: the engine's log-probs, the TIS/MIS weights (``algo.rollout_is``) and the
+  overlong-filter loss mask (``algo.overlong_filter``) on the `Experience`;
+- `rlvr_metrics` / `mismatch_alarm`: the engine/trainer mismatch, always logged
+  (``rollout/mismatch_kl``, ``rollout/mismatch_max_ratio``), with an optional alarm.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from turborlhf.algo import (cispo_policy_loss, gspo_policy_loss, kept_groups_mask, overlong_penalty, ppo_policy_loss,
+                            rollout_is_weights, rollout_mismatch_stats)
+
+__all__ = ["POLICY_LOSSES", "Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
+           "pad_logprobs", "attach_rollout_fields", "policy_mask", "rlvr_metrics", "mismatch_alarm",
+           "RolloutMismatchError", "RolloutMismatchWarning"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy losses: one function per variant, (logp_BR, old_logp_BR, adv_BR, mask_BR, algo cfg) →
+# (per-token loss_BR, stats with clipfrac and approx_kl)
+# ----------------------------------------------------------------------------------------------
+
+def _ppo(logp, old, adv, mask, A):
+    return ppo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high, A.dual_clip)
+
+
+def _gspo(logp, old, adv, mask, A):
+    return gspo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high)
+
+
+def _cispo(logp, old, adv, mask, A):
+    return cispo_policy_loss(logp, old, adv, mask, A.eps_clip if A.eps_clip_high is None else A.eps_clip_high)
+
+
+POLICY_LOSSES: dict[str, Callable] = {"ppo": _ppo, "gspo": _gspo, "cispo": _cispo}
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1 with DAPO dynamic sampling
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Rollouts:
+    """One step's responses, row by row (the G samples of a prompt consecutive)."""
+
+    prompt_index: list[int]                  # index into the run's prompts, per row
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    finished: list[bool]
+    logprobs: Optional[list[list[float]]]    # the engine's log-probs of the sampled tokens (None: not returned)
+    per_engine: list[int]                    # work items served per rollout engine
+    scores: Optional[tuple] = None           # (raw_scores_B, {source: scores_B}) when already scored
+    metrics: dict = field(default_factory=dict)
+
+    def rows(self, idx: list[int]) -> "Rollouts":
+        pick = lambda xs: [xs[i] for i in idx]                                  # noqa: E731
+        scores = None if self.scores is None else (self.scores[0][idx], {k: v[idx] for k, v in self.scores[1].items()})
+        return Rollouts(pick(self.prompt_index), pick(self.prompts), pick(self.responses), pick(self.finished),
+                        None if self.logprobs is None else pick(self.logprobs), self.per_engine, scores)
+
+
+def _concat(parts: list[Rollouts]) -> Rollouts:
+    cat = lambda name: [x for p in parts for x in getattr(p, name)]             # noqa: E731
+    logprobs = None if any(p.logprobs is None for p in parts) else cat("logprobs")
+    raw = torch.cat([p.scores[0] for p in parts])
+    per = {k: torch.cat([p.scores[1][k] for p in parts]) for k in parts[0].scores[1]}
+    per_engine = [sum(n) for n in zip(*(p.per_engine for p in parts))]
+    return Rollouts(cat("prompt_index"), cat("prompts"), cat("responses"), cat("finished"), logprobs, per_engine,
+                    (raw, per))
+
+
+def _round(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int, attempt: int) -> Rollouts:
+    from turborlhf.trainers.ppo import generate
+
+    G = cfg.algo.n_samples_per_prompt
+    responses, finished, per_engine, logprobs = generate(cluster, cfg, tok, [prompt_ids[i] for i in index], step,
+                                                         attempt)
+    rows = [i for i in index for _ in range(G)]
+    return Rollouts(rows, [prompt_ids[i] for i in rows], responses, finished, logprobs, per_engine)
+
+
+def refill_prompts(n_prompts: int, n: int, seed: int, step: int, attempt: int) -> list[int]:
+    """The prompts of dynamic-sampling round `attempt` ≥ 1 of `step`: `n` indices drawn without
+    replacement (with, when fewer prompts exist) by a generator seeded from (seed, step, attempt),
+    so a resumed run draws the same ones."""
+    rng = random.Random(f"dynamic-sampling:{seed}:{step}:{attempt}")
+    return rng.sample(range(n_prompts), n) if n <= n_prompts else rng.choices(range(n_prompts), k=n)
+
+
+def filter_scores(cfg, raw_B: torch.Tensor, ro: Rollouts) -> torch.Tensor:
+    """The score the group filter compares: raw score + overlong penalty − missing-EOS penalty,
+    clipped (the score step 3 computes, before the optional running normalisation)."""
+    A = cfg.algo
+    s = raw_B.clone()
+    lengths = torch.tensor([len(r) for r in ro.responses])
+    shaping = score_shaping(cfg, lengths)
+    if shaping is not None:
+        s = s + shaping
+    if A.missing_eos_penalty is not None:
+        s = s - A.missing_eos_penalty * (~torch.tensor(ro.finished, dtype=torch.bool)).float()
+    return s.clamp(-A.reward_clip, A.reward_clip)
+
+
+def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int) -> Rollouts:
+    """Step 1: responses for the step's prompts `index`. With ``algo.dynamic_sampling`` (DAPO
+    2503.14476 §3.2), each round's rows are scored, groups whose `filter_scores` are all equal
+    (`turborlhf.algo.kept_groups_mask`) are dropped, and further rounds of ``len(index)`` prompts
+    (`refill_prompts`) are sampled until that many groups are kept or
+    ``dynamic_sampling_max_tries`` rounds are done; a batch still short is filled with the last
+    dropped groups, so every step trains on the same number of rows. Returns the kept rows (with
+    their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
+    ``rollout/groups_filled``."""
+    from turborlhf.trainers.ppo import assemble, score_rows
+
+    A = cfg.algo
+    G, N = A.n_samples_per_prompt, len(index)
+    ro = _round(cluster, cfg, tok, prompt_ids, index, step, 0)
+    if not A.dynamic_sampling:
+        return ro
+    kept: list[Rollouts] = []
+    dropped: list[Rollouts] = []
+    n_dropped = n_kept = rounds = 0
+    while True:
+        ids, attn, _, _ = assemble(ro.prompts, ro.responses, tok.pad_token_id)
+        ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses)()
+        keep = kept_groups_mask(filter_scores(cfg, ro.scores[0], ro), G).tolist()
+        rounds += 1
+        for g, k in enumerate(keep):
+            group = ro.rows(list(range(g * G, (g + 1) * G)))
+            (kept if k else dropped).append(group)
+        n_kept += sum(keep)
+        n_dropped += len(keep) - sum(keep)
+        if n_kept >= N or rounds >= A.dynamic_sampling_max_tries:
+            break
+        ro = _round(cluster, cfg, tok, prompt_ids, refill_prompts(len(prompt_ids), N, cfg.train.seed, step, rounds),
+                    step, rounds)
+    filled = max(0, N - n_kept)
+    if filled:
+        warnings.warn(f"dynamic sampling: {n_kept}/{N} groups with distinct scores after {rounds} rounds "
+                      f"(algo.dynamic_sampling_max_tries); filling the batch with {filled} dropped groups",
+                      RuntimeWarning, stacklevel=2)
+    out = _concat(kept[:N] + (dropped[-filled:] if filled else []))
+    out.metrics = {"rollout/groups_dropped": float(n_dropped), "rollout/sampling_rounds": float(rounds),
+                   "rollout/groups_filled": float(filled)}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps 2-4: overlong shaping, engine log-probs, IS weights, overlong filter
+# ----------------------------------------------------------------------------------------------
+
+def score_shaping(cfg, lengths_B: torch.Tensor) -> Optional[torch.Tensor]:
+    """DAPO overlong penalty (Eq. 13) per response from its token count, or None when off."""
+    A = cfg.algo
+    if not A.overlong_buffer_len:
+        return None
+    return overlong_penalty(lengths_B, cfg.rollout.max_new_tokens, A.overlong_buffer_len, A.overlong_penalty_factor)
+
+
+def pad_logprobs(logprobs: list[list[float]], R: int) -> torch.Tensor:
+    """Per-row engine log-probs → ``B×R`` (0 after each response)."""
+    out = torch.zeros(len(logprobs), R)
+    for i, lp in enumerate(logprobs):
+        if lp:
+            out[i, :len(lp)] = torch.tensor(lp[:R])
+    return out
+
+
+def attach_rollout_fields(exp, A, rollout_logp_BR: Optional[torch.Tensor]) -> None:
+    """Set the experience's engine log-probs, TIS/MIS weights (``algo.rollout_is``) and the
+    overlong filter's loss mask (``algo.overlong_filter``: rows without EOS get no actor loss)."""
+    if rollout_logp_BR is not None:
+        exp.rollout_logp_BR = rollout_logp_BR * exp.mask_BR
+    if A.rollout_is != "none":
+        if rollout_logp_BR is None:
+            raise RuntimeError(f"algo.rollout_is={A.rollout_is} needs the rollout engine's log-probs, and this "
+                               "engine returned none")
+        exp.is_weight_BR, _ = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR, A.rollout_is,
+                                                 A.rollout_is_threshold, A.rollout_is_level)
+    if A.overlong_filter:
+        exp.loss_mask_BR = exp.mask_BR * exp.eos_B[:, None].to(exp.mask_BR.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics and the mismatch alarm
+# ----------------------------------------------------------------------------------------------
+
+class RolloutMismatchError(RuntimeError):
+    """The engine's and the trainer's log-probs disagree beyond ``algo.mismatch_kl_alarm``."""
+
+
+class RolloutMismatchWarning(RuntimeWarning):
+    """As `RolloutMismatchError`, with ``algo.mismatch_kl_action: warn``."""
+
+
+def rlvr_metrics(exp, cfg) -> dict:
+    """Mismatch (``rollout/mismatch_kl``: k3 KL(engine‖trainer) per token, ``_k1``,
+    ``rollout/mismatch_max_ratio``/``_min_ratio`` of π_old/π_engine), IS weight statistics,
+    overlong penalty and filtered fraction, each only where it applies."""
+    A, out = cfg.algo, {}
+    if exp.rollout_logp_BR is not None:
+        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR)
+        out.update({"rollout/mismatch_kl": m["kl"], "rollout/mismatch_k1": m["k1"],
+                    "rollout/mismatch_max_ratio": m["max_ratio"], "rollout/mismatch_min_ratio": m["min_ratio"]})
+    if exp.is_weight_BR is not None:
+        _, s = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR, A.rollout_is,
+                                  A.rollout_is_threshold, A.rollout_is_level)
+        out.update({"rollout/is_weight_mean": float(s["is_weight_mean"]),
+                    "rollout/is_clipfrac": float(s["is_clipfrac"])})
+    shaping = score_shaping(cfg, exp.mask_BR.sum(-1))
+    if shaping is not None:
+        out["rollout/overlong_penalty"] = float(shaping.mean())
+    if exp.loss_mask_BR is not None:
+        out["rollout/overlong_filtered_frac"] = float((~exp.eos_B).float().mean())
+    return out
+
+
+def mismatch_alarm(exp, A, step: int) -> Optional[float]:
+    """With ``algo.mismatch_kl_alarm`` set: warn (`RolloutMismatchWarning`) or raise
+    `RolloutMismatchError` (before the step's update) when the per-token KL between the engine's
+    and the trainer's log-probs exceeds it. Returns the KL (None without engine log-probs)."""
+    if exp.rollout_logp_BR is None:
+        return None
+    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR)["kl"]
+    if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
+        msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
+               "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "
+               "weights); see rollout/mismatch_max_ratio, consider algo.rollout_is=tis or rollout.dtype=fp32")
+        if A.mismatch_kl_action == "error":
+            raise RolloutMismatchError(msg)
+        warnings.warn(msg, RolloutMismatchWarning, stacklevel=2)
+    return kl
+
+
+def policy_mask(exp) -> torch.Tensor:
+    """The actor-loss mask: the overlong filter's when set, else every response token."""
+    return exp.mask_BR if exp.loss_mask_BR is None else exp.loss_mask_BR
+

@@ -1,0 +1,214 @@
+"""RLVR options of `turborlhf ppo` on the tiny GRPO config: GSPO / CISPO policy losses, DAPO dynamic
+sampling and overlong shaping / filtering, the engine/trainer mismatch metrics, TIS/MIS and the alarm."""
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
+from turborlhf.cli import main
+from turborlhf.config import ConfigError, PPOConfig, load_config
+from turborlhf.trainers.ppo_rlvr import RolloutMismatchError, RolloutMismatchWarning
+
+GRPO_YAML = REPO / "configs/tiny/grpo.yaml"
+
+
+def _args(tiny_model, tiny_data, out, *extra):
+    return [f"actor.name_or_path={tiny_model}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+            "data.max_samples=32", f"output_dir={out}", "log.tensorboard=false", "train.threads=1", *extra]
+
+
+def _run(tiny_model, tiny_data, out, *extra):
+    run_cli("ppo", "--config", GRPO_YAML, *_args(tiny_model, tiny_data, out, *extra))
+    return [r for r in metrics(out) if "rollout/reward_mean" in r]
+
+
+def _rule(tmp_path, body: str) -> str:
+    f = tmp_path / "rule.py"
+    f.write_text(f"def score(prompts, responses):\n    return {body}\n")
+    return f"rewards=[{{kind: function, path: {f}:score}}]"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: every bad combination is a one-line error naming the field
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, field", [
+    (["algo.dynamic_sampling=true", "algo.advantage_estimator=reinforce_pp"], "algo.dynamic_sampling"),
+    (["algo.policy_loss=gspo", "algo.loss_reduction=token_mean"], "algo.loss_reduction"),
+    (["algo.policy_loss=cispo", "algo.dual_clip=3.0"], "algo.dual_clip"),
+    (["algo.overlong_buffer_len=8"], "algo.overlong_buffer_len"),                 # = rollout.max_new_tokens
+    (["algo.rollout_is=tis", "rollout.temperature=0.7"], "algo.rollout_is"),
+    (["algo.mismatch_kl_alarm=0.01", "rollout.top_p=0.9"], "algo.mismatch_kl_alarm"),
+    (["algo.rollout_is_threshold=0.5"], "algo.rollout_is_threshold"),
+    (["algo.dynamic_sampling_max_tries=0"], "algo.dynamic_sampling_max_tries"),
+    (["algo.policy_loss=reinforce"], "algo.policy_loss"),
+])
+def test_bad_combinations_name_the_field(overrides, field, tmp_path):
+    args = _args("m", tmp_path, tmp_path / "x", "reward_model=rm", *overrides)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(PPOConfig, GRPO_YAML, args)
+
+
+def test_defaults_keep_the_old_behaviour():
+    A = PPOConfig.model_fields["algo"].default_factory()
+    assert (A.policy_loss, A.dynamic_sampling, A.overlong_buffer_len, A.overlong_filter, A.rollout_is,
+            A.mismatch_kl_alarm) == ("ppo", False, 0, False, "none", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO and CISPO: they run, log, and train differently from the PPO clip
+# ----------------------------------------------------------------------------------------------
+
+def test_gspo_and_cispo_run_and_differ_from_ppo(tiny_model, tiny_rm, tiny_data, tmp_path):
+    rm = f"reward_model={tiny_rm}"
+    _run(tiny_model, tiny_data, tmp_path / "ppo", rm)
+    base = weights(tmp_path / "ppo")
+    for loss in ("gspo", "cispo"):
+        rows = _run(tiny_model, tiny_data, tmp_path / loss, rm, f"algo.policy_loss={loss}")
+        assert len(rows) == 2
+        for r in rows:
+            for k in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "actor_grad_norm", "rollout/mismatch_kl"):
+                assert math.isfinite(r[k]), (loss, k, r)
+        # the first of the two mini-batches is on-policy (same gradient for all three); the second is not
+        assert max_weight_diff(base, weights(tmp_path / loss)) > 1e-7, loss
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine/trainer mismatch: always logged; TIS/MIS weights; the alarm
+# ----------------------------------------------------------------------------------------------
+
+def test_mismatch_metrics_and_rollout_is(tiny_model, tiny_rm, tiny_data, tmp_path):
+    rm = f"reward_model={tiny_rm}"
+    same = _run(tiny_model, tiny_data, tmp_path / "fp32", rm)         # fp32 engine, fp32 actor: they agree
+    assert all(r["rollout/mismatch_kl"] < 1e-6 and abs(r["rollout/mismatch_max_ratio"] - 1) < 1e-3 for r in same)
+    assert "rollout/is_weight_mean" not in same[0]
+    bf16 = _run(tiny_model, tiny_data, tmp_path / "bf16", rm, "rollout.dtype=bf16")   # a bf16 engine does not
+    for a, b in zip(same, bf16):         # measured: ~3e-7 nats/token and ratios up to 1.002 vs ~5e-14 and 1 + 5e-7
+        assert b["rollout/mismatch_kl"] > 1000 * a["rollout/mismatch_kl"] and b["rollout/mismatch_max_ratio"] > 1.0002
+    for mode, level in (("tis", "token"), ("mis", "sequence")):
+        out = tmp_path / mode
+        rows = _run(tiny_model, tiny_data, out, rm, "rollout.dtype=bf16", f"algo.rollout_is={mode}",
+                    f"algo.rollout_is_level={level}", "algo.rollout_is_threshold=1.0")
+        for r in rows:
+            assert 0 < r["rollout/is_clipfrac"] < 1 and 0 < r["rollout/is_weight_mean"] < 1, (mode, r)
+        # same rollouts as the uncorrected bf16 run (same seeds), different update
+        assert rows[0]["rollout/mismatch_kl"] == pytest.approx(bf16[0]["rollout/mismatch_kl"])
+        assert max_weight_diff(weights(tmp_path / "bf16"), weights(out)) > 1e-7
+
+
+def test_mismatch_alarm_warns_or_stops(tiny_model, tiny_rm, tiny_data, tmp_path):
+    common = [f"reward_model={tiny_rm}", "rollout.dtype=bf16", "algo.mismatch_kl_alarm=1e-9", "train.max_steps=1"]
+    with pytest.warns(RolloutMismatchWarning, match="algo.mismatch_kl_alarm"):
+        _run(tiny_model, tiny_data, tmp_path / "warn", *common)
+    with pytest.raises(RolloutMismatchError, match=r"rollout/mismatch_kl = .* > algo.mismatch_kl_alarm"):
+        main(["ppo", "--config", str(GRPO_YAML), *_args(tiny_model, tiny_data, tmp_path / "err", *common,
+                                                         "algo.mismatch_kl_action=error")])
+    assert not (tmp_path / "err" / "checkpoints").exists() or not any((tmp_path / "err" / "checkpoints").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO dynamic sampling
+# ----------------------------------------------------------------------------------------------
+
+# prompts whose rendered text has even length always score 0 (their groups are dropped); others
+# score by their response text
+HALF_CONSTANT = "[0.0 if len(p) % 2 == 0 else float(sum(map(ord, r)) % 7) for p, r in zip(prompts, responses)]"
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model, tiny_data, tmp_path):
+    from turborlhf.data.loaders import load_prompts
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.trainers.ppo import build_roles
+    from turborlhf.trainers.ppo_rlvr import collect_rollouts, filter_scores
+
+    cfg = load_config(PPOConfig, GRPO_YAML, _args(tiny_model, tiny_data, tmp_path / "x", _rule(tmp_path, HALF_CONSTANT),
+                                                  "reward_model=null", "algo.dynamic_sampling=true",
+                                                  "algo.prompts_per_step=4"))
+    tok = load_tokenizer(str(tiny_model))
+    texts = load_prompts(tiny_data / "train_prompts.jsonl", tok)[:32]
+    prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in texts]
+    parity = [len(tok.decode(p)) % 2 for p in prompt_ids]             # the rule sees the rendered prompt
+    even = [i for i, p in enumerate(parity) if p == 0]
+    odd = [i for i, p in enumerate(parity) if p == 1]
+    assert len(even) >= 2 and len(odd) >= 6
+    cluster = build_roles(cfg, None)
+    try:
+        ro = collect_rollouts(cluster, cfg, tok, prompt_ids, even[:2] + odd[:2], step=0)
+    finally:
+        cluster.shutdown()
+    G = cfg.algo.n_samples_per_prompt
+    assert len(ro.responses) == 4 * G and len(ro.scores[0]) == 4 * G
+    assert ro.metrics["rollout/groups_dropped"] >= 2 and ro.metrics["rollout/groups_filled"] == 0
+    assert ro.metrics["rollout/sampling_rounds"] >= 2
+    s = filter_scores(cfg, ro.scores[0], ro).view(4, G)
+    assert bool(((s.amax(1) - s.amin(1)) > 0).all())                      # every kept group has signal
+    assert all(parity[i] == 1 for i in ro.prompt_index)                   # no constant (even) prompt survived
+    assert ro.prompt_index[:2 * G] == [i for i in odd[:2] for _ in range(G)]   # the step's own first
+
+
+def test_dynamic_sampling_end_to_end_and_cap(tiny_model, tiny_data, tmp_path):
+    rows = _run(tiny_model, tiny_data, tmp_path / "ds", _rule(tmp_path, HALF_CONSTANT), "reward_model=null",
+                "algo.dynamic_sampling=true", "algo.kl_coef=0")
+    assert len(rows) == 2 and all(r["rollout/groups_filled"] == 0 for r in rows)
+    assert all(r["rollout/sampling_rounds"] >= 1 for r in rows) and all(math.isfinite(r["policy/loss"]) for r in rows)
+    # every score equal (no missing-EOS penalty to tell them apart): every round drops everything, the cap
+    # fills the batch (and warns)
+    with pytest.warns(RuntimeWarning, match="dynamic sampling"):
+        capped = _run(tiny_model, tiny_data, tmp_path / "cap", _rule(tmp_path, "[1.0] * len(responses)"),
+                      "reward_model=null", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_tries=3",
+                      "algo.kl_coef=0", "algo.missing_eos_penalty=null")
+    for r in capped:
+        assert (r["rollout/groups_dropped"], r["rollout/sampling_rounds"], r["rollout/groups_filled"]) == (6, 3, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO overlong shaping and filtering
+# ----------------------------------------------------------------------------------------------
+
+def test_overlong_penalty_is_in_the_score(tiny_model, tiny_rm, tiny_data, tmp_path):
+    rows = _run(tiny_model, tiny_data, tmp_path / "ol", f"reward_model={tiny_rm}", "algo.overlong_buffer_len=4",
+                "algo.overlong_penalty_factor=2.0", "algo.missing_eos_penalty=0.5")
+    for r in rows:
+        assert r["rollout/overlong_penalty"] < 0
+        # score = raw + overlong penalty − missing-EOS penalty (no clipping at these magnitudes)
+        expected = r["rollout/reward_mean"] + r["rollout/overlong_penalty"] - 0.5 * (1 - r["rollout/eos_fraction"])
+        assert r["rollout/score_mean"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_overlong_filter_masks_truncated_responses(tiny_model, tiny_rm, tiny_data, tmp_path):
+    # min_new_tokens = max_new_tokens: EOS is never sampled, every response is truncated → no actor loss
+    out = tmp_path / "filt"
+    rows = _run(tiny_model, tiny_data, out, f"reward_model={tiny_rm}", "algo.overlong_filter=true",
+                "rollout.min_new_tokens=8")
+    for r in rows:
+        assert r["rollout/overlong_filtered_frac"] == 1.0 and r["policy/loss"] == 0.0 and r["actor_grad_norm"] == 0.0
+    assert max_weight_diff(weights(tiny_model), weights(out)) == 0.0
+    # without the filter the same rollouts do train
+    plain = tmp_path / "plain"
+    _run(tiny_model, tiny_data, plain, f"reward_model={tiny_rm}", "rollout.min_new_tokens=8")
+    assert max_weight_diff(weights(tiny_model), weights(plain)) > 1e-7
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume: with dynamic sampling (refill prompts and seeds per step and round) and the rest on,
+# a run stopped after step 1 and resumed ends with the same actor
+# ----------------------------------------------------------------------------------------------
+
+def test_rlvr_options_resume_exactly(tiny_model, tiny_data, tmp_path):
+    from tests.e2e.helpers import rewind_to
+
+    out = tmp_path / "resume"
+    extra = [_rule(tmp_path, HALF_CONSTANT), "reward_model=null", "algo.dynamic_sampling=true",
+             "algo.overlong_buffer_len=3", "algo.rollout_is=tis",
+             "algo.policy_loss=gspo", "rollout.dtype=bf16", "train.max_steps=3", "train.save_every=1",
+             "train.keep_checkpoints=3"]
+    rows = _run(tiny_model, tiny_data, out, *extra)
+    assert len(rows) == 3 and sum(r["rollout/groups_dropped"] for r in rows[1:]) > 0     # refills after step 1
+    final = weights(out)
+    assert max_weight_diff(weights(tiny_model), final) > 1e-7
+    rewind_to(out, 1)
+    _run(tiny_model, tiny_data, out, *extra, "--resume")
+    assert max_weight_diff(final, weights(out)) < 1e-6
