@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
-    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
+    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "DataFormatCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
     "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
     "default_tree",
 ]
@@ -150,11 +150,38 @@ class RolloutCfg(Cfg):
                                                           "a bf16 engine measures ~0.01 (rollout/sync.py)")
 
 
+class DataFormatCfg(Cfg):
+    """Key names and chat template of a command's data (shared by every ``data`` section)."""
+
+    prompt_key: str = Field("prompt", description="the data's key holding the prompt (OpenRLHF --input_key); a "
+                                                  "string is used verbatim, a message list gets the chat template")
+    chosen_key: str = Field("chosen", description="the data's key holding the preferred response")
+    rejected_key: str = Field("rejected", description="the data's key holding the dispreferred response")
+    response_key: str = Field("response", description="the data's key holding the SFT response / KTO completion "
+                                                      "(OpenRLHF --output_key)")
+    chat_template: Optional[str] = Field(None, description="chat template for message lists: chatml, plain, or a "
+                                                           "Jinja string; None = the tokenizer's own (a base model "
+                                                           "has none); saved with the trained model")
+
+    @model_validator(mode="after")
+    def _check_chat_template(self):
+        if self.chat_template:
+            from turborlhf.data.chat import resolve_chat_template  # pure Python
+
+            resolve_chat_template(self.chat_template)
+        return self
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the data loaders (``turborlhf.data.loaders``)."""
+        return {"keys": {"prompt": self.prompt_key, "chosen": self.chosen_key, "rejected": self.rejected_key,
+                         "response": self.response_key}, "chat_template": self.chat_template}
+
+
 # ----------------------------------------------------------------------------------------------
 # Commands
 # ----------------------------------------------------------------------------------------------
 
-class SFTDataCfg(Cfg):
+class SFTDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
                                              "or SFT JSONL ({prompt, response})")
     test_file: Optional[str] = _held_out()
@@ -177,7 +204,7 @@ class SFTConfig(Cfg):
     output_dir: str = Field("runs/sft", description="where checkpoints, metrics and the final model go")
 
 
-class RMDataCfg(Cfg):
+class RMDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats")
     max_len: int = _max_len(384)
@@ -202,7 +229,7 @@ class RMConfig(Cfg):
     output_dir: str = Field("runs/rm", description="where checkpoints, metrics and the final model go")
 
 
-class PPODataCfg(Cfg):
+class PPODataCfg(DataFormatCfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
     max_samples: int = _at_most("prompts")
@@ -417,7 +444,7 @@ class PPOConfig(Cfg):
 # DPO / KTO configs (owned by the DPO/KTO trainers)
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
-class DPODataCfg(Cfg):
+class DPODataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
     max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
@@ -475,7 +502,7 @@ class DPOConfig(Cfg):
         return self
 
 
-class KTODataCfg(Cfg):
+class KTODataCfg(DataFormatCfg):
     train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
                                              "(each pair = 1 desirable + 1 undesirable example)")
     test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
@@ -513,7 +540,7 @@ class KTOConfig(Cfg):
 # Rejection sampling / conditional SFT configs
 # ----------------------------------------------------------------------------------------------
 # >>> rs-csft configs
-class RSDataCfg(Cfg):
+class RSDataCfg(DataFormatCfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     max_samples: int = _at_most("prompts")
     max_len: int = _max_len(what="SFT sequence")
@@ -553,7 +580,7 @@ class RejectionSamplingConfig(Cfg):
     output_dir: str = Field("runs/rejection_sampling", description="where rounds, checkpoints and the final model go")
 
 
-class CSFTDataCfg(Cfg):
+class CSFTDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pair-format JSONL or raw HH (chosen AND rejected are used), "
                                              "or SFT JSONL ({prompt, response})")
     test_file: Optional[str] = _held_out(note=" (tagged NLL at the end)")

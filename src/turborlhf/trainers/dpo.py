@@ -174,13 +174,13 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. pairs → token ids (shared prompt truncation); deterministic plan of optimizer steps
-    pairs = load_pairs(cfg.data.train_file, tok)
+    pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in pairs]
     test_enc = []
     if cfg.data.test_file:
-        test_pairs = load_pairs(cfg.data.test_file, tok)
+        test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_pairs = test_pairs[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_pairs
         test_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in test_pairs]
     plan = plan_steps([max(len(e["chosen"]["input_ids"]), len(e["rejected"]["input_ids"])) for e in train_enc],

@@ -146,7 +146,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples → token ids; deterministic plan; each step's mismatched (KL) pairs
-    rows = load_kto(cfg.data.train_file, tok)
+    rows = load_kto(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     n_des = sum(bool(r["label"]) for r in rows)
@@ -158,7 +158,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     step_kl = [_kl_pairs(tok, rows, idx, cfg.data.max_len) for idx in plan]
     test_enc, test_kl = [], []
     if cfg.data.test_file:
-        test_rows = load_kto(cfg.data.test_file, tok)
+        test_rows = load_kto(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_rows = test_rows[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_rows
         if len(test_rows) >= 2:
             test_enc = _encode(tok, test_rows, cfg.data.max_len)

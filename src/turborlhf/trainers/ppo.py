@@ -645,7 +645,7 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
     tok = load_tokenizer(cfg.actor.name_or_path)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
+    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]

@@ -178,7 +178,7 @@ class ActorWorker(_Trainable):
         self.ema = EmaModel(self.model, A.ema_beta) if A.ema_beta is not None else None
         self.ptx = None
         if A.ptx_coef > 0:
-            self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok), cfg.data.ptx_max_len),
+            self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok, **cfg.data.loader_kwargs()), cfg.data.ptx_max_len),
                                  cfg.train.seed)
         if ckpt:
             st = torch.load(Path(ckpt) / "actor" / STATE_FILE, weights_only=False)

@@ -219,7 +219,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
+    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]

@@ -74,11 +74,11 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
         backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
 
     # 3. pairs → token ids; deterministic plan of optimizer steps
-    pairs = load_pairs(cfg.data.train_file, tok)
+    pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
-    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
     plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], T.pairs_per_step, T.epochs,
                       T.max_steps, T.seed)
     print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", T.pairs_per_step),

@@ -127,11 +127,11 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. data → token ids + response masks; a deterministic plan of optimizer steps
-    rows = load_sft(cfg.data.train_file, tok)
+    rows = load_sft(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     train_enc = encode_examples(tok, rows, cfg.data.max_len)
-    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
     T = cfg.train
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
     print_batch_table("sft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
