@@ -95,6 +95,11 @@ def test_key_mapping_question_answer(tok, tmp_path):
     kto.write_text(json.dumps({"q": RENDERED, "out": "Hello", "label": False}) + "\n")
     assert list(load_kto(kto, tok, keys={"prompt": "q", "response": "out"})) == [
         {"prompt": RENDERED, "completion": "Hello", "label": False}]
+    # the config's default keys leave every format as it was (KTO's completion included)
+    from turborlhf.config import DataFormatCfg
+
+    kto.write_text(json.dumps({"prompt": RENDERED, "completion": "Hello", "label": True}) + "\n")
+    assert len(load_kto(kto, tok, **DataFormatCfg().loader_kwargs())) == 1
 
 
 def test_jsonl_keeps_line_numbers_and_survives_binary(tok, tmp_path):

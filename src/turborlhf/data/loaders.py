@@ -80,7 +80,7 @@ def _key_map(keys: Mapping[str, str] | None, response_as: str) -> dict[str, str]
         if canon not in CANONICAL_KEYS:
             raise ValueError(f"unknown data key {canon!r}; known: {', '.join(CANONICAL_KEYS)}")
         target = response_as if canon == "response" else canon
-        if key and key != target:
+        if key and key not in (canon, target):  # the canonical name itself: nothing to rename
             out[key] = target
     return out
 
