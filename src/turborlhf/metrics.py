@@ -36,7 +36,9 @@ class M:
     CLIPFRAC = "policy/clipfrac"
     APPROX_KL = "policy/approx_kl"
     POLICY_LOSS = "policy/loss"
+    POLICY_GRAD_NORM = "policy/grad_norm"   # actor, before clipping
     VALUE_LOSS = "value/loss"
+    VALUE_GRAD_NORM = "value/grad_norm"     # critic, before clipping
     VALUE_CLIPFRAC = "value/clipfrac"
     EXPLAINED_VAR = "value/explained_variance"
     ADV_MEAN = "advantage/mean"
