@@ -117,8 +117,22 @@ class OptimCfg(Cfg):
 
 class LogCfg(Cfg):
     every: int = Field(1, ge=1, description="log metrics every N optimizer steps")
-    tensorboard: bool = Field(True, description="write TensorBoard event files under <output_dir>/tb")
+    tensorboard: bool = Field(True, description="write TensorBoard event files under <output_dir>/tb "
+                                                "(used when report_to is not set)")
+    report_to: Optional[list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = Field(
+        None, description="experiment trackers (HF TrainingArguments.report_to); None = [tensorboard] if "
+                          "log.tensorboard else []; settings by their env vars: WANDB_MODE=offline, "
+                          "MLFLOW_TRACKING_URI (default file:<output_dir>/mlruns), TRACKIO_DIR (turborlhf/trackers.py)")
+    project: str = Field("turborlhf", description="W&B project, MLflow experiment, Trackio project")
+    run_name: Optional[str] = Field(None, description="tracker run name; None = the output directory's name")
     progress: bool = Field(True, description="print a compact progress line per logged step")
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers this run writes to (``report_to``, else TensorBoard as ``tensorboard`` says)."""
+        if self.report_to is not None:
+            return list(dict.fromkeys(self.report_to))
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class TrainLoopCfg(Cfg):

@@ -54,7 +54,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
@@ -207,7 +207,7 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "dpo")
     log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, M.R_ACC, M.R_MARGIN, M.EVAL_ACC, M.LR),
-                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
+                        **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
     def checkpoint(step: int) -> None:

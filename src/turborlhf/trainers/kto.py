@@ -42,7 +42,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
@@ -181,7 +181,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "kto")
-    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:

@@ -64,7 +64,7 @@ from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
 from turborlhf.rewards.normalize import RunningMoments
@@ -697,7 +697,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
-                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+                        **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
 
     def checkpoint(step: int) -> Path:

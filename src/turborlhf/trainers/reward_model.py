@@ -23,7 +23,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
@@ -89,7 +89,7 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "rm")
-    log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:

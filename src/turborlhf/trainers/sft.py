@@ -22,7 +22,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import load_tokenizer, load_trainable
 
@@ -83,7 +83,7 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, tag)
-    log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:
