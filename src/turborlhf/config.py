@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
     "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "DataFormatCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
-    "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
+    "SFTConfig", "RMConfig", "PPOConfig", "GRPOConfig", "RLOOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
     "default_tree",
 ]
 
@@ -452,6 +452,29 @@ class PPOConfig(Cfg):
         """The roles this run builds: critic only for gae, reference only with a KL term."""
         return tuple(r for r, on in (("actor", True), ("critic", self.algo.needs_critic), ("reward", True),
                                      ("reference", self.algo.needs_reference), ("rollout", True)) if on)
+
+
+# >>> algorithm presets: `turborlhf grpo` / `turborlhf rloo` run the ppo trainer with these defaults
+class GRPOConfig(PPOConfig):
+    """`turborlhf grpo`: the ppo trainer with GRPO's settings (Shao et al. 2402.03300): group-normalised
+    advantages over n_samples_per_prompt responses, no critic, KL(actor‖ref) as a k3 loss term,
+    seq-mean-token-mean reduction. Any algo.* field still overrides."""
+
+    algo: PPOAlgoCfg = Field(default_factory=lambda: PPOAlgoCfg(
+        advantage_estimator="grpo", n_samples_per_prompt=4, kl_use_loss=True, kl_estimator="k3",
+        loss_reduction="seq_mean_token_mean"))
+    output_dir: str = Field("runs/grpo", description="where checkpoints, metrics and the final actor go")
+
+
+class RLOOConfig(PPOConfig):
+    """`turborlhf rloo`: the ppo trainer with RLOO's settings (Ahmadian et al. 2402.14740): the
+    leave-one-out baseline over n_samples_per_prompt responses, no critic, a k1 KL penalty in the
+    reward. Any algo.* field still overrides."""
+
+    algo: PPOAlgoCfg = Field(default_factory=lambda: PPOAlgoCfg(
+        advantage_estimator="rloo", n_samples_per_prompt=4, kl_use_loss=False, kl_estimator="k1"))
+    output_dir: str = Field("runs/rloo", description="where checkpoints, metrics and the final actor go")
+# <<< algorithm presets
 
 
 # ----------------------------------------------------------------------------------------------
