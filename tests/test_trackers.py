@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from turborlhf.config import ConfigError, LogCfg, SFTConfig, load_config
+from turborlhf.config import ConfigError, SFTConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = [{"train/loss": 1.0 / s, "policy/kl": 0.1 * s, "note": "text", "nan": float("nan")} for s in (1, 2, 3)]
@@ -92,13 +92,17 @@ def test_every_tracker_gets_the_metrics(tmp_path, monkeypatch):
 
 
 def test_report_to_config_and_tensorboard_flag(tmp_path, monkeypatch):
-    base = ["data.train_file=x"]
-    assert load_config(SFTConfig, None, base).log.trackers == ["tensorboard"]
-    assert load_config(SFTConfig, None, base + ["log.tensorboard=false"]).log.trackers == []
-    assert load_config(SFTConfig, None, base + ["log.report_to=[wandb,mlflow]"]).log.trackers == ["wandb", "mlflow"]
+    from turborlhf.metrics import tracker_kwargs
+
+    def trackers(*ov):
+        return tracker_kwargs(load_config(SFTConfig, None, ["data.train_file=x", *ov]))["report_to"]
+
+    assert trackers() == ["tensorboard"]
+    assert trackers("log.tensorboard=false") == []
+    assert trackers("log.report_to=[wandb,mlflow,wandb]") == ["wandb", "mlflow"]
+    assert trackers("log.report_to=[]") == []
     with pytest.raises(ConfigError, match="log.report_to"):
-        load_config(SFTConfig, None, base + ["log.report_to=[comet]"])
-    assert LogCfg(report_to=[]).trackers == []
+        trackers("log.report_to=[comet]")
 
     from turborlhf.metrics import MetricsLogger
 

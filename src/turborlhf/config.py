@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
-    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "DataFormatCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
-    "SFTConfig", "RMConfig", "PPOConfig", "GRPOConfig", "RLOOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
-    "default_tree",
+    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
+    "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
+    "DataFormatCfg", "default_tree",
 ]
 
 
@@ -117,22 +117,13 @@ class OptimCfg(Cfg):
 
 class LogCfg(Cfg):
     every: int = Field(1, ge=1, description="log metrics every N optimizer steps")
-    tensorboard: bool = Field(True, description="write TensorBoard event files under <output_dir>/tb "
-                                                "(used when report_to is not set)")
+    tensorboard: bool = Field(True, description="TensorBoard events in <output_dir>/tb (when report_to is unset)")
     report_to: Optional[list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = Field(
-        None, description="experiment trackers (HF TrainingArguments.report_to); None = [tensorboard] if "
-                          "log.tensorboard else []; settings by their env vars: WANDB_MODE=offline, "
-                          "MLFLOW_TRACKING_URI (default file:<output_dir>/mlruns), TRACKIO_DIR (turborlhf/trackers.py)")
+        None, description="experiment trackers, as HF report_to (settings: their env vars, turborlhf/trackers.py); "
+                          "None = [tensorboard] if log.tensorboard else []")
     project: str = Field("turborlhf", description="W&B project, MLflow experiment, Trackio project")
     run_name: Optional[str] = Field(None, description="tracker run name; None = the output directory's name")
     progress: bool = Field(True, description="print a compact progress line per logged step")
-
-    @property
-    def trackers(self) -> list[str]:
-        """The trackers this run writes to (``report_to``, else TensorBoard as ``tensorboard`` says)."""
-        if self.report_to is not None:
-            return list(dict.fromkeys(self.report_to))
-        return ["tensorboard"] if self.tensorboard else []
 
 
 class TrainLoopCfg(Cfg):
@@ -165,35 +156,25 @@ class RolloutCfg(Cfg):
 
 
 class DataFormatCfg(Cfg):
-    """Key names and chat template of a command's data (shared by every ``data`` section)."""
+    """Key names and chat template of a command's data (every ``data`` section; data/loaders.py)."""
 
-    prompt_key: str = Field("prompt", description="the data's key holding the prompt (OpenRLHF --input_key); a "
-                                                  "string is used verbatim, a message list gets the chat template")
-    chosen_key: str = Field("chosen", description="the data's key holding the preferred response")
-    rejected_key: str = Field("rejected", description="the data's key holding the dispreferred response")
-    response_key: str = Field("response", description="the data's key holding the SFT response / KTO completion "
-                                                      "(OpenRLHF --output_key)")
-    chat_template: Optional[str] = Field(None, description="chat template for message lists: chatml, plain, or a "
-                                                           "Jinja string; None = the tokenizer's own (a base model "
-                                                           "has none); saved with the trained model")
+    prompt_key: str = Field("prompt", description="the data's prompt key (OpenRLHF --input_key); text or messages")
+    chosen_key: str = Field("chosen", description="the data's key of the preferred response")
+    rejected_key: str = Field("rejected", description="the data's key of the dispreferred response")
+    response_key: str = Field("response", description="the data's key of the SFT response / KTO completion")
+    chat_template: Optional[str] = Field(None, description="chatml, plain or a Jinja string; None = the tokenizer's "
+                                                           "own (a base model has none); saved with the model")
 
     @model_validator(mode="after")
     def _check_chat_template(self):
-        if self.chat_template:
-            from turborlhf.data.chat import resolve_chat_template  # pure Python
-
-            resolve_chat_template(self.chat_template)
-        return self
+        from turborlhf.data.chat import resolve_chat_template  # pure Python: raises for an unknown name
+        return self if not self.chat_template or resolve_chat_template(self.chat_template) else self
 
     def loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the data loaders (``turborlhf.data.loaders``)."""
-        return {"keys": {"prompt": self.prompt_key, "chosen": self.chosen_key, "rejected": self.rejected_key,
-                         "response": self.response_key}, "chat_template": self.chat_template}
+        keys = {"prompt": self.prompt_key, "chosen": self.chosen_key, "rejected": self.rejected_key}
+        return {"keys": {**keys, "response": self.response_key}, "chat_template": self.chat_template}
 
-
-# ----------------------------------------------------------------------------------------------
-# Commands
-# ----------------------------------------------------------------------------------------------
 
 class SFTDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
@@ -452,29 +433,6 @@ class PPOConfig(Cfg):
         """The roles this run builds: critic only for gae, reference only with a KL term."""
         return tuple(r for r, on in (("actor", True), ("critic", self.algo.needs_critic), ("reward", True),
                                      ("reference", self.algo.needs_reference), ("rollout", True)) if on)
-
-
-# >>> algorithm presets: `turborlhf grpo` / `turborlhf rloo` run the ppo trainer with these defaults
-class GRPOConfig(PPOConfig):
-    """`turborlhf grpo`: the ppo trainer with GRPO's settings (Shao et al. 2402.03300): group-normalised
-    advantages over n_samples_per_prompt responses, no critic, KL(actor‖ref) as a k3 loss term,
-    seq-mean-token-mean reduction. Any algo.* field still overrides."""
-
-    algo: PPOAlgoCfg = Field(default_factory=lambda: PPOAlgoCfg(
-        advantage_estimator="grpo", n_samples_per_prompt=4, kl_use_loss=True, kl_estimator="k3",
-        loss_reduction="seq_mean_token_mean"))
-    output_dir: str = Field("runs/grpo", description="where checkpoints, metrics and the final actor go")
-
-
-class RLOOConfig(PPOConfig):
-    """`turborlhf rloo`: the ppo trainer with RLOO's settings (Ahmadian et al. 2402.14740): the
-    leave-one-out baseline over n_samples_per_prompt responses, no critic, a k1 KL penalty in the
-    reward. Any algo.* field still overrides."""
-
-    algo: PPOAlgoCfg = Field(default_factory=lambda: PPOAlgoCfg(
-        advantage_estimator="rloo", n_samples_per_prompt=4, kl_use_loss=False, kl_estimator="k1"))
-    output_dir: str = Field("runs/rloo", description="where checkpoints, metrics and the final actor go")
-# <<< algorithm presets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -833,3 +791,10 @@ def _cfg_class(ann) -> type[Cfg] | None:
 def _short(v: Any) -> str:
     s = json.dumps(v) if not isinstance(v, str) else v
     return s if len(s) <= 20 else s[:17] + "..."
+
+
+def __getattr__(name: str) -> Any:  # the ppo presets of `turborlhf grpo` / `rloo` live in presets.py
+    if name in ("GRPOConfig", "RLOOConfig"):
+        from turborlhf import presets
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

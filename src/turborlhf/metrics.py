@@ -85,8 +85,9 @@ def tracker_kwargs(cfg) -> dict[str, Any]:
     from turborlhf.config import config_to_dict
 
     log = cfg.log
-    return {"report_to": log.trackers, "project": log.project, "run_name": log.run_name,
-            "config": config_to_dict(cfg)}
+    names = list(dict.fromkeys(log.report_to)) if log.report_to is not None else (
+        ["tensorboard"] if log.tensorboard else [])
+    return {"report_to": names, "project": log.project, "run_name": log.run_name, "config": config_to_dict(cfg)}
 
 
 class MetricsLogger:
