@@ -79,6 +79,22 @@ def test_chat_is_multi_turn_and_streams(tiny_model, monkeypatch, capsys):
                      io.StringIO("first\n/reset\nsecond\n"), io.StringIO(), system="Be brief.")
     assert "first" not in seen[1] and [m["content"] for m in conv[:2]] == ["Be brief.", "second"]
 
+    # the HF engine's reply arrives in pieces as it is decoded (the fast engine's in one write)
+    from turborlhf.rollout.hf import HFEngine
+
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            self.writes += 1
+            return super().write(text)
+
+    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(tok.eos_token_id,))
+    streamed, whole = Counting(), Counting()
+    chat_loop(HFEngine(str(tiny_model), dtype="fp32"), tok, params, io.StringIO("hello\n"), streamed, stream=True)
+    chat_loop(eng, tok, params, io.StringIO("hello\n"), whole)
+    assert streamed.getvalue() == whole.getvalue() and whole.writes == 1 and streamed.writes > 2
+
     # piped stdin through the command; the HF engine streams token by token, the same text as whole replies
     fast = _chat(tiny_model, monkeypatch, capsys, "hello\nagain\n")
     streamed = _chat(tiny_model, monkeypatch, capsys, "hello\nagain\n", "--engine", "hf")

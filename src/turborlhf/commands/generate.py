@@ -216,6 +216,9 @@ def chat_main(argv: list[str]) -> int:
     tok = load_tokenizer(path)
     try:
         set_chat_template(tok, a.chat_template)
+        if not tok.chat_template:
+            raise ValueError(f"{path}: the tokenizer has no chat template; give one with --chat-template "
+                             "(chatml, plain or a Jinja string)")
         engine = make_engine(a.engine, path, dtype=a.dtype, max_batch_size=1)
         stream = isinstance(engine, HFEngine) and not a.no_stream
         tty = sys.stdin.isatty()
