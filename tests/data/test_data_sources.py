@@ -65,6 +65,10 @@ def test_arrow_and_json_array_files(tok, tmp_path):
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": PAIRS[:1]}))
     assert len(load_pairs(wrapped, tok)) == 1
+    csv = tmp_path / "qa.csv"
+    csv.write_text("question,answer\nWhat?,This\n")
+    assert list(load_sft(csv, tok, keys={"prompt": "question", "response": "answer"})) == [
+        {"prompt": "What?", "response": "This"}]
     lines = tmp_path / "lines.json"       # a .json file holding JSON lines is read line by line
     lines.write_text("\n".join(json.dumps(r) for r in PAIRS) + "\n")
     with pytest.warns(DataWarning, match="at line 2"):
