@@ -23,6 +23,10 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "conditional-sft": ("turborlhf.trainers.conditional_sft", "train", "ConditionalSFTConfig",
                         "reward-conditioned SFT (score tags in the prompt, generate with the best tag)"),
     "pipeline": ("turborlhf.pipeline", "run", "PipelineConfig", "prepare data → SFT → RM → PPO → evaluation"),
+    "grpo": ("turborlhf.trainers.ppo", "train", "GRPOConfig", "`ppo` with the GRPO preset (group-normalised "
+             "advantages, no critic, k3 KL loss)"),
+    "rloo": ("turborlhf.trainers.ppo", "train", "RLOOConfig", "`ppo` with the RLOO preset (leave-one-out "
+             "baseline, no critic, KL in the reward)"),
 }
 
 OTHER_COMMANDS: dict[str, str] = {
@@ -34,6 +38,9 @@ OTHER_COMMANDS: dict[str, str] = {
     "serve-rm": "serve a reward model over HTTP with request batching",
     "plan": "estimate memory per role and device for a config before launch (reads no weights)",
     "bench": "time ppo/dpo/rm/grpo/generate against a peer (TRL, HF generate) side by side",
+    "generate": "batch inference: responses for a prompts file, written as JSONL",
+    "chat": "interactive multi-turn chat with a model (reads stdin)",
+    "export": "a checkpoint (LoRA merged) as a plain HF directory; --push-to-hub REPO",
 }
 
 
@@ -169,6 +176,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from turborlhf.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if cmd in ("generate", "chat", "export"):
+        from turborlhf.commands import main as commands_main
+
+        return commands_main(cmd, rest)
     print(f"error: unknown command '{cmd}' (see turborlhf --help)", file=sys.stderr)
     return 2
 

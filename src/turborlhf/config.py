@@ -25,7 +25,7 @@ __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
     "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
     "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
-    "default_tree",
+    "DataFormatCfg", "default_tree",
 ]
 
 
@@ -128,7 +128,12 @@ class OptimCfg(Cfg):
 
 class LogCfg(Cfg):
     every: int = Field(1, ge=1, description="log metrics every N optimizer steps")
-    tensorboard: bool = Field(True, description="write TensorBoard event files under <output_dir>/tb")
+    tensorboard: bool = Field(True, description="TensorBoard events in <output_dir>/tb (when report_to is unset)")
+    report_to: Optional[list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = Field(
+        None, description="experiment trackers, as HF report_to (settings: their env vars, turborlhf/trackers.py); "
+                          "None = [tensorboard] if log.tensorboard else []")
+    project: str = Field("turborlhf", description="W&B project, MLflow experiment, Trackio project")
+    run_name: Optional[str] = Field(None, description="tracker run name; None = the output directory's name")
     progress: bool = Field(True, description="print a compact progress line per logged step")
 
 
@@ -163,11 +168,28 @@ class RolloutCfg(Cfg):
                                                           "a bf16 engine measures ~0.01 (rollout/sync.py)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Commands
-# ----------------------------------------------------------------------------------------------
+class DataFormatCfg(Cfg):
+    """Key names and chat template of a command's data (every ``data`` section; data/loaders.py)."""
 
-class SFTDataCfg(Cfg):
+    prompt_key: str = Field("prompt", description="the data's prompt key (OpenRLHF --input_key); text or messages")
+    chosen_key: str = Field("chosen", description="the data's key of the preferred response")
+    rejected_key: str = Field("rejected", description="the data's key of the dispreferred response")
+    response_key: str = Field("response", description="the data's key of the SFT response / KTO completion")
+    chat_template: Optional[str] = Field(None, description="chatml, plain or a Jinja string; None = the tokenizer's "
+                                                           "own (a base model has none); saved with the model")
+
+    @model_validator(mode="after")
+    def _check_chat_template(self):
+        from turborlhf.data.chat import resolve_chat_template  # pure Python: raises for an unknown name
+        return self if not self.chat_template or resolve_chat_template(self.chat_template) else self
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the data loaders (``turborlhf.data.loaders``)."""
+        keys = {"prompt": self.prompt_key, "chosen": self.chosen_key, "rejected": self.rejected_key}
+        return {"keys": {**keys, "response": self.response_key}, "chat_template": self.chat_template}
+
+
+class SFTDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
                                              "or SFT JSONL ({prompt, response})")
     test_file: Optional[str] = _held_out()
@@ -190,7 +212,7 @@ class SFTConfig(Cfg):
     output_dir: str = Field("runs/sft", description="where checkpoints, metrics and the final model go")
 
 
-class RMDataCfg(Cfg):
+class RMDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats")
     max_len: int = _max_len(384)
@@ -215,7 +237,7 @@ class RMConfig(Cfg):
     output_dir: str = Field("runs/rm", description="where checkpoints, metrics and the final model go")
 
 
-class PPODataCfg(Cfg):
+class PPODataCfg(DataFormatCfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
     max_samples: int = _at_most("prompts")
@@ -433,7 +455,7 @@ class PPOConfig(Cfg):
 # DPO / KTO configs (owned by the DPO/KTO trainers)
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
-class DPODataCfg(Cfg):
+class DPODataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
     max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
@@ -491,7 +513,7 @@ class DPOConfig(Cfg):
         return self
 
 
-class KTODataCfg(Cfg):
+class KTODataCfg(DataFormatCfg):
     train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
                                              "(each pair = 1 desirable + 1 undesirable example)")
     test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
@@ -529,7 +551,7 @@ class KTOConfig(Cfg):
 # Rejection sampling / conditional SFT configs
 # ----------------------------------------------------------------------------------------------
 # >>> rs-csft configs
-class RSDataCfg(Cfg):
+class RSDataCfg(DataFormatCfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
     max_samples: int = _at_most("prompts")
     max_len: int = _max_len(what="SFT sequence")
@@ -569,7 +591,7 @@ class RejectionSamplingConfig(Cfg):
     output_dir: str = Field("runs/rejection_sampling", description="where rounds, checkpoints and the final model go")
 
 
-class CSFTDataCfg(Cfg):
+class CSFTDataCfg(DataFormatCfg):
     train_file: str = Field(..., description="pair-format JSONL or raw HH (chosen AND rejected are used), "
                                              "or SFT JSONL ({prompt, response})")
     test_file: Optional[str] = _held_out(note=" (tagged NLL at the end)")
@@ -785,3 +807,10 @@ def _cfg_class(ann) -> type[Cfg] | None:
 def _short(v: Any) -> str:
     s = json.dumps(v) if not isinstance(v, str) else v
     return s if len(s) <= 20 else s[:17] + "..."
+
+
+def __getattr__(name: str) -> Any:  # the ppo presets of `turborlhf grpo` / `rloo` live in presets.py
+    if name in ("GRPOConfig", "RLOOConfig"):
+        from turborlhf import presets
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

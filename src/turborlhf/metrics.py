@@ -1,4 +1,5 @@
-"""Metrics: one logger writes each step to stdout (a compact progress line), JSONL and TensorBoard.
+"""Metrics: one logger writes each step to stdout (a compact progress line), JSONL and the
+experiment trackers of ``log.report_to`` (TensorBoard, W&B, MLflow, Trackio: ``trackers.py``).
 
 Canonical metric names are defined here once and used by every trainer.
 """
@@ -9,9 +10,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-__all__ = ["MetricsLogger", "M", "format_duration"]
+__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs"]
 
 
 class M:
@@ -36,7 +37,9 @@ class M:
     CLIPFRAC = "policy/clipfrac"
     APPROX_KL = "policy/approx_kl"
     POLICY_LOSS = "policy/loss"
+    POLICY_GRAD_NORM = "policy/grad_norm"   # actor, before clipping
     VALUE_LOSS = "value/loss"
+    VALUE_GRAD_NORM = "value/grad_norm"     # critic, before clipping
     VALUE_CLIPFRAC = "value/clipfrac"
     EXPLAINED_VAR = "value/explained_variance"
     ADV_MEAN = "advantage/mean"
@@ -76,19 +79,38 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def tracker_kwargs(cfg) -> dict[str, Any]:
+    """``MetricsLogger`` keywords from a command's config: its ``log`` section's trackers, project
+    and run name, and the whole config (recorded once by each tracker)."""
+    from turborlhf.config import config_to_dict
+
+    log = cfg.log
+    names = list(dict.fromkeys(log.report_to)) if log.report_to is not None else (
+        ["tensorboard"] if log.tensorboard else [])
+    return {"report_to": names, "project": log.project, "run_name": log.run_name, "config": config_to_dict(cfg)}
+
+
 class MetricsLogger:
-    """Write metrics to ``<output_dir>/metrics.jsonl``, TensorBoard (``<output_dir>/tb``) and stdout.
+    """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and stdout.
 
     Args:
         output_dir: run directory.
         name: short stage name shown in the progress line (``sft``, ``rm``, ``ppo``).
         total_steps: for the progress percentage and the time-left estimate.
         show: keys shown in the progress line (others only go to files).
+        tensorboard: TensorBoard events in ``<output_dir>/tb`` when ``report_to`` is None.
+        report_to: trackers (``turborlhf.trackers.TRACKERS``); a missing TensorBoard only warns,
+            any other missing tracker package raises ``ImportError``.
+        project, run_name, config: passed to the trackers (``tracker_kwargs(cfg)`` fills them).
         resume: append to an existing metrics file instead of starting it anew.
     """
 
     def __init__(self, output_dir: str | Path, name: str, total_steps: int, show: tuple[str, ...] = (),
-                 tensorboard: bool = True, progress: bool = True, resume: bool = False, start_step: int = 0):
+                 tensorboard: bool = True, progress: bool = True, resume: bool = False, start_step: int = 0,
+                 report_to: Optional[Sequence[str]] = None, project: str = "turborlhf",
+                 run_name: Optional[str] = None, config: Optional[dict] = None):
+        from turborlhf.trackers import make_trackers
+
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name, self.total, self.show, self.progress = name, total_steps, show, progress
@@ -96,27 +118,28 @@ class MetricsLogger:
         if resume and path.exists():  # drop rows past the checkpoint we resume from
             keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= start_step]
             path.write_text("".join(l + "\n" for l in keep))
-        self._jsonl = open(path, "a" if resume else "w")
-        self._tb = None
-        if tensorboard:
+        names = list(report_to) if report_to is not None else (["tensorboard"] if tensorboard else [])
+        self._trackers = []
+        if "tensorboard" in names:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.dir / "tb"))
+                self._trackers += make_trackers(["tensorboard"], self.dir)
             except Exception as e:  # tensorboard missing or broken: keep going with JSONL
                 print(f"[{name}] TensorBoard disabled: {e}", file=sys.stderr)
+        self._trackers += make_trackers([n for n in names if n != "tensorboard"], self.dir, project, run_name, config)
+        self._jsonl = open(path, "a" if resume else "w")
         self._t0 = time.perf_counter()
         self._start_step = start_step
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        from turborlhf.trackers import finite_scalars
+
         row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
                                 for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        scalars = finite_scalars(row)
+        for t in self._trackers:
+            t.log(step, scalars)
         if self.progress:
             print(self.progress_line(step, row), flush=True)
 
@@ -134,5 +157,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for t in self._trackers:
+            t.close()
+        self._trackers = []

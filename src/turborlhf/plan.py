@@ -461,7 +461,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         from turborlhf.data.loaders import load_sft
         from turborlhf.trainers.sft import encode_examples
 
-        rows = load_sft(cfg.data.train_file, tok)
+        rows = load_sft(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
         rows = rows[:cfg.data.max_samples] if cfg.data.max_samples else rows
         enc = encode_examples(tok, rows, cfg.data.max_len)
         plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
@@ -473,7 +473,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
             from turborlhf.data.loaders import load_pairs
             from turborlhf.trainers.dpo import encode_pair
 
-            items = load_pairs(cfg.data.train_file, tok)
+            items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
             items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
             enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in items]
             seqs = lambda i: [enc[i]["chosen"], enc[i]["rejected"]]
@@ -482,7 +482,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
             from turborlhf.data.loaders import load_kto
             from turborlhf.data.tokenize import encode_prompt_response
 
-            items = load_kto(cfg.data.train_file, tok)
+            items = load_kto(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
             items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
             enc = [encode_prompt_response(tok, r["prompt"], r["completion"], cfg.data.max_len) for r in items]
             seqs = lambda i: [enc[i]]
@@ -500,7 +500,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         from turborlhf.models.forward import pack_shared_prefix
         from turborlhf.rewards.model import encode_pairs
 
-        items = load_pairs(cfg.data.train_file, tok)
+        items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
         items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
         enc = encode_pairs(tok, items, cfg.data.max_len)
         plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in enc], T.pairs_per_step, T.epochs,
@@ -514,7 +514,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         from turborlhf.data.loaders import load_prompts
         from turborlhf.data.tokenize import encode_prompt
 
-        prompts = load_prompts(cfg.data.prompts_file, tok)
+        prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
         prompts = prompts[:cfg.data.max_samples] if cfg.data.max_samples else prompts
         ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
         plan = plan_steps([len(p) for p in ids], cfg.algo.prompts_per_step, T.epochs, T.max_steps, T.seed)

@@ -99,7 +99,7 @@ def test_dp2_update_equals_dp1(strategy, tiny_model, tmp_path):
     from tests.e2e.helpers import weights
     init = weights(tiny_model)
     assert max(float((one["weights"][f"actor.{k}"] - v).abs().max()) for k, v in init.items()) > 1e-4  # it trained
-    assert one["actor"]["actor_grad_norm"] > 0 and one["critic"]["critic_grad_norm"] > 0
+    assert one["actor"]["policy/grad_norm"] > 0 and one["critic"]["value/grad_norm"] > 0
     for role in ("actor", "critic"):
         assert one[role].keys() == two[role].keys()
         for k in one[role]:

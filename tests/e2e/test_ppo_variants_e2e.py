@@ -132,7 +132,7 @@ def test_critic_free_estimators(estimator, tiny_model, tiny_rm, tiny_data, tmp_p
                 f"algo.advantage_estimator={estimator}", *VARIANTS[estimator])
     assert len(rows) == 2
     for r in rows:
-        for k in ("rollout/reward_mean", "policy/loss", "policy/entropy", "policy/clipfrac", "actor_grad_norm"):
+        for k in ("rollout/reward_mean", "policy/loss", "policy/entropy", "policy/clipfrac", "policy/grad_norm"):
             assert math.isfinite(r[k]), (k, r)
         assert not any(k.startswith("value/explained") or k.startswith("critic") or k == "value/loss" for k in r)
     assert sorted(p.name for p in (out / "checkpoints" / "step-000002").iterdir()) == ["actor", "trainer_state.pt"]

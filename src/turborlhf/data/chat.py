@@ -57,11 +57,52 @@ def response_text(x: Any) -> str | None:
     return None
 
 
+# Named templates for ``data.chat_template`` (tokenizers without one: base models).
+CHAT_TEMPLATES: dict[str, str] = {
+    # ChatML, as SmolLM2/Qwen write it: <|im_start|>role\ncontent<|im_end|>\n
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+        "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{% endif %}"
+    ),
+    # the messages' contents, separated by a blank line; no role names or special tokens
+    "plain": (
+        "{% for message in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ message['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
+    ),
+}
+
+
+def resolve_chat_template(spec: str) -> str:
+    """``data.chat_template`` -> a Jinja template: a name of ``CHAT_TEMPLATES`` or a Jinja string
+    (anything containing ``{{`` or ``{%``). Raises ``ValueError`` for an unknown name."""
+    if spec in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[spec]
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise ValueError(f"data.chat_template: {spec!r} is neither a named template ({', '.join(CHAT_TEMPLATES)}) "
+                     "nor a Jinja template")
+
+
+def set_chat_template(tokenizer, spec: str | None) -> None:
+    """Give ``tokenizer`` the template ``spec`` (see ``resolve_chat_template``); ``None`` keeps its own.
+
+    The template is then saved with the tokenizer (``save_pretrained``), so the trained model's
+    directory renders chats the same way in later stages and in ``turborlhf chat``.
+    """
+    if spec:
+        tokenizer.chat_template = resolve_chat_template(spec)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def require_chat_template(tokenizer) -> None:
     """Raise ``ValueError`` if ``tokenizer`` has no chat template (rendering would fail later)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(
             f"tokenizer {name!r} has no chat template; use an instruct/chat tokenizer or set "
-            "tokenizer.chat_template"
+            "data.chat_template (chatml, plain or a Jinja string)"
         )

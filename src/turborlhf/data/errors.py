@@ -26,14 +26,24 @@ def group_problems(problems: list[Problem]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def format_problems(problems: list[Problem], max_lines: int = 50) -> str:
-    """``"prompt_mismatch at lines 1255, 1689; empty_response at lines 87"`` (long lists elided)."""
+def format_problems(problems: list[Problem], max_lines: int = 50, unit: str = "line") -> str:
+    """One line: ``"missing_key (2) at lines 3, 7 (line 3: key 'chosen' is missing); ..."``.
+
+    Each kind lists its line (or row, ``unit="row"``) numbers, long lists elided, and the detail
+    of its first occurrence, which names the key or value at fault.
+    """
+    first: dict[str, Problem] = {}
+    for p in problems:
+        first.setdefault(p.kind, p)
     parts = []
     for kind, lines in group_problems(problems).items():
         shown = ", ".join(str(n) for n in lines[:max_lines])
         if len(lines) > max_lines:
             shown += f", ... ({len(lines) - max_lines} more)"
-        parts.append(f"{kind} ({len(lines)}) at line{'s' if len(lines) > 1 else ''} {shown}")
+        p = first[kind]
+        detail = " ".join(p.detail.split())  # one line even if a decoder message had newlines
+        why = f" ({unit} {p.line}: {detail})" if detail else ""
+        parts.append(f"{kind} ({len(lines)}) at {unit}{'s' if len(lines) > 1 else ''} {shown}{why}")
     return "; ".join(parts)
 
 

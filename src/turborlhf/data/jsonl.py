@@ -43,12 +43,18 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_no, obj)`` for each non-blank line of a ``.jsonl`` / ``.jsonl.gz`` file.
 
     ``line_no`` is 1-based and counts blank lines too, so it matches ``sed -n Np``. A line that is
-    not valid JSON yields ``(line_no, JsonLineError)`` instead of raising, so callers can report
-    it. Raises ``FileNotFoundError`` if ``path`` does not exist.
+    not valid JSON (or not UTF-8 text) yields ``(line_no, JsonLineError)`` instead of raising, so
+    callers can report it. Raises ``FileNotFoundError`` if ``path`` does not exist.
     """
     path = Path(path)
-    with _open_text(path, "r", path.name.endswith(".gz")) as f:
-        for line_no, line in enumerate(f, start=1):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield line_no, JsonLineError(f"not UTF-8 text ({e.reason} at byte {e.start})", repr(raw[:80]))
+                continue
             if not line.strip():
                 continue
             try:

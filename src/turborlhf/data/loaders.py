@@ -1,14 +1,26 @@
-"""Readers the trainers use: JSONL (or .jsonl.gz) -> lists of rendered text records.
+"""Readers the trainers use: a data file, dataset directory or hub id -> lists of rendered text records.
 
-Every loader detects the format per line, so files may mix formats. Strings given as ``prompt``
-are used verbatim (they must already be rendered with the chat template, as ``prepare_hh``
-writes them); message lists are rendered with the tokenizer's chat template and the generation
-prompt. Responses are plain text without an end-of-turn token (trainers append EOS).
+Sources (``data/sources.py``): JSON lines (``.jsonl``/``.jsonl.gz``, numbered by line), JSON
+arrays, Parquet, Arrow and CSV files, ``save_to_disk`` directories and hub ids through 🤗 datasets
+(numbered by row). Every loader detects the format per record, so files may mix formats.
 
-Bad lines are collected as ``Problem(line, kind, detail)`` with 1-based line numbers. With
-``strict=True`` any bad line raises ``DataError`` listing kinds and lines; otherwise they are
-skipped and one ``DataWarning`` reports how many and where. The returned ``Records`` is a plain
-list with a ``.problems`` attribute. A file with no usable record raises ``DataError``.
+Strings given as ``prompt`` are used verbatim (TRL's "standard" format: plain text for a base
+model, or a prompt already rendered with the chat template, as ``prepare_hh`` writes them);
+message lists are rendered with the tokenizer's chat template and the generation prompt (TRL's
+"conversational" format). A tokenizer without a chat template is only refused when a record
+needs one (``chat_template=`` gives it one, see ``data/chat.py``). Responses are plain text
+without an end-of-turn token (trainers append EOS).
+
+``keys`` maps the canonical keys to the data's own, as OpenRLHF's ``--input_key`` /
+``--output_key``: ``{"prompt": "question", "response": "answer"}`` reads ``{question, answer}``
+records. Canonical keys: ``prompt``, ``chosen``, ``rejected``, ``response`` (SFT response; the
+KTO ``completion``). Error messages name the data's own keys.
+
+Bad records are collected as ``Problem(line, kind, detail)`` with 1-based line (JSON lines) or
+row numbers. With ``strict=True`` any bad record raises ``DataError`` listing kinds, lines and
+the key at fault; otherwise they are skipped and one ``DataWarning`` reports how many and where.
+The returned ``Records`` is a plain list with a ``.problems`` attribute. A source with no usable
+record raises ``DataError``; so does a record of messages when the tokenizer has no chat template.
 
 Accepted line formats
 ---------------------
@@ -29,13 +41,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from turborlhf.data.chat import is_messages, render_prompt, require_chat_template, response_text
+from turborlhf.data.chat import has_chat_template, is_messages, render_prompt, response_text, set_chat_template
 from turborlhf.data.errors import DataError, Problem, format_problems
 from turborlhf.data.hh_rlhf import convert_pair, prompt_messages_of, split_prompt_response
-from turborlhf.data.jsonl import JsonLineError, read_jsonl
+from turborlhf.data.jsonl import JsonLineError
+from turborlhf.data.sources import open_rows
+
+CANONICAL_KEYS = ("prompt", "chosen", "rejected", "response")
 
 
 class DataWarning(UserWarning):
@@ -54,31 +69,85 @@ class _Bad(Exception):
         self.kind, self.detail = kind, detail
 
 
-def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool) -> Records:
+class _NoTemplate(Exception):
+    """A record needs the chat template and the tokenizer has none: a setup error, not bad data."""
+
+
+def _key_map(keys: Mapping[str, str] | None, response_as: str) -> dict[str, str]:
+    """``{data key: canonical key}`` for the keys that differ (``response`` -> ``response_as``)."""
+    out = {}
+    for canon, key in (keys or {}).items():
+        if canon not in CANONICAL_KEYS:
+            raise ValueError(f"unknown data key {canon!r}; known: {', '.join(CANONICAL_KEYS)}")
+        target = response_as if canon == "response" else canon
+        if key and key not in (canon, target):  # the canonical name itself: nothing to rename
+            out[key] = target
+    return out
+
+
+def _renamed(obj: dict, rename: dict[str, str]) -> dict:
+    """``obj`` with the data's keys under their canonical names (a canonical key the data also
+    uses for something else is dropped, as the mapping says which one to read)."""
+    if not rename:
+        return obj
+    out = {k: v for k, v in obj.items() if k not in rename and k not in rename.values()}
+    out.update({canon: obj[key] for key, canon in rename.items() if key in obj})
+    return out
+
+
+def _own_names(detail: str, rename: dict[str, str]) -> str:
+    """A problem's detail with canonical key names put back to the data's own."""
+    for key, canon in rename.items():
+        detail = detail.replace(repr(canon), repr(key))
+    return detail
+
+
+def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, tokenizer,
+          keys: Mapping[str, str] | None = None, chat_template: str | None = None,
+          response_as: str = "response") -> Records:
+    set_chat_template(tokenizer, chat_template)
+    rename = _key_map(keys, response_as)
+    unit, rows = open_rows(path)
     records, problems = Records(), []
-    for line, obj in read_jsonl(path):
+    for line, obj in rows:
         if isinstance(obj, JsonLineError):
             problems.append(Problem(line, "bad_json", obj.message))
             continue
         try:
             if not isinstance(obj, dict):
                 raise _Bad("missing_key", f"expected a JSON object, got {type(obj).__name__}")
-            records.extend(parse(obj))
+            records.extend(parse(_renamed(obj, rename)))
         except _Bad as e:
-            problems.append(Problem(line, e.kind, e.detail))
+            detail = _own_names(e.detail, rename)
+            if e.kind == "missing_key" and isinstance(obj, dict):
+                detail += (f"; the record has keys {sorted(obj)[:8]} (name yours with data.prompt_key, "
+                           "data.chosen_key, data.rejected_key, data.response_key)")
+            problems.append(Problem(line, e.kind, detail))
+        except _NoTemplate as e:
+            raise DataError(f"{path}: {unit} {line}: {_own_names(str(e), rename)}") from None
     records.problems = problems
+    bad = f"bad {unit}(s)"
     if problems and (strict or not records):
         why = "" if strict else " and no usable record"
-        raise DataError(f"{path}: {len(problems)} bad line(s){why}: {format_problems(problems)}")
+        raise DataError(f"{path}: {len(problems)} {bad}{why}: {format_problems(problems, unit=unit)}")
     if not records:
         raise DataError(f"{path}: no records")
     if problems:
         warnings.warn(
-            f"{path}: skipped {len(problems)} bad line(s): {format_problems(problems, max_lines=10)}",
+            f"{path}: skipped {len(problems)} {bad}: {format_problems(problems, max_lines=10, unit=unit)}",
             DataWarning,
             stacklevel=3,
         )
     return records
+
+
+def _render(tokenizer, messages: list, what: str) -> str:
+    """``render_prompt``, or ``_NoTemplate`` naming the field when the tokenizer has no template."""
+    if not has_chat_template(tokenizer):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise _NoTemplate(f"{what} needs a chat template and tokenizer {name!r} has none: set data.chat_template "
+                          "(chatml, plain or a Jinja string), or give prompts as plain text")
+    return render_prompt(tokenizer, messages)
 
 
 # ------------------------------------------------------------------------------- field parsers
@@ -91,7 +160,7 @@ def _prompt(x: Any, tokenizer) -> str:
             raise _Bad("empty_prompt", "prompt is empty")
         return x
     if is_messages(x):
-        return render_prompt(tokenizer, x)
+        return _render(tokenizer, x, "'prompt' (a message list)")
     raise _Bad("bad_value", f"prompt must be a string or a list of messages, got {type(x).__name__}")
 
 
@@ -116,7 +185,7 @@ def _hh_prompt_response(dialogue: str, tokenizer, need_response: bool = True) ->
         raise _Bad("empty_prompt", "no turn before the final assistant response")
     if need_response and not sp[1].strip():
         raise _Bad("empty_response", "response is empty")
-    return render_prompt(tokenizer, messages), sp[1].strip()
+    return _render(tokenizer, messages, "a raw HH dialogue"), sp[1].strip()
 
 
 def _conversation(messages: list[dict], tokenizer) -> tuple[str, str]:
@@ -127,7 +196,7 @@ def _conversation(messages: list[dict], tokenizer) -> tuple[str, str]:
         raise _Bad("empty_prompt", "no message before the assistant response")
     if not messages[-1]["content"].strip():
         raise _Bad("empty_response", "response is empty")
-    return render_prompt(tokenizer, messages[:-1]), messages[-1]["content"]
+    return _render(tokenizer, messages[:-1], "a conversation (message list)"), messages[-1]["content"]
 
 
 def _pair(obj: dict, tokenizer) -> tuple[str, str, str]:
@@ -144,7 +213,7 @@ def _pair(obj: dict, tokenizer) -> tuple[str, str, str]:
         res = convert_pair(obj)
         if isinstance(res, Problem):
             raise _Bad(res.kind, res.detail)
-        return render_prompt(tokenizer, res.prompt_messages), res.chosen, res.rejected
+        return _render(tokenizer, res.prompt_messages, "a raw HH dialogue"), res.chosen, res.rejected
     raise _Bad("missing_key", "need 'prompt'+'chosen'+'rejected', or 'chosen'+'rejected'")
 
 
@@ -160,24 +229,27 @@ def _margin(obj: dict) -> float | None:
 # ------------------------------------------------------------------------------------ loaders
 
 
-def load_pairs(path: str | os.PathLike, tokenizer, strict: bool = False) -> Records:
+def load_pairs(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
+               chat_template: str | None = None) -> Records:
     """Preference pairs -> ``[{"prompt": str, "chosen": str, "rejected": str, "margin": float|None}]``.
 
-    ``prompt`` is rendered (ends with the assistant header); responses have no EOS. Raises
-    ``DataError`` (strict and any bad line, or no usable record), ``FileNotFoundError``.
+    ``prompt`` is rendered (ends with the assistant header); responses have no EOS. ``path``: any
+    source of ``data/sources.py``; ``keys``: the data's own key names (module docstring);
+    ``chat_template``: a named or Jinja template set on ``tokenizer`` first (``data.chat_template``).
+    Raises ``DataError`` (strict and any bad record, no usable record, a record that needs a chat
+    template the tokenizer lacks, an unreadable source), ``FileNotFoundError``.
     """
-    require_chat_template(tokenizer)
 
     def parse(obj: dict) -> list[dict]:
         prompt, chosen, rejected = _pair(obj, tokenizer)
         return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": _margin(obj)}]
 
-    return _load(path, parse, strict)
+    return _load(path, parse, strict, tokenizer, keys, chat_template)
 
 
-def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False) -> Records:
+def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
+                 chat_template: str | None = None) -> Records:
     """Prompts -> rendered prompt strings, de-duplicated keeping first occurrence order."""
-    require_chat_template(tokenizer)
     seen: set[str] = set()
 
     def parse(obj: dict) -> list[str]:
@@ -192,7 +264,7 @@ def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False) -> Re
             msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
             if not msgs:
                 raise _Bad("empty_prompt", "no message before the assistant response")
-            prompt = render_prompt(tokenizer, msgs)
+            prompt = _render(tokenizer, msgs, "a conversation (message list)")
         elif isinstance(obj.get("chosen"), str):
             prompt = _hh_prompt_response(obj["chosen"], tokenizer, need_response=False)[0]
         else:
@@ -202,12 +274,12 @@ def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False) -> Re
         seen.add(prompt)
         return [prompt]
 
-    return _load(path, parse, strict)
+    return _load(path, parse, strict, tokenizer, keys, chat_template)
 
 
-def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False) -> Records:
+def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
+             chat_template: str | None = None) -> Records:
     """SFT examples -> ``[{"prompt": rendered str, "response": str}]`` (response without EOS)."""
-    require_chat_template(tokenizer)
 
     def parse(obj: dict) -> list[dict]:
         if "prompt" in obj and ("response" in obj or "completion" in obj):
@@ -225,15 +297,15 @@ def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False) -> Record
             raise _Bad("missing_key", "need 'prompt'+'response'/'completion', 'messages' or 'chosen'")
         return [{"prompt": prompt, "response": response}]
 
-    return _load(path, parse, strict)
+    return _load(path, parse, strict, tokenizer, keys, chat_template)
 
 
-def load_kto(path: str | os.PathLike, tokenizer, strict: bool = False) -> Records:
+def load_kto(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
+             chat_template: str | None = None) -> Records:
     """Unpaired KTO data -> ``[{"prompt": rendered str, "completion": str, "label": bool}]``.
 
     Pair-format lines give two rows (chosen ``True``, rejected ``False``).
     """
-    require_chat_template(tokenizer)
 
     def parse(obj: dict) -> list[dict]:
         if "completion" in obj:
@@ -255,4 +327,4 @@ def load_kto(path: str | os.PathLike, tokenizer, strict: bool = False) -> Record
             {"prompt": prompt, "completion": rejected, "label": False},
         ]
 
-    return _load(path, parse, strict)
+    return _load(path, parse, strict, tokenizer, keys, chat_template, response_as="completion")

@@ -33,6 +33,7 @@ import torch
 from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
+from turborlhf.data.sources import open_rows
 from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import seed_everything, set_threads
@@ -203,22 +204,22 @@ def load_tag_info(policy_dir: str | Path) -> dict:
 # 1-2. Data and scores
 # ----------------------------------------------------------------------------------------------
 
-def _is_pair_file(path: str) -> bool:
-    for _, obj in read_jsonl(path):
+def _is_pair_file(path: str, rejected_key: str = "rejected") -> bool:
+    for _, obj in open_rows(path)[1]:
         if isinstance(obj, dict):
-            return "rejected" in obj
+            return rejected_key in obj
     return False
 
 
-def load_examples(path: str, tok, max_samples: int = 0) -> list[dict]:
+def load_examples(path: str, tok, max_samples: int = 0, **loader_kwargs) -> list[dict]:
     """``[{prompt, response, source}]``: both responses of every pair (source chosen/rejected) of a
     pair-format or raw HH file, or the examples of an SFT file (source sft). `max_samples` caps the
-    lines' records (pairs or examples) before the expansion."""
-    if _is_pair_file(path):
-        pairs = load_pairs(path, tok)
+    lines' records (pairs or examples) before the expansion; `loader_kwargs`: `keys`, `chat_template`."""
+    if _is_pair_file(path, (loader_kwargs.get("keys") or {}).get("rejected", "rejected")):
+        pairs = load_pairs(path, tok, **loader_kwargs)
         pairs = pairs[:max_samples] if max_samples else pairs
         return [{"prompt": p["prompt"], "response": p[s], "source": s} for p in pairs for s in ("chosen", "rejected")]
-    rows = load_sft(path, tok)
+    rows = load_sft(path, tok, **loader_kwargs)
     rows = rows[:max_samples] if max_samples else rows
     return [{"prompt": r["prompt"], "response": r["response"], "source": "sft"} for r in rows]
 
@@ -273,8 +274,8 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
     if reuse and scored.exists() and (out / TAG_FILE).exists():
         test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
         return [obj for _, obj in read_jsonl(scored)], test_rows, load_tag_info(out)
-    rows = load_examples(cfg.data.train_file, tok, cfg.data.max_samples)
-    test_rows = load_examples(cfg.data.test_file, tok) if cfg.data.test_file else []
+    rows = load_examples(cfg.data.train_file, tok, cfg.data.max_samples, **cfg.data.loader_kwargs())
+    test_rows = load_examples(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))

@@ -54,7 +54,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
@@ -175,13 +175,13 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. pairs → token ids (shared prompt truncation); deterministic plan of optimizer steps
-    pairs = load_pairs(cfg.data.train_file, tok)
+    pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in pairs]
     test_enc = []
     if cfg.data.test_file:
-        test_pairs = load_pairs(cfg.data.test_file, tok)
+        test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_pairs = test_pairs[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_pairs
         test_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in test_pairs]
     plan = plan_steps([max(len(e["chosen"]["input_ids"]), len(e["rejected"]["input_ids"])) for e in train_enc],
@@ -209,7 +209,7 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "dpo")
     log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, M.R_ACC, M.R_MARGIN, M.EVAL_ACC, M.LR),
-                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
+                        **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
     def checkpoint(step: int) -> None:

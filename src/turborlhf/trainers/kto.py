@@ -42,7 +42,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
@@ -147,7 +147,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. examples → token ids; deterministic plan; each step's mismatched (KL) pairs
-    rows = load_kto(cfg.data.train_file, tok)
+    rows = load_kto(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     n_des = sum(bool(r["label"]) for r in rows)
@@ -159,7 +159,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     step_kl = [_kl_pairs(tok, rows, idx, cfg.data.max_len) for idx in plan]
     test_enc, test_kl = [], []
     if cfg.data.test_file:
-        test_rows = load_kto(cfg.data.test_file, tok)
+        test_rows = load_kto(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_rows = test_rows[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_rows
         if len(test_rows) >= 2:
             test_enc = _encode(tok, test_rows, cfg.data.max_len)
@@ -183,7 +183,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "kto")
-    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:

@@ -63,7 +63,7 @@ from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
 from turborlhf.rewards.normalize import RunningMoments
@@ -662,7 +662,7 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
     tok = load_tokenizer(cfg.actor.name_or_path)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
+    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
@@ -714,7 +714,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
-                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+                        **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
 
     def checkpoint(step: int) -> Path:

@@ -30,6 +30,7 @@ from turborlhf.engine.parallel import (allreduce_gradients, dp_rank_world, full_
                                       shard_fsdp)
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
+from turborlhf.metrics import M
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
 
@@ -181,7 +182,7 @@ class ActorWorker(_Trainable):
         self.ema = EmaModel(self.model, A.ema_beta) if A.ema_beta is not None else None
         self.ptx = None
         if A.ptx_coef > 0:
-            self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok), cfg.data.ptx_max_len),
+            self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok, **cfg.data.loader_kwargs()), cfg.data.ptx_max_len),
                                  cfg.train.seed)
         if ckpt:
             st = torch.load(Path(ckpt) / "actor" / STATE_FILE, weights_only=False)
@@ -233,7 +234,7 @@ class ActorWorker(_Trainable):
 
         def step():
             stats = self._ptx() if self.ptx is not None else {}
-            stats["actor_grad_norm"] = self._step(self.opt, self.sched)
+            stats[M.POLICY_GRAD_NORM] = self._step(self.opt, self.sched)
             if self.ema is not None:
                 self.ema.update()
             return stats
@@ -340,7 +341,7 @@ class CriticWorker(_Trainable):
             return critic_micro_step(self.model, self.cfg, sub, counts, self.device, kept)
 
         return self._train_minibatches(exp, schedule, micro,
-                                       lambda: {"critic_grad_norm": self._step(self.opt, self.sched)})
+                                       lambda: {M.VALUE_GRAD_NORM: self._step(self.opt, self.sched)})
 
     def save(self, out_dir: str) -> None:
         from turborlhf.engine.checkpoint import _write_hf

@@ -43,7 +43,7 @@ from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, lo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import (load_scalar_model, load_tokenizer, load_trainable, merge_lora_for_save,
                                    merged_named_parameters)
 from turborlhf.rewards.model import score_token_ids
@@ -220,7 +220,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
+    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]
@@ -240,7 +240,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
         start = st["round"]
         print(f"[rs] resumed from {ckpt} after round {start}", flush=True)
     log = MetricsLogger(out, "rs", A.rounds, show=(M.REWARD_MEAN, BEST_SCORE, GAIN, KEPT, M.LOSS),
-                        tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
+                        **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
     # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5)

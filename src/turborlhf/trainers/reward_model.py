@@ -23,7 +23,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
@@ -75,11 +75,11 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
         backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
 
     # 3. pairs → token ids; deterministic plan of optimizer steps
-    pairs = load_pairs(cfg.data.train_file, tok)
+    pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
-    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
     plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], T.pairs_per_step, T.epochs,
                       T.max_steps, T.seed)
     print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", T.pairs_per_step),
@@ -90,7 +90,7 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, "rm")
-    log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:

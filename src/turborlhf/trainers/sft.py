@@ -22,7 +22,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpo
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
-from turborlhf.metrics import M, MetricsLogger
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import load_tokenizer, load_trainable
 
@@ -83,7 +83,7 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     start = restore(ckpt, optim, sched, tag)
-    log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), tensorboard=cfg.log.tensorboard,
+    log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
     def checkpoint(step: int) -> None:
@@ -128,11 +128,11 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 3. data → token ids + response masks; a deterministic plan of optimizer steps
-    rows = load_sft(cfg.data.train_file, tok)
+    rows = load_sft(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     train_enc = encode_examples(tok, rows, cfg.data.max_len)
-    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok), cfg.data.max_len) if cfg.data.test_file else []
+    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
     T = cfg.train
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
     print_batch_table("sft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
