@@ -168,7 +168,12 @@ def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool
         role.optimizer_host = 12 * trainable
         role.notes.append("optimizer states offloaded to host memory")
     else:
-        bf16_states = getattr(optim_cfg, "state_dtype", "fp32") == "bf16"
+        state_dtype = getattr(optim_cfg, "state_dtype", "fp32")
+        if state_dtype == "auto":        # as make_optimizer resolves it: the compute choice of the device
+            from turborlhf.engine.hardware import compute_dtype
+
+            state_dtype = compute_dtype("auto", "cuda" if device_kind == "gpu" else "cpu")
+        bf16_states = state_dtype == "bf16"
         role.optimizer = (4 if bf16_states else 8) * trainable
         role.step_transient = 0 if bf16_states and device_kind == "cpu" else 4 * trainable
         if bf16_states:
