@@ -13,11 +13,15 @@ This module imports neither torch nor transformers, so help and validation stay 
 from __future__ import annotations
 
 import json
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, TypeVar
+from typing import Any, Literal, Optional, Sequence, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from turborlhf.errors import UserError
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
@@ -27,14 +31,34 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message names the dotted field."""
 
 
+def _scalar_kinds(ann: Any) -> set:
+    """The plain types among bool/int/float/str/None a field annotation accepts (unions unpacked);
+    any other type counts as ``object``."""
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        return set().union(*(_scalar_kinds(a) for a in typing.get_args(ann)))
+    return {ann} if ann in (bool, int, float, str, type(None)) else {object}
+
+
 class Cfg(BaseModel):
-    """Base for all config parts: unknown keys are errors, instances are immutable."""
+    """Base for all config parts: unknown keys are errors, instances are immutable, and true/false
+    never stands for a number nor a number for true/false (pydantic's lax mode reads ``true`` as 1
+    and 1 as true)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number_mixing(cls, value: Any, info: ValidationInfo) -> Any:
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        if bool in kinds and kinds <= {bool, type(None)} and value is not None and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
 
 
 C = TypeVar("C", bound=Cfg)
@@ -663,6 +687,23 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _bare_flag(cls: type[Cfg], key: str) -> bool:
+    """The value of an override given without one (``--train.foo`` alone): true for a true/false
+    field; any other field needs a value (ConfigError naming it)."""
+    key = key.strip().lstrip("-")
+    node: Any = cls
+    for part in key.split("."):
+        if not (isinstance(node, type) and issubclass(node, Cfg)):   # inside a free-form mapping
+            raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE)")
+        if part not in node.model_fields:
+            raise ConfigError(f"{key}: unknown field ('{part}' is not a field of {node.__name__})")
+        node = _cfg_class(node.model_fields[part].annotation) or node.model_fields[part].annotation
+    if _scalar_kinds(node) - {type(None)} != {bool}:
+        raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE); "
+                          "only true/false fields may be given as a bare flag")
+    return True
+
+
 def _format_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
@@ -708,7 +749,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"{p}: top level must be a mapping")
         _deep_update(tree, data)
     for ov in overrides:
-        key, value = parse_override(ov)
+        key, value = parse_override(ov) if "=" in ov else (ov.strip().lstrip("-"), _bare_flag(cls, ov))
         _set_dotted(tree, key, value)
     try:
         return cls.model_validate(tree)

@@ -12,16 +12,14 @@ import yaml
 
 from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.lifecycle import RunInterrupted  # noqa: F401  (re-exported: its old home)
 
 __all__ = ["setup_run", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
 
 
-class RunInterrupted(RuntimeError):
-    """The run stopped on SIGINT/SIGTERM after saving a resumable checkpoint (the message names it)."""
-
-
 def setup_run(cfg: Cfg, output_dir: str) -> Path:
-    """Create the run directory and write the resolved config as ``config.yaml``."""
+    """Create the run directory and write the resolved config as ``config.yaml`` (trainers call
+    `turborlhf.engine.lifecycle.start_run`, which checks a resumed run's config first)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

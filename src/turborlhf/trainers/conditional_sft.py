@@ -23,18 +23,20 @@ in ``<output_dir>/scored.jsonl`` (a resumed run reuses them instead of scoring a
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
-from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
-from turborlhf.engine.run import plan_steps, print_batch_table, setup_run
+from turborlhf.engine.checkpoint import atomic_write_text
+from turborlhf.engine.lifecycle import start_run
+from turborlhf.engine.run import plan_steps, print_batch_table
 from turborlhf.engine.train import seed_everything, set_threads
 from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
 from turborlhf.rewards.model import score_texts
@@ -266,9 +268,11 @@ def _print_bins(info: dict) -> None:
               f"{'-' if m is None else f'{m:.3f}'}", flush=True)
 
 
-def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bool) -> tuple[list, list, dict]:
+def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path,
+                     reuse: bool) -> tuple[list, list, dict]:
     """Training and test examples with ``score`` and ``bin``, and the tag info; written to
-    ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`)."""
+    ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`).
+    `policy()` returns the starting policy; it is called only to sample, after the data was read."""
     scored, scored_test = out / "scored.jsonl", out / "scored_test.jsonl"
     if reuse and scored.exists() and (out / TAG_FILE).exists():
         test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
@@ -278,7 +282,7 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-        samples = sample_policy_examples(model, tok, prompts, cfg)
+        samples = sample_policy_examples(policy(), tok, prompts, cfg)
         rows = rows + samples if cfg.data.dataset_responses else samples
         print(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -306,19 +310,20 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
 
 def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "csft")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     T = cfg.train
 
-    # 2. tokenizer and policy
+    # 2. tokenizer; the policy, loaded when first needed (after the data was read and checked)
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
+    policy = functools.cache(lambda: load_trainable("causal", cfg.model, tok,
+                                                    ckpt_dir=ckpt / "policy" if ckpt else None))
 
     # 3. examples (data responses, optionally the policy's own samples), their scores on the
     #    untagged prompts and their bins: computed once, reused on resume
-    rows, test_rows, info = _scored_examples(cfg, tok, model, out, reuse=bool(ckpt))
+    rows, test_rows, info = _scored_examples(cfg, tok, policy, out, reuse=bool(ckpt))
+    model = policy()
     _print_bins(info)
 
     # 4. tagged prompts → token ids + response masks (as `sft.encode_examples`; a policy sample cut

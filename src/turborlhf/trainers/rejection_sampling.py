@@ -39,8 +39,9 @@ from turborlhf.config import RejectionSamplingConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
-from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, setup_run
+from turborlhf.engine.checkpoint import atomic_write_text, load_trainer_state, save_checkpoint
+from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger
@@ -203,14 +204,15 @@ def _training_rows(out: Path, k: int, accumulate: bool) -> list[dict]:
 
 def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "rs")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     A, R = cfg.algo, cfg.rollout
-    ckpt = latest_checkpoint(out) if resume else None
 
-    # 2. policy (from the last finished round when resuming), frozen reward model, rollout engine
+    # 2. prompts (read and checked before any model loads); policy (from the last finished round
+    #    when resuming), frozen reward model, rollout engine
     tok = load_tokenizer(cfg.model.name_or_path)
+    prompts = load_prompts(cfg.data.prompts_file, tok)
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
@@ -219,7 +221,6 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]
@@ -242,8 +243,14 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                         tensorboard=cfg.log.tensorboard, progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
-    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5)
-    for k in range(start + 1, A.rounds + 1):
+    def checkpoint(k: int) -> Path:
+        return save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
+                               keep=cfg.train.keep_checkpoints)
+
+    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5); a checkpoint
+    #    after every round; SIGINT/SIGTERM stop after the current round
+    for r in checkpointed_steps(start, A.rounds, checkpoint, 1, "rs"):
+        k = r + 1                                                         # rounds count from 1
         t_round = time.perf_counter()
         idx = round_prompts(len(prompts), per_round, k - 1, cfg.train.seed)
         n = A.n_samples_per_prompt
@@ -283,10 +290,9 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                         M.T_STEP: time.perf_counter() - t_round})
         atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
         log.log(k, metrics)
-        save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
-                        keep=cfg.train.keep_checkpoints)
 
-    # 5. the final policy as an HF directory in output_dir
+    # 5. the last round's checkpoint; the final policy as an HF directory in output_dir
+    checkpoint(A.rounds)
     export_model(model, tok, out)
     log.close()
     print(f"[rs] saved policy to {out}", flush=True)
