@@ -27,14 +27,14 @@ def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8,
     length baseline of the same pairs (``length``, see `length_strata`)."""
     from turborlhf.data.loaders import load_pairs
     from turborlhf.engine.train import set_threads
-    from turborlhf.models.load import load_scalar_model, load_tokenizer
-    from turborlhf.rewards.model import encode_pairs
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.rewards.model import encode_pairs, load_reward_model
     from turborlhf.trainers.reward_model import score_pairs, summarize_scores
 
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
-    model = load_scalar_model(model_dir, tok)
+    model = load_reward_model(model_dir, tok)
     pairs = load_pairs(data, tok)
     if limit:
         pairs = pairs[:limit]
@@ -108,12 +108,13 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
     from turborlhf.engine.train import autocast, set_threads
-    from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
-    from turborlhf.rewards.model import score_token_ids
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
     from turborlhf.trainers.conditional_sft import TAG_FILE, condition_prompt, load_tag_info
 
     set_threads()
     t0 = time.perf_counter()
+    check_reward_model(reward_model_dir)                  # before minutes of generation
     tok = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir, tok)
     prompts = load_prompts(prompts_file, tok)[:n]
@@ -128,7 +129,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine)
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
-    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
+    rm = load_reward_model(reward_model_dir, rm_tok, dtype=torch.bfloat16)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
     # exactly as PPO's reward model sees it (closing it with EOS inflated its score)

@@ -48,13 +48,14 @@ class RewardInputs:
 
 class _ModelSource:
     def __init__(self, path: str, tokenizer, dtype: str, chunk: int) -> None:
-        from turborlhf.models.load import load_scalar_model, load_tokenizer
+        from turborlhf.models.load import load_tokenizer
+        from turborlhf.rewards.model import load_reward_model
 
         rm_tok = load_tokenizer(path)
         self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
         self.tok = tokenizer if self.same_vocab else rm_tok
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        self.model = load_scalar_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
+        self.model = load_reward_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
         self.dtype, self.chunk = dtype, chunk
 
     @torch.no_grad()

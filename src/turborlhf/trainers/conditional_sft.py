@@ -38,8 +38,8 @@ from turborlhf.engine.checkpoint import atomic_write_text
 from turborlhf.engine.lifecycle import start_run
 from turborlhf.engine.run import plan_steps, print_batch_table
 from turborlhf.engine.train import seed_everything, set_threads
-from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
-from turborlhf.rewards.model import score_texts
+from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
+from turborlhf.rewards.model import load_reward_model, score_texts
 from turborlhf.trainers.rejection_sampling import encode_samples
 from turborlhf.trainers.sft import fit
 
@@ -250,7 +250,7 @@ def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch
     policy to run to the budget and stop nowhere). The RM is freed afterwards."""
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
     out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
                        cfg.model.dtype, cfg.data.score_batch_size, add_eos=[r.get("finished", True) for r in rows])
            if rows else torch.empty(0) for rows in sets]

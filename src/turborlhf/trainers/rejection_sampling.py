@@ -45,9 +45,9 @@ from turborlhf.engine.run import export_model, plan_steps, print_batch_table
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger
-from turborlhf.models.load import (load_scalar_model, load_tokenizer, load_trainable, merge_lora_for_save,
+from turborlhf.models.load import (load_tokenizer, load_trainable, merge_lora_for_save,
                                    merged_named_parameters)
-from turborlhf.rewards.model import score_token_ids
+from turborlhf.rewards.model import load_reward_model, score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
@@ -216,7 +216,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 
