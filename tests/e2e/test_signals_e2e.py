@@ -31,10 +31,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _signalled_run(args: list[str], sig: str = "SIGTERM") -> subprocess.CompletedProcess:
+def _signalled_run(args: list[str], sig: str = "SIGTERM", stop: int = STOP_AT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", _CHILD.format(stop=STOP_AT, sig=sig), *map(str, args)],
+    return subprocess.run([sys.executable, "-c", _CHILD.format(stop=stop, sig=sig), *map(str, args)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
@@ -98,6 +98,20 @@ def test_sigint_exits_130_with_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_pa
     res = _signalled_run(_with_output(_commands("sft", tiny_model, tiny_rm, tiny_data), out), "SIGINT")
     assert res.returncode == 130, (res.stdout + res.stderr)[-3000:]
     assert "SIGINT at step 1/3" in res.stderr and load_trainer_state(latest_checkpoint(out))["step"] == 1
+
+
+def test_signal_in_the_last_step_keeps_it(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A signal during the last step saves it too (the final evaluation and export follow on --resume)."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    base = _commands("sft", tiny_model, tiny_rm, tiny_data)
+    args = _with_output(base, tmp_path / "sft")
+    res = _signalled_run(args, stop=3)
+    assert res.returncode == 143 and "SIGTERM at step 3/3" in res.stderr, (res.stdout + res.stderr)[-3000:]
+    assert load_trainer_state(latest_checkpoint(tmp_path / "sft"))["step"] == 3
+    run_cli(*args, "--resume")
+    run_cli(*_with_output(base, tmp_path / "ref"))
+    assert max_weight_diff(weights(tmp_path / "sft"), weights(tmp_path / "ref")) < 1e-5
 
 
 def test_resume_without_checkpoint_says_so(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):

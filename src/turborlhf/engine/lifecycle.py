@@ -161,12 +161,14 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
                        tag: str) -> Iterator[int]:
     """The step indices ``start … total-1`` of a training loop, with its checkpoints in between.
 
-    After the loop body of step i returns (``done = i + 1`` steps finished), and only while
-    ``done < total`` (the caller saves the final checkpoint itself):
+    After the loop body of step i returns (``done = i + 1`` steps finished):
 
     - a SIGINT/SIGTERM received during that step: ``save(done)``, then `RunInterrupted` naming the
-      checkpoint and the signal (raised from the loop's ``for``);
-    - otherwise every `save_every` steps (0 = never): ``save(done)``.
+      checkpoint and the signal (raised from the loop's ``for``); also after the last step, so that
+      a run stopped there keeps its steps (``--resume`` then runs only the final evaluation and
+      export, which the caller does after the loop with the default signal handlers back);
+    - otherwise every `save_every` steps (0 = never) before the last: ``save(done)`` (the caller
+      saves the final checkpoint itself).
 
     `save(done)` writes a resumable checkpoint after `done` steps and returns its directory. The
     signal handlers are installed when the loop starts and restored when it ends (also on errors).
@@ -175,12 +177,10 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
         for step in range(start, total):
             yield step
             done = step + 1
-            if done >= total:
-                return
             if stop.signum is not None:
                 path = save(done)
                 name = signal.Signals(stop.signum).name
                 raise RunInterrupted(f"{name} at step {done}/{total}: kept checkpoint {path}; "
                                      "continue with --resume", stop.signum)
-            if save_every and done % save_every == 0:
+            if save_every and done % save_every == 0 and done < total:
                 save(done)
