@@ -18,24 +18,36 @@ from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
 STOP_AT = 1
 
 _CHILD = """
-import os, signal, sys
-from turborlhf import metrics
-_log = metrics.MetricsLogger.log
-def log(self, step, m):
-    _log(self, step, m)
-    if step == {stop}:
+import functools, importlib, os, signal, sys
+owner = importlib.import_module("{module}")
+for name in "{attr}".split(".")[:-1]:
+    owner = getattr(owner, name)
+leaf = "{attr}".split(".")[-1]
+orig, calls = getattr(owner, leaf), [0]
+@functools.wraps(orig)
+def hooked(*a, **k):
+    out = orig(*a, **k)
+    calls[0] += 1
+    if {when}:
         os.kill(os.getpid(), signal.{sig})
-metrics.MetricsLogger.log = log
+    return out
+setattr(owner, leaf, hooked)
 from turborlhf.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def _signalled_run(args: list[str], sig: str = "SIGTERM", stop: int = STOP_AT) -> subprocess.CompletedProcess:
+def _signalled_run(args: list[str], sig: str = "SIGTERM", stop: int = STOP_AT,
+                   hook: tuple[str, str, str] = ("turborlhf.metrics", "MetricsLogger.log", "a[1] == {stop}")
+                   ) -> subprocess.CompletedProcess:
+    """Run the CLI in a child that sends itself `sig` when `hook` (module, attribute, condition on
+    the call's ``a``/``calls``) is met: by default right after step `stop` is logged."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", _CHILD.format(stop=stop, sig=sig), *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    module, attr, when = hook
+    code = _CHILD.format(module=module, attr=attr, when=when.format(stop=stop), sig=sig)
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
 
 
 def _commands(name: str, tiny_model: Path, tiny_rm: Path, data: Path) -> list[str]:
@@ -112,6 +124,27 @@ def test_signal_in_the_last_step_keeps_it(tiny_model, tiny_rm, tiny_data, tmp_pa
     run_cli(*args, "--resume")
     run_cli(*_with_output(base, tmp_path / "ref"))
     assert max_weight_diff(weights(tmp_path / "sft"), weights(tmp_path / "ref")) < 1e-5
+
+
+def test_rejection_sampling_stops_inside_a_round_sft_and_resumes_it(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A round (generation, scoring, SFT epochs) takes minutes on a real model: a signal during its
+    SFT stops after the current optimizer step, and --resume continues that SFT, not the round."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    base = _commands("rejection-sampling", tiny_model, tiny_rm, tiny_data)
+    args = _with_output(base, tmp_path / "rs")
+    res = _signalled_run(args, hook=("turborlhf.trainers.rejection_sampling", "clip_and_step", "calls[0] == 1"))
+    text = res.stdout + res.stderr
+    assert res.returncode == 143 and "SIGTERM in round 1/2 after SFT step 1" in text, text[-3000:]
+    state = load_trainer_state(latest_checkpoint(tmp_path / "rs"))
+    assert state["round"] == 0 and state["sft"]["round"] == 1 and state["sft"]["sft"]["step"] == 1
+    run_cli(*args, "--resume")
+    run_cli(*_with_output(base, tmp_path / "ref"))
+    assert max_weight_diff(weights(tmp_path / "rs"), weights(tmp_path / "ref")) < 1e-5
+    rows, ref = metrics(tmp_path / "rs"), metrics(tmp_path / "ref")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r, q in zip(rows, ref):
+        assert r["train/loss"] == pytest.approx(q["train/loss"], rel=1e-5)
 
 
 def test_resume_without_checkpoint_says_so(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):

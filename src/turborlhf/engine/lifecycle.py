@@ -29,8 +29,8 @@ from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import latest_checkpoint
 from turborlhf.errors import UserError
 
-__all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "allow_config_change",
-           "config_changes", "RESUME_EXEMPT"]
+__all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
+           "allow_config_change", "config_changes", "RESUME_EXEMPT"]
 
 # Fields that may differ on --resume without changing what is computed: where things go (the output
 # directory, the placement of roles on workers: Ray and the local backend train the same numbers),
@@ -142,6 +142,7 @@ class _StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+        _ACTIVE.append(self)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -152,9 +153,20 @@ class _StopOnSignal:
               "(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+
+
+_ACTIVE: list[_StopOnSignal] = []     # the handlers of the running `checkpointed_steps` loops
+
+
+def stop_requested() -> Optional[int]:
+    """The signal number a running `checkpointed_steps` loop received (None: none, or no loop
+    running). For work inside one step that can itself save and stop part-way (rejection
+    sampling's SFT within a round)."""
+    return next((s.signum for s in reversed(_ACTIVE) if s.signum is not None), None)
 
 
 def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save_every: int,
