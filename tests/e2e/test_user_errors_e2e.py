@@ -78,6 +78,12 @@ def test_causal_lm_as_reward_model_is_refused_for_scoring(tiny_model, tiny_rm, t
                f"reward_model={tiny_model}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
                f"output_dir={tmp_path / 'ppo'}", "train.max_steps=1", "log.tensorboard=false")
     _one_line_error(res, "not a reward model")
+    assert "Loading weights" not in res.stderr                      # refused before the actor loaded
+    res = _cli("rejection-sampling", "--config", REPO / "configs/tiny/rejection_sampling.yaml",
+               f"model.name_or_path={tiny_model}", f"reward_model={tiny_model}",
+               f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", f"output_dir={tmp_path / 'rs'}")
+    _one_line_error(res, "not a reward model")
+    assert "Loading weights" not in res.stderr
     # a critic built from a causal LM (fresh head, to be trained) stays legitimate, and a trained RM scores
     from turborlhf.config import ModelCfg
     from turborlhf.models.load import load_tokenizer, load_trainable

@@ -67,6 +67,7 @@ from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
+from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.sft import sft_loss_on_batch
@@ -622,6 +623,9 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
+    for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
+        if rm_path:
+            check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches)

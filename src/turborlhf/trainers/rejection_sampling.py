@@ -48,7 +48,7 @@ from turborlhf.engine.train import (clip_and_step, make_optimizer, make_schedule
 from turborlhf.metrics import M, MetricsLogger
 from turborlhf.models.load import (load_tokenizer, load_trainable, merge_lora_for_save,
                                    merged_named_parameters)
-from turborlhf.rewards.model import load_reward_model, score_token_ids
+from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
@@ -266,6 +266,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     #    when resuming), frozen reward model, rollout engine
     tok = load_tokenizer(cfg.model.name_or_path)
     prompts = load_prompts(cfg.data.prompts_file, tok)
+    check_reward_model(cfg.reward_model)
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
