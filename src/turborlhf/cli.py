@@ -46,9 +46,10 @@ OTHER_COMMANDS: dict[str, str] = {
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")   # the start of a ``key.sub=value`` token
 
 
-def _split_overrides(rest: list[str]) -> list[str]:
-    """``['--a.b', '3', 'c.d=4', '--e=5', '--f']`` → ``['a.b=3', 'c.d=4', 'e=5', 'f']``: a flag
-    with no value stays a bare key, which `load_config` accepts for true/false fields only."""
+def _split_overrides(rest: list[str], cls=None) -> list[str]:
+    """``['--a.b', '3', 'c.d=4', '--e=5', '--f']`` → ``['a.b=3', 'c.d=4', 'e=5', 'f=true']``: a
+    flag with no value means true, for a true/false field of config class `cls` only (else a
+    ConfigError naming the field; without `cls` it stays a bare key, which `load_config` refuses)."""
     out, i = [], 0
     while i < len(rest):
         tok = rest[i]
@@ -60,13 +61,30 @@ def _split_overrides(rest: list[str]) -> list[str]:
                 out.append(f"{key}={rest[i + 1]}")
                 i += 1
             else:
-                out.append(key)
+                out.append(f"{key}=true" if cls is not None and _bare_flag(cls, key) else key)
         elif "=" in tok:
             out.append(tok)
         else:
             raise SystemExit(f"error: unexpected argument '{tok}' (overrides look like key.sub=value)")
         i += 1
     return out
+
+
+def _bare_flag(cls, key: str) -> bool:
+    """True if `key` names a true/false field of config class `cls`; otherwise ConfigError naming it."""
+    from turborlhf.config import Cfg, ConfigError, _cfg_class, _scalar_kinds
+
+    node = cls
+    for part in key.split("."):
+        if not (isinstance(node, type) and issubclass(node, Cfg)):   # inside a free-form mapping
+            raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE)")
+        if part not in node.model_fields:
+            raise ConfigError(f"{key}: unknown field ('{part}' is not a field of {node.__name__})")
+        node = _cfg_class(node.model_fields[part].annotation) or node.model_fields[part].annotation
+    if _scalar_kinds(node) - {type(None)} != {bool}:
+        raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE); "
+                          "only true/false fields may be given as a bare flag")
+    return True
 
 
 def _run_train_command(name: str, argv: list[str]) -> int:
@@ -86,7 +104,7 @@ def _run_train_command(name: str, argv: list[str]) -> int:
                    help="like --resume, but continue with a changed config (the changes are printed)")
     args, rest = p.parse_known_args(argv)
     try:
-        cfg = C.load_config(cls, args.config, _split_overrides(rest))
+        cfg = C.load_config(cls, args.config, _split_overrides(rest, cls))
     except C.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

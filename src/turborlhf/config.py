@@ -687,23 +687,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _bare_flag(cls: type[Cfg], key: str) -> bool:
-    """The value of an override given without one (``--train.foo`` alone): true for a true/false
-    field; any other field needs a value (ConfigError naming it)."""
-    key = key.strip().lstrip("-")
-    node: Any = cls
-    for part in key.split("."):
-        if not (isinstance(node, type) and issubclass(node, Cfg)):   # inside a free-form mapping
-            raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE)")
-        if part not in node.model_fields:
-            raise ConfigError(f"{key}: unknown field ('{part}' is not a field of {node.__name__})")
-        node = _cfg_class(node.model_fields[part].annotation) or node.model_fields[part].annotation
-    if _scalar_kinds(node) - {type(None)} != {bool}:
-        raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE); "
-                          "only true/false fields may be given as a bare flag")
-    return True
-
-
 def _format_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
@@ -749,7 +732,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"{p}: top level must be a mapping")
         _deep_update(tree, data)
     for ov in overrides:
-        key, value = parse_override(ov) if "=" in ov else (ov.strip().lstrip("-"), _bare_flag(cls, ov))
+        key, value = parse_override(ov)
         _set_dotted(tree, key, value)
     try:
         return cls.model_validate(tree)

@@ -57,7 +57,7 @@ def test_strict_overrides_name_the_field(argv, field, capsys):
     from turborlhf.cli import _split_overrides
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_config(SFTConfig, None, ["data.train_file=x", *_split_overrides(argv)])
+        load_config(SFTConfig, None, ["data.train_file=x", *_split_overrides(argv, SFTConfig)])
     assert main(["sft", "data.train_file=x", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and field in err
@@ -68,6 +68,6 @@ def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
 
     cfg = load_config(SFTConfig, None, ["data.train_file=x", *_split_overrides(
         ["--model.gradient_checkpointing", "--optim.lr", "1e-5", "--train.max_steps", "3", "--log.progress",
-         "false", "--optim.max_grad_norm", "2"])])
+         "false", "--optim.max_grad_norm", "2"], SFTConfig)])
     assert cfg.model.gradient_checkpointing is True and cfg.optim.lr == 1e-5 and cfg.train.max_steps == 3
     assert cfg.log.progress is False and cfg.optim.max_grad_norm == 2.0
