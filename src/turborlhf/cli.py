@@ -99,7 +99,8 @@ def _run_train_command(name: str, argv: list[str]) -> int:
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in output_dir; refused if the config changed "
-                        "(other than output_dir, log.*, threads, save/eval intervals and time-outs)")
+                        "(other than output_dir, log.*, distributed.*, train.threads, train.save_every, "
+                        "train.keep_checkpoints, train.eval_every)")
     p.add_argument("--resume-changed", action="store_true",
                    help="like --resume, but continue with a changed config (the changes are printed)")
     args, rest = p.parse_known_args(argv)
@@ -188,7 +189,8 @@ def _dispatch(argv: list[str]) -> int:
             lines.append(f"  {k:<14} {v[3]}")
         for k, v in OTHER_COMMANDS.items():
             lines.append(f"  {k:<14} {v}")
-        lines += ["", "`turborlhf <command> --help` shows the command's options and config fields."]
+        lines += ["", "`turborlhf <command> --help` shows the command's options and config fields.",
+                  "--debug (anywhere) shows the full traceback of an error instead of its one-line message."]
         print("\n".join(lines))
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
