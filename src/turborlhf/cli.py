@@ -3,11 +3,17 @@
 Training commands take ``--config FILE.yaml`` plus dotted overrides in either form
 ``--optim.lr 1e-5`` or ``optim.lr=1e-5``; ``turborlhf <command> --help`` lists every field.
 Heavy modules (torch, transformers, Ray, vLLM) are imported only inside the chosen command.
+
+Bad input (a `turborlhf.errors.UserError`: config field, data file, model directory, reward
+function) is one line ``error: ...`` and exit code 2; ``--debug`` anywhere on the command line
+shows the full traceback instead. A training run stopped by SIGINT/SIGTERM exits with 130/143
+after saving a resumable checkpoint (`turborlhf.engine.lifecycle`).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from typing import Callable, Optional
 
@@ -44,8 +50,13 @@ OTHER_COMMANDS: dict[str, str] = {
 }
 
 
-def _split_overrides(rest: list[str]) -> list[str]:
-    """``['--a.b', '3', 'c.d=4', '--e=5']`` → ``['a.b=3', 'c.d=4', 'e=5']``."""
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")   # the start of a ``key.sub=value`` token
+
+
+def _split_overrides(rest: list[str], cls=None) -> list[str]:
+    """``['--a.b', '3', 'c.d=4', '--e=5', '--f']`` → ``['a.b=3', 'c.d=4', 'e=5', 'f=true']``: a
+    flag with no value means true, for a true/false field of config class `cls` only (else a
+    ConfigError naming the field; without `cls` it stays a bare key, which `load_config` refuses)."""
     out, i = [], 0
     while i < len(rest):
         tok = rest[i]
@@ -53,17 +64,34 @@ def _split_overrides(rest: list[str]) -> list[str]:
             key = tok[2:]
             if "=" in key:
                 out.append(key)
-            elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            elif i + 1 < len(rest) and not rest[i + 1].startswith("--") and not _OVERRIDE.match(rest[i + 1]):
                 out.append(f"{key}={rest[i + 1]}")
                 i += 1
             else:
-                out.append(f"{key}=true")
+                out.append(f"{key}=true" if cls is not None and _bare_flag(cls, key) else key)
         elif "=" in tok:
             out.append(tok)
         else:
             raise SystemExit(f"error: unexpected argument '{tok}' (overrides look like key.sub=value)")
         i += 1
     return out
+
+
+def _bare_flag(cls, key: str) -> bool:
+    """True if `key` names a true/false field of config class `cls`; otherwise ConfigError naming it."""
+    from turborlhf.config import Cfg, ConfigError, _cfg_class, _scalar_kinds
+
+    node = cls
+    for part in key.split("."):
+        if not (isinstance(node, type) and issubclass(node, Cfg)):   # inside a free-form mapping
+            raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE)")
+        if part not in node.model_fields:
+            raise ConfigError(f"{key}: unknown field ('{part}' is not a field of {node.__name__})")
+        node = _cfg_class(node.model_fields[part].annotation) or node.model_fields[part].annotation
+    if _scalar_kinds(node) - {type(None)} != {bool}:
+        raise ConfigError(f"{key}: no value given (write --{key} VALUE or {key}=VALUE); "
+                          "only true/false fields may be given as a bare flag")
+    return True
 
 
 def _run_train_command(name: str, argv: list[str]) -> int:
@@ -76,28 +104,34 @@ def _run_train_command(name: str, argv: list[str]) -> int:
                                 epilog="config fields (override with --field value or field=value):\n"
                                        + "\n".join(C.config_help(cls)))
     p.add_argument("--config", help="YAML config file")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in output_dir; refused if the config changed "
+                        "(other than output_dir, log.*, distributed.*, train.threads, train.save_every, "
+                        "train.keep_checkpoints, train.eval_every)")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="like --resume, but continue with a changed config (the changes are printed)")
     args, rest = p.parse_known_args(argv)
     try:
-        cfg = C.load_config(cls, args.config, _split_overrides(rest))
+        cfg = C.load_config(cls, args.config, _split_overrides(rest, cls))
     except C.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fn: Callable = getattr(importlib.import_module(module), func)
     from turborlhf.distributed.group import WorkerError
     from turborlhf.engine.malloc import keep_freed_memory
-    from turborlhf.engine.run import RunInterrupted
+    from turborlhf.engine.lifecycle import RunInterrupted, allow_config_change
 
     keep_freed_memory()           # no page faults for tensors freed and allocated again every step
 
     try:
-        fn(cfg, resume=args.resume)
+        with allow_config_change(args.resume_changed):
+            fn(cfg, resume=args.resume or args.resume_changed)
     except WorkerError as e:      # a role worker died, hung or failed: the message names it
         print(f"error: {e}", file=sys.stderr)
         return 1
     except RunInterrupted as e:   # SIGINT/SIGTERM: a resumable checkpoint was kept
         print(f"stopped: {e}", file=sys.stderr)
-        return 130
+        return e.exit_code
     return 0
 
 
@@ -137,13 +171,33 @@ def _eval(name: str, argv: list[str]) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    from turborlhf.errors import UserError
+
+    try:
+        return _dispatch(argv)
+    except UserError as e:        # bad input: the message names the field, file or path
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:     # a second SIGINT/SIGTERM, or one outside a training loop
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         lines = ["usage: turborlhf <command> [options]", "", "commands:"]
         for k, v in TRAIN_COMMANDS.items():
             lines.append(f"  {k:<14} {v[3]}")
         for k, v in OTHER_COMMANDS.items():
             lines.append(f"  {k:<14} {v}")
-        lines += ["", "`turborlhf <command> --help` shows the command's options and config fields."]
+        lines += ["", "`turborlhf <command> --help` shows the command's options and config fields.",
+                  "--debug (anywhere) shows the full traceback of an error instead of its one-line message."]
         print("\n".join(lines))
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):

@@ -29,14 +29,14 @@ def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8,
     from turborlhf.data.loaders import load_pairs
     from turborlhf.engine.hardware import compute_dtype
     from turborlhf.engine.train import set_threads
-    from turborlhf.models.load import load_scalar_model, load_tokenizer
-    from turborlhf.rewards.model import encode_pairs
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.rewards.model import encode_pairs, load_reward_model
     from turborlhf.trainers.reward_model import score_pairs, summarize_scores
 
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
-    model = load_scalar_model(model_dir, tok, device=device)
+    model = load_reward_model(model_dir, tok, device=device)
     dtype = compute_dtype(dtype, next(model.parameters()).device)
     pairs = load_pairs(data, tok)
     if limit:
@@ -118,12 +118,13 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
     from turborlhf.engine.hardware import compute_dtype, resolve_device
     from turborlhf.engine.train import autocast, set_threads
-    from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
-    from turborlhf.rewards.model import score_token_ids
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
     from turborlhf.trainers.conditional_sft import TAG_FILE, condition_prompt, load_tag_info
 
     set_threads()
     t0 = time.perf_counter()
+    check_reward_model(reward_model_dir)                  # before minutes of generation
     tok = load_tokenizer(policy_dir)
     dev = resolve_device(device)
     dtype = compute_dtype(dtype, dev)
@@ -142,7 +143,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
                                            dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else "cpu"))
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
-    rm = load_scalar_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)
+    rm = load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
     # exactly as PPO's reward model sees it (closing it with EOS inflated its score)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from turborlhf.data import DataError, DataWarning, load_kto, load_pairs, load_prompts, load_sft
+from turborlhf.data.errors import DataFileError
 from turborlhf.data.sources import open_rows
 
 datasets = pytest.importorskip("datasets")
@@ -109,13 +110,13 @@ def test_key_mapping_question_answer(tok, tmp_path):
 def test_jsonl_keeps_line_numbers_and_survives_binary(tok, tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b'\n' + json.dumps(PAIRS[0]).encode() + b'\n\xff\xfe garbage\n')
-    with pytest.warns(DataWarning, match=r"bad_json \(1\) at line 3 \(line 3: not UTF-8 text"):
-        assert len(load_pairs(path, tok)) == 1
+    with pytest.raises(DataFileError, match=r"mixed\.jsonl: line 3 is not UTF-8 text"):
+        load_pairs(path, tok)       # an encoding problem is the file's: one line naming it, not a skipped record
     pq = tmp_path / "p.parquet"
     datasets.Dataset.from_list(PAIRS[:1]).to_parquet(str(pq))
     renamed = tmp_path / "p.jsonl"          # Parquet bytes under a .jsonl name: an error naming lines, no crash
     renamed.write_bytes(pq.read_bytes())
-    with pytest.raises(DataError, match=r"p\.jsonl: .* bad line\(s\) and no usable record: bad_json"):
+    with pytest.raises(DataFileError, match=r"p\.jsonl: line \d+ is not UTF-8 text"):
         load_pairs(renamed, tok)
 
 

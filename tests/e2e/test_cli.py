@@ -43,3 +43,31 @@ def test_partial_section_override_keeps_command_defaults():
                                         "train.seed=3"])
     assert cfg.optim.lr == 1e-6 and cfg.optim.schedule == "constant" and cfg.optim.warmup_steps == 3
     assert cfg.train.max_steps == 20 and cfg.train.seed == 3
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--optim.lr"], "optim.lr"),                          # a flag without its value was lr = 1.0
+    (["--optim.lr", "--train.max_steps", "3"], "optim.lr"),
+    (["train.max_steps=true"], "train.max_steps"),         # was max_steps = 1
+    (["optim.max_grad_norm=false"], "optim.max_grad_norm"),  # was 0.0: clipping silently off
+    (["log.progress=1"], "log.progress"),                  # a number is not true/false
+    (["--no.such"], "no.such"),
+])
+def test_strict_overrides_name_the_field(argv, field, capsys):
+    from turborlhf.cli import _split_overrides
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(SFTConfig, None, ["data.train_file=x", *_split_overrides(argv, SFTConfig)])
+    assert main(["sft", "data.train_file=x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err
+
+
+def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
+    from turborlhf.cli import _split_overrides
+
+    cfg = load_config(SFTConfig, None, ["data.train_file=x", *_split_overrides(
+        ["--model.gradient_checkpointing", "--optim.lr", "1e-5", "--train.max_steps", "3", "--log.progress",
+         "false", "--optim.max_grad_norm", "2"], SFTConfig)])
+    assert cfg.model.gradient_checkpointing is True and cfg.optim.lr == 1e-5 and cfg.train.max_steps == 3
+    assert cfg.log.progress is False and cfg.optim.max_grad_norm == 2.0

@@ -109,7 +109,7 @@ def test_killed_worker_stops_run_with_named_error_and_resumable_checkpoint(tiny_
     step = load_trainer_state(ckpt)["step"]
     assert 2 <= step < 60
     resumed = ["train.max_steps=%d" % (step + 1), "train.save_every=1"]
-    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, out, *resumed), "--resume")
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, out, *resumed), "--resume-changed")
     run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ref", *resumed))
     assert max_weight_diff(weights(out), weights(tmp_path / "ref")) < 1e-5
     assert not list((out / "checkpoints").glob(".*tmp*"))      # no half-written checkpoint left behind
@@ -124,11 +124,12 @@ def test_sigterm_keeps_resumable_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_
     os.killpg(proc.pid, signal.SIGTERM)
     rc = _finish(proc, log)
     text = log.read_text()
-    assert rc == 130 and "continue with --resume" in text, text[-2000:]
+    assert rc == 143 and "continue with --resume" in text, text[-2000:]             # 128 + SIGTERM
     from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
 
     step = load_trainer_state(latest_checkpoint(out))["step"]
     assert 2 <= step < 200
-    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, out, f"train.max_steps={step + 1}"), "--resume")
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, out, f"train.max_steps={step + 1}"),
+            "--resume-changed")
     run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ref", f"train.max_steps={step + 1}"))
     assert max_weight_diff(weights(out), weights(tmp_path / "ref")) < 1e-5

@@ -192,7 +192,7 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
     shutil.rmtree(out / "checkpoints" / "step-000003")
     (out / "checkpoints" / "latest").write_text("step-000002")
     run_cli("conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml",
-            f"model.name_or_path={tiny_model}", "reward_model=/nonexistent", "--resume",
+            f"model.name_or_path={tiny_model}", "reward_model=/nonexistent", "--resume-changed",
             f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}")
     assert max_weight_diff(final, weights(out)) < 1e-5
 

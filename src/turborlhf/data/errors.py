@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turborlhf.errors import UserError
 
-class DataError(ValueError):
-    """Malformed input data (raised in ``strict`` mode); the message lists kinds and line numbers."""
+
+class DataError(UserError, ValueError):
+    """Malformed input data (raised in ``strict`` mode, or when nothing usable remains); the message
+    lists kinds and line numbers."""
+
+
+class DataFileError(DataError, FileNotFoundError):
+    """A data file that is missing, is a directory, or cannot be read as UTF-8 text (file named)."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from turborlhf.data.chat import Message, render_conversation, render_prompt, require_chat_template
-from turborlhf.data.errors import DataError, Problem, format_problems, group_problems
+from turborlhf.data.errors import DataError, DataFileError, Problem, format_problems, group_problems
 from turborlhf.data.jsonl import JsonLineError, read_jsonl, write_jsonl, write_text_atomic
 
 PROBLEM_KINDS = (
@@ -226,7 +226,7 @@ def _records(source: str | Path) -> Iterator[tuple[int, Any]]:
         return
     hub = parse_hub_spec(str(source))
     if hub is None:
-        raise FileNotFoundError(f"{source}: no such file (and not a hub id like 'Anthropic/hh-rlhf')")
+        raise DataFileError(f"{source}: no such file (and not a hub id like 'Anthropic/hh-rlhf')")
     hub_id, data_dir, split = hub
     yield from enumerate(load_hh_from_hub(hub_id, split=split, data_dir=data_dir), start=1)
 
@@ -294,6 +294,9 @@ def prepare_hh(
     pairs, problems, n_read = convert_records(_records(input_path))
     if strict and problems:
         raise DataError(f"{input_path}: {len(problems)} bad line(s): {format_problems(problems)}")
+    if not pairs:
+        why = f": {len(problems)} bad line(s): {format_problems(problems, max_lines=10)}" if problems else ""
+        raise DataError(f"{input_path}: no valid pair in {n_read} record(s){why}")
 
     by_split: dict[str, list[Pair]] = {s: [] for s in SPLITS}
     for _, pair in pairs:

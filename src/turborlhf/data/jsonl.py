@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from turborlhf.data.errors import DataFileError
+
 
 class JsonLineError:
     """A line that is not valid JSON: ``message`` from the decoder and the raw ``text``."""
@@ -43,24 +45,40 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_no, obj)`` for each non-blank line of a ``.jsonl`` / ``.jsonl.gz`` file.
 
     ``line_no`` is 1-based and counts blank lines too, so it matches ``sed -n Np``. A line that is
-    not valid JSON (or not UTF-8 text) yields ``(line_no, JsonLineError)`` instead of raising, so
-    callers can report it. Raises ``FileNotFoundError`` if ``path`` does not exist.
+    not valid JSON yields ``(line_no, JsonLineError)`` instead of raising, so callers can report
+    it. Raises ``DataFileError`` (a ``FileNotFoundError`` and a ``UserError``) naming the file if
+    ``path`` does not exist, is a directory, is a damaged gzip file, or holds a line that is not
+    UTF-8 text (the line named).
     """
     path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+    if not path.is_file():
+        raise DataFileError(f"{path}: {'is a directory, not a file' if path.is_dir() else 'no such file'}")
+    gz = path.name.endswith(".gz")
+    try:
+        f = gzip.open(path, "rb") if gz else open(path, "rb")
+    except OSError as e:
+        raise DataFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    with f:
+        for line_no, raw in enumerate(_lines(f, path), start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield line_no, JsonLineError(f"not UTF-8 text ({e.reason} at byte {e.start})", repr(raw[:80]))
-                continue
+                raise DataFileError(f"{path}: line {line_no} is not UTF-8 text (byte {e.start + 1}: {e.reason}); "
+                                    "convert the file to UTF-8") from None
             if not line.strip():
                 continue
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
                 yield line_no, JsonLineError(str(e), line.rstrip("\n"))
+
+
+def _lines(f, path: Path) -> Iterator[bytes]:
+    """The byte lines of an open (possibly gzip) file; a damaged gzip stream is a DataFileError."""
+    try:
+        yield from f
+    except (OSError, EOFError) as e:
+        raise DataFileError(f"{path}: cannot be read ({e})") from None
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> int:

@@ -14,19 +14,17 @@ import yaml
 
 from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.lifecycle import RunInterrupted  # noqa: F401  (re-exported: its old home)
 
 C = TypeVar("C", bound=Cfg)
 
 __all__ = ["setup_run", "resolve_hardware", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
 
 
-class RunInterrupted(RuntimeError):
-    """The run stopped on SIGINT/SIGTERM after saving a resumable checkpoint (the message names it)."""
-
-
 def setup_run(cfg: Cfg, output_dir: str) -> Path:
     """Create the run directory and write the resolved config as ``config.yaml``, and the host and
-    the device/precision choices of `resolve_hardware` (with their reasons) as ``hardware.json``."""
+    the device/precision choices of `resolve_hardware` (with their reasons) as ``hardware.json``
+    (trainers call `turborlhf.engine.lifecycle.start_run`, which checks a resumed run's config first)."""
     from turborlhf.engine.hardware import host_summary
 
     out = Path(output_dir)

@@ -21,11 +21,17 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from turborlhf.errors import UserError
+
 __all__ = ["ZOO", "cache_dir", "is_zoo_name", "fetch_model", "resolve_model_path", "ModelFetchError"]
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(UserError, RuntimeError):
     """The named model could not be downloaded or converted."""
+
+
+class NotAModelError(UserError, OSError):
+    """A local path given as a model is missing or holds no Hugging Face model (path named)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,17 @@ def _model_dir(name: str) -> Path:
 
 def resolve_model_path(name_or_path: str, fetch: bool = True) -> str:
     """Local directory for `name_or_path`: an existing directory as is, a zoo name through the
-    cache (fetched on first use when `fetch`), anything else returned unchanged (a hub id)."""
+    cache (fetched on first use when `fetch`), anything else returned unchanged (a hub id).
+    Raises `NotAModelError` for a directory without ``config.json`` (nor a peft
+    ``adapter_config.json``), and for a path that is clearly local (absolute, ``./``, ``../``,
+    ``~``) but does not exist."""
     if os.path.isdir(name_or_path):
+        if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("config.json", "adapter_config.json")):
+            raise NotAModelError(f"{name_or_path}: not a model directory (no config.json); expected a Hugging Face "
+                                 "model directory, a hub id or a zoo name")
         return name_or_path
+    if str(name_or_path).startswith(("/", "./", "../", "~")) or os.path.isfile(name_or_path):
+        raise NotAModelError(f"{name_or_path}: no such model directory")
     if is_zoo_name(name_or_path):
         d = _model_dir(name_or_path)
         if (d / "config.json").exists():

@@ -48,7 +48,8 @@ class RewardInputs:
 
 class _ModelSource:
     def __init__(self, path: str, tokenizer, dtype: str, chunk: int) -> None:
-        from turborlhf.models.load import load_scalar_model, load_tokenizer
+        from turborlhf.models.load import load_tokenizer
+        from turborlhf.rewards.model import load_reward_model
 
         rm_tok = load_tokenizer(path)
         self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
@@ -57,7 +58,7 @@ class _ModelSource:
 
         dtype = compute_dtype(dtype, "cpu")       # built on the CPU; the PPO reward worker moves it
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        self.model = load_scalar_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
+        self.model = load_reward_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
         self.dtype, self.chunk = dtype, chunk
 
     @torch.no_grad()

@@ -28,12 +28,14 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from turborlhf.errors import UserError
+
 __all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "RewardFn"]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """A reward function could not be loaded, or returned something other than one number per response."""
 
 

@@ -13,9 +13,40 @@ import torch
 
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
 from turborlhf.engine.train import autocast
+from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
 
-__all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts"]
+__all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts", "load_reward_model",
+           "check_reward_model", "NotARewardModelError"]
+
+
+class NotARewardModelError(UserError):
+    """A model given for scoring has no trained score head (e.g. a causal-LM directory)."""
+
+
+def check_reward_model(name_or_path: str) -> None:
+    """Raise `NotARewardModelError` unless `name_or_path` (directory, hub id or zoo name) holds a
+    sequence-classification model, i.e. a trained score head, according to its ``config.json``
+    ``architectures``. Loading a causal LM as a scalar model gives a randomly initialised head,
+    which is right for a critic or a reward model about to be trained (`load_trainable`) and wrong
+    for scoring: its scores are noise. Reads only the config, no weights."""
+    from transformers import AutoConfig
+
+    from turborlhf.models.zoo import resolve_model_path
+
+    archs = AutoConfig.from_pretrained(resolve_model_path(name_or_path)).architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise NotARewardModelError(
+            f"{name_or_path}: not a reward model ({', '.join(archs) or 'no architecture'} has no trained score head; "
+            "its scores would come from a random head): give a directory written by `turborlhf rm`")
+
+
+def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch.float32, device="cpu"):
+    """`turborlhf.models.load.load_scalar_model` for scoring (on `device`), after `check_reward_model`."""
+    from turborlhf.models.load import load_scalar_model
+
+    check_reward_model(name_or_path)
+    return load_scalar_model(name_or_path, tokenizer, dtype=dtype, device=device)
 
 
 def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:

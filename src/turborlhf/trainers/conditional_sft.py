@@ -23,10 +23,11 @@ in ``<output_dir>/scored.jsonl`` (a resumed run reuses them instead of scoring a
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,11 +35,12 @@ from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
-from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint
-from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import atomic_write_text
+from turborlhf.engine.lifecycle import start_run
+from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import seed_everything, set_threads
-from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer, load_trainable
-from turborlhf.rewards.model import score_texts
+from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
+from turborlhf.rewards.model import load_reward_model, score_texts
 from turborlhf.trainers.rejection_sampling import encode_samples
 from turborlhf.trainers.sft import fit
 
@@ -249,7 +251,8 @@ def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch
     policy to run to the budget and stop nowhere). The RM is freed afterwards."""
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
+                           device=cfg.model.device).eval().requires_grad_(False)
     out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
                        cfg.model.dtype, cfg.data.score_batch_size, add_eos=[r.get("finished", True) for r in rows])
            if rows else torch.empty(0) for rows in sets]
@@ -267,9 +270,11 @@ def _print_bins(info: dict) -> None:
               f"{'-' if m is None else f'{m:.3f}'}", flush=True)
 
 
-def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bool) -> tuple[list, list, dict]:
+def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path,
+                     reuse: bool) -> tuple[list, list, dict]:
     """Training and test examples with ``score`` and ``bin``, and the tag info; written to
-    ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`)."""
+    ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`).
+    `policy()` returns the starting policy; it is called only to sample, after the data was read."""
     scored, scored_test = out / "scored.jsonl", out / "scored_test.jsonl"
     if reuse and scored.exists() and (out / TAG_FILE).exists():
         test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
@@ -279,7 +284,7 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-        samples = sample_policy_examples(model, tok, prompts, cfg)
+        samples = sample_policy_examples(policy(), tok, prompts, cfg)
         rows = rows + samples if cfg.data.dataset_responses else samples
         print(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -308,19 +313,20 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, model, out: Path, reuse: bo
 def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "conditional-sft")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "csft")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     T = cfg.train
 
-    # 2. tokenizer and policy
+    # 2. tokenizer; the policy, loaded when first needed (after the data was read and checked)
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
+    policy = functools.cache(lambda: load_trainable("causal", cfg.model, tok,
+                                                    ckpt_dir=ckpt / "policy" if ckpt else None))
 
     # 3. examples (data responses, optionally the policy's own samples), their scores on the
     #    untagged prompts and their bins: computed once, reused on resume
-    rows, test_rows, info = _scored_examples(cfg, tok, model, out, reuse=bool(ckpt))
+    rows, test_rows, info = _scored_examples(cfg, tok, policy, out, reuse=bool(ckpt))
+    model = policy()
     _print_bins(info)
 
     # 4. tagged prompts → token ids + response masks (as `sft.encode_examples`; a policy sample cut

@@ -50,8 +50,9 @@ from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.data.tokenize import encode_prompt_response
-from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
+from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -164,17 +165,14 @@ def _eval_metrics(ev: dict) -> dict:
 def train(cfg: DPOConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "dpo")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "dpo")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     T, A = cfg.train, cfg.algo
 
-    # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
+    # 2. tokenizer; pairs → token ids (shared prompt truncation; read and checked before any model
+    #    loads); deterministic plan of optimizer steps
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
-
-    # 3. pairs → token ids (shared prompt truncation); deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
@@ -186,6 +184,9 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
         test_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in test_pairs]
     plan = plan_steps([max(len(e["chosen"]["input_ids"]), len(e["rejected"]["input_ids"])) for e in train_enc],
                       T.pairs_per_step, T.epochs, T.max_steps, T.seed)
+
+    # 3. policy (fp32 master weights; bf16 autocast compute)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 4. reference log-probs: once for all train and test pairs, cached (none if reference-free)
     sets = {"train_chosen": [e["chosen"] for e in train_enc], "train_rejected": [e["rejected"] for e in train_enc],
@@ -212,11 +213,12 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
+                               keep=T.keep_checkpoints)
 
     # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count
-    for step in range(start, len(plan)):
+    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "dpo"):
         t0 = time.perf_counter()
         idx = plan[step]
         n_pairs = len(idx)
@@ -244,8 +246,6 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
             metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
 
     # 7. final evaluation on the test pairs, resumable checkpoint, exported HF policy
     if test_enc:

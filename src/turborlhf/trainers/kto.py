@@ -38,8 +38,9 @@ from turborlhf.algo import kto_kl_estimate, kto_loss, reduce_seq_loss
 from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
-from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
+from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -136,17 +137,14 @@ def evaluate(model, tok, test_enc: Sequence[dict], test_kl: Sequence[dict], ref:
 def train(cfg: KTOConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "kto")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "kto")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     T, A = cfg.train, cfg.algo
 
-    # 2. tokenizer and policy (fp32 master weights; bf16 autocast compute)
+    # 2. tokenizer; examples → token ids (read and checked before any model loads); deterministic
+    #    plan; each step's mismatched (KL) pairs
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
-
-    # 3. examples → token ids; deterministic plan; each step's mismatched (KL) pairs
     rows = load_kto(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
@@ -164,6 +162,9 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
         if len(test_rows) >= 2:
             test_enc = _encode(tok, test_rows, cfg.data.max_len)
             test_kl = _kl_pairs(tok, test_rows, range(len(test_rows)), cfg.data.max_len)
+
+    # 3. policy (fp32 master weights; bf16 autocast compute)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 4. reference log-probs of everything, once, cached (flat list of KL pairs, sliced per step)
     offsets = [0]
@@ -186,11 +187,12 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
     log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
+                               keep=T.keep_checkpoints)
 
     # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step
-    for step in range(start, len(plan)):
+    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "kto"):
         t0 = time.perf_counter()
         idx = plan[step]
         n = len(idx)
@@ -214,8 +216,6 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
             metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
 
     # 7. final evaluation, resumable checkpoint, exported HF policy
     if test_enc:

@@ -43,7 +43,6 @@ import copy
 import json
 import os
 import random
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -61,11 +60,13 @@ from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import RunInterrupted, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run
+from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
+from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
@@ -622,42 +623,13 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     return out
 
 
-class StopRequested:
-    """SIGINT/SIGTERM handler for the loop: the first signal asks the run to stop after the current
-    step (which is then checkpointed); a second one interrupts at once."""
-
-    def __init__(self) -> None:
-        self.signal: Optional[str] = None
-        self._old: dict = {}
-
-    def __enter__(self) -> "StopRequested":
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.signal = signal.Signals(signum).name
-        print(f"\n[ppo] {self.signal}: stopping after this step and saving a checkpoint "
-              "(send it again to stop at once)", flush=True)
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def train(cfg: PPOConfig, resume: bool = False) -> Path:
     # 0. run directory, threads, seed, prompts and the step plan
     cfg = resolve_hardware(cfg, "ppo")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "ppo")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     A = cfg.algo
-    ckpt = latest_checkpoint(out) if resume else None
     if A.kl_use_loss and A.kl_estimator == "k1":
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
@@ -668,6 +640,9 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
+    for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
+        if rm_path:
+            check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches)
@@ -725,18 +700,10 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
             "rng": rng_state(), "gen": gen.get_state(), "step": step}, keep=cfg.train.keep_checkpoints)
 
     try:
-        with StopRequested() as stop:
-            for step in range(start, len(plan)):
-                done = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f,
-                             canary)
-                if stop.signal is not None and done < len(plan):
-                    path = checkpoint(done)
-                    raise RunInterrupted(f"{stop.signal} at step {done}/{len(plan)}: kept checkpoint {path}; "
-                                         f"continue with --resume")
-                if cfg.train.save_every and done % cfg.train.save_every == 0 and done < len(plan):
-                    checkpoint(done)
-            checkpoint(len(plan))
-            cluster["actor"].run("export", str(out))
+        for step in checkpointed_steps(start, len(plan), checkpoint, cfg.train.save_every, "ppo"):
+            _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f, canary)
+        checkpoint(len(plan))
+        cluster["actor"].run("export", str(out))
     except WorkerError as e:
         last = latest_checkpoint(out)
         raise WorkerError(f"{e}\n[ppo] run stopped; last complete checkpoint: "

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -39,20 +40,21 @@ from turborlhf.config import RejectionSamplingConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
-from turborlhf.engine.checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import atomic_write_text, load_trainer_state, save_checkpoint
+from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
-from turborlhf.models.load import (load_scalar_model, load_tokenizer, load_trainable, merge_lora_for_save,
+from turborlhf.models.load import (load_tokenizer, load_trainable, merge_lora_for_save,
                                    merged_named_parameters)
-from turborlhf.rewards.model import score_token_ids
+from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.sft import sft_step
 
-__all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows"]
+__all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows", "SFTStopped"]
 
 BEST_SCORE = "rollout/best_score_mean"
 GAIN = "rollout/best_of_n_gain"
@@ -112,30 +114,53 @@ def encode_samples(tok, rows: list[dict], max_len: int) -> list[dict]:
             for r in rows]
 
 
-def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed: int, tag: str = "rs") -> dict:
+class SFTStopped(Exception):
+    """`sft_on_rows` stopped part-way on request; ``state`` continues it (`sft_on_rows(resume=...)`)."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__(f"SFT stopped after step {state['step']}")
+        self.state = state
+
+
+def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed: int, tag: str = "rs",
+                resume: Optional[dict] = None, should_stop: Callable[[], object] = lambda: None) -> dict:
     """Fine-tune `model` in place on ``{prompt, response, finished}`` rows with the SFT loss
     (`train.*` settings, a fresh optimizer and schedule). Returns mean loss, steps, last lr,
-    mean grad norm and tokens/s. Raises ValueError on no rows."""
+    mean grad norm and tokens/s. Raises ValueError on no rows.
+
+    `should_stop()` is asked after every optimizer step but the last; a true answer raises
+    `SFTStopped`, whose ``state`` (optimizer, schedule, step, running sums) given back as `resume`
+    continues exactly where it stopped."""
     T = cfg.train
     enc = encode_samples(tok, rows, cfg.data.max_len)
     plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, seed)
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     model.train()
-    losses, gnorms, n_tok, t0 = [], [], 0, time.perf_counter()
-    lr = sched.get_last_lr()[0]
-    for step, idx in enumerate(plan):
-        batch = [enc[i] for i in idx]
+    acc = {"losses": [], "gnorms": [], "n_tok": 0, "seconds": 0.0, "lr": sched.get_last_lr()[0], "step": 0}
+    if resume is not None:
+        optim.load_state_dict(resume["optimizer"])
+        sched.load_state_dict(resume["scheduler"])
+        acc = resume["acc"]
+    t0 = time.perf_counter()
+    for step in range(acc["step"], len(plan)):
+        batch = [enc[i] for i in plan[step]]
         step_loss = sft_step(model, tok, batch, T.micro_batch_size, cfg.model.dtype)
-        lr = sched.get_last_lr()[0]
-        gnorms.append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
-        losses.append(step_loss)
-        n_tok += sum(len(e["input_ids"]) for e in batch)
+        acc["lr"] = sched.get_last_lr()[0]
+        acc["gnorms"].append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
+        acc["losses"].append(step_loss)
+        acc["n_tok"] += sum(len(e["input_ids"]) for e in batch)
+        acc["step"] = step + 1
         if cfg.log.progress and ((step + 1) % cfg.log.every == 0 or step + 1 == len(plan)):
-            print(f"[{tag}] sft {step + 1}/{len(plan)} loss {step_loss:.4f} lr {lr:.2e}", flush=True)
-    dt = time.perf_counter() - t0
-    return {M.LOSS: sum(losses) / len(losses), "train/loss_last": losses[-1], "train/steps": len(plan), M.LR: lr,
-            M.GRAD_NORM: sum(gnorms) / len(gnorms), M.TOKENS_PER_S: n_tok / max(dt, 1e-9)}
+            print(f"[{tag}] sft {step + 1}/{len(plan)} loss {step_loss:.4f} lr {acc['lr']:.2e}", flush=True)
+        if step + 1 < len(plan) and should_stop():
+            acc["seconds"] += time.perf_counter() - t0
+            raise SFTStopped({"optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "acc": acc,
+                              "step": step + 1})
+    dt = acc["seconds"] + time.perf_counter() - t0
+    losses, gnorms = acc["losses"], acc["gnorms"]
+    return {M.LOSS: sum(losses) / len(losses), "train/loss_last": losses[-1], "train/steps": len(plan),
+            M.LR: acc["lr"], M.GRAD_NORM: sum(gnorms) / len(gnorms), M.TOKENS_PER_S: acc["n_tok"] / max(dt, 1e-9)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,6 +215,35 @@ def _round_metrics(scores_BN: torch.Tensor, fin_BN: torch.Tensor, best_B: torch.
             "rollout/tokens_per_s": float(lens.sum()) / max(t_gen, 1e-9)}
 
 
+def _sample_round(k: int, cfg: RejectionSamplingConfig, tok, engine, scorer: tuple, prompts: list[str],
+                  prompt_ids: list[list[int]], per_round: int, rdir: Path) -> tuple[dict, float, float]:
+    """Round steps 1-3 (module docstring): sample, score, select; write ``rdir/best.jsonl``.
+    `scorer` is ``(rm, rm_tok, same_vocab)``. Returns the round's rollout metrics and the seconds
+    spent generating and scoring."""
+    A = cfg.algo
+    idx = round_prompts(len(prompts), per_round, k - 1, cfg.train.seed)
+    n = A.n_samples_per_prompt
+    # 1. sample n responses per prompt from the current policy (samples of a prompt consecutive)
+    t0 = time.perf_counter()
+    outs = engine.generate([prompt_ids[i] for i in idx], _sampling(cfg, tok, cfg.train.seed * 1000003 + k))
+    t_gen = time.perf_counter() - t0
+    rows_p = [i for i in idx for _ in range(n)]
+    texts = [tok.decode(r, skip_special_tokens=True) for r in outs.response_ids]
+    # 2. score every candidate
+    t0 = time.perf_counter()
+    scores = _score(*scorer, [prompts[i] for i in rows_p], [prompt_ids[i] for i in rows_p],
+                    outs.response_ids, texts, outs.finished, cfg)
+    t_score = time.perf_counter() - t0
+    # 3. keep the best candidate per prompt; write the round's data
+    scores_BN = scores.view(len(idx), n)
+    fin_BN = torch.tensor(outs.finished, dtype=torch.bool).view(len(idx), n)
+    best_B, keep_B, _ = select_best(scores_BN, fin_BN, A.min_score, A.missing_eos_penalty)
+    rdir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(rdir / "best.jsonl", _best_rows([prompts[i] for i in idx], texts, scores_BN, fin_BN, best_B,
+                                                keep_B, k))
+    return _round_metrics(scores_BN, fin_BN, best_B, keep_B, outs.response_ids, t_gen), t_gen, t_score
+
+
 def _round_dir(out: Path, k: int) -> Path:
     return out / f"round_{k}"
 
@@ -204,23 +258,25 @@ def _training_rows(out: Path, k: int, accumulate: bool) -> list[dict]:
 def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "rejection-sampling")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "rs")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     A, R = cfg.algo, cfg.rollout
-    ckpt = latest_checkpoint(out) if resume else None
 
-    # 2. policy (from the last finished round when resuming), frozen reward model, rollout engine
+    # 2. prompts (read and checked before any model loads); policy (from the last finished round
+    #    when resuming), frozen reward model, rollout engine
     tok = load_tokenizer(cfg.model.name_or_path)
+    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
+    check_reward_model(cfg.reward_model)
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_scalar_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
+                           device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
-    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]
@@ -233,48 +289,52 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                              ("rollout_engine", type(engine).__name__),
                              ("rm_scores", "token ids" if same_vocab else "re-encoded text")])
     canary = start_sync_check(engine, model, prompt_ids, R.verify_sync, R.sync_tolerance)
-    start = 0
+    start, mid = 0, None
     if ckpt:
         st = load_trainer_state(ckpt)
         set_rng_state(st["rng"])
-        start = st["round"]
-        print(f"[rs] resumed from {ckpt} after round {start}", flush=True)
+        start, mid = st["round"], st.get("sft")      # mid: stopped inside round start+1's SFT
+        print(f"[rs] resumed from {ckpt} after round {start}"
+              + (f" and SFT step {mid['sft']['step']} of round {mid['round']}" if mid else ""), flush=True)
     log = MetricsLogger(out, "rs", A.rounds, show=(M.REWARD_MEAN, BEST_SCORE, GAIN, KEPT, M.LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
 
-    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5)
-    for k in range(start + 1, A.rounds + 1):
+    def checkpoint(k: int) -> Path:
+        return save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
+                               keep=cfg.train.keep_checkpoints)
+
+    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5); a checkpoint
+    #    after every round; SIGINT/SIGTERM stop after the current SFT step (or generation/scoring)
+    for r in checkpointed_steps(start, A.rounds, checkpoint, 1, "rs"):
+        k = r + 1                                                         # rounds count from 1
         t_round = time.perf_counter()
-        idx = round_prompts(len(prompts), per_round, k - 1, cfg.train.seed)
-        n = A.n_samples_per_prompt
-        # 4.1 sample n responses per prompt from the current policy (samples of a prompt consecutive)
-        t0 = time.perf_counter()
-        outs = engine.generate([prompt_ids[i] for i in idx], _sampling(cfg, tok, cfg.train.seed * 1000003 + k))
-        t_gen = time.perf_counter() - t0
-        rows_p = [i for i in idx for _ in range(n)]
-        texts = [tok.decode(r, skip_special_tokens=True) for r in outs.response_ids]
-        # 4.2 score every candidate
-        t0 = time.perf_counter()
-        scores = _score(rm, rm_tok, same_vocab, [prompts[i] for i in rows_p], [prompt_ids[i] for i in rows_p],
-                        outs.response_ids, texts, outs.finished, cfg)
-        t_score = time.perf_counter() - t0
-        # 4.3 keep the best candidate per prompt; write the round's data
-        scores_BN = scores.view(len(idx), n)
-        fin_BN = torch.tensor(outs.finished, dtype=torch.bool).view(len(idx), n)
-        best_B, keep_B, _ = select_best(scores_BN, fin_BN, A.min_score, A.missing_eos_penalty)
         rdir = _round_dir(out, k)
-        rdir.mkdir(parents=True, exist_ok=True)
-        write_jsonl(rdir / "best.jsonl", _best_rows([prompts[i] for i in idx], texts, scores_BN, fin_BN, best_B,
-                                                    keep_B, k))
-        metrics = _round_metrics(scores_BN, fin_BN, best_B, keep_B, outs.response_ids, t_gen)
-        # 4.4 SFT on the kept winners (of this round, or of all rounds so far)
+        if mid is None:     # 4.1-4.3 sample, score, select; the winners go to round_<k>/best.jsonl
+            metrics, t_gen, t_score = _sample_round(k, cfg, tok, engine, (rm, rm_tok, same_vocab), prompts,
+                                                    prompt_ids, per_round, rdir)
+        else:               # resumed inside this round's SFT: its winners are on disk already
+            metrics, t_gen, t_score = mid["metrics"], mid["t_gen"], mid["t_score"]
+        # 4.4 SFT on the kept winners (of this round, or of all rounds so far); a signal stops it
+        #     after its current optimizer step, with a checkpoint that continues it
         t0 = time.perf_counter()
         train_rows = _training_rows(out, k, A.accumulate)
         if train_rows:
-            metrics.update(sft_on_rows(model, tok, train_rows, cfg, seed=cfg.train.seed + k))
+            try:
+                metrics.update(sft_on_rows(model, tok, train_rows, cfg, seed=cfg.train.seed + k,
+                                           resume=mid and mid["sft"], should_stop=stop_requested))
+            except SFTStopped as e:
+                signum = stop_requested()
+                path = save_checkpoint(out, k - 1, {"policy": model}, tok, {
+                    "round": k - 1, "rng": rng_state(), "sft": {"round": k, "sft": e.state, "metrics": metrics,
+                                                               "t_gen": t_gen, "t_score": t_score}},
+                                       keep=cfg.train.keep_checkpoints)
+                raise RunInterrupted(f"{signal.Signals(signum).name} in round {k}/{A.rounds} after SFT step "
+                                     f"{e.state['step']}: kept checkpoint {path}; continue with --resume",
+                                     signum) from None
         else:
             print(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged", flush=True)
+        mid = None
         metrics["train/examples"] = len(train_rows)
         t_train = time.perf_counter() - t0
         # 4.5 weight sync, metrics, checkpoint
@@ -284,10 +344,9 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                         M.T_STEP: time.perf_counter() - t_round})
         atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
         log.log(k, metrics)
-        save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
-                        keep=cfg.train.keep_checkpoints)
 
-    # 5. the final policy as an HF directory in output_dir
+    # 5. the last round's checkpoint; the final policy as an HF directory in output_dir
+    checkpoint(A.rounds)
     export_model(model, tok, out)
     log.close()
     print(f"[rs] saved policy to {out}", flush=True)

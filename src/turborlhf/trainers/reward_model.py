@@ -19,8 +19,9 @@ import torch
 from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
+from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -62,19 +63,13 @@ def summarize_scores(ch: torch.Tensor, rj: torch.Tensor) -> dict:
 def train(cfg: RMConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "rm")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "rm")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     T = cfg.train
 
-    # 2. tokenizer and scalar model (new head on a causal LM, or a saved RM to continue)
+    # 2. tokenizer; pairs → token ids (read and checked before any model loads); deterministic plan
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
-    if T.freeze_embeddings:
-        backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
-
-    # 3. pairs → token ids; deterministic plan of optimizer steps
     pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
@@ -82,6 +77,11 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
     plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], T.pairs_per_step, T.epochs,
                       T.max_steps, T.seed)
+
+    # 3. scalar model (new head on a causal LM, or a saved RM to continue)
+    model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
+    if T.freeze_embeddings:
+        backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
     print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", T.pairs_per_step),
                              ("micro_batch_size (pairs)", T.micro_batch_size), ("optimizer_steps", len(plan)),
                              ("trainable_params", count_parameters(model, trainable_only=True))])
@@ -93,11 +93,12 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
     log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step), keep=T.keep_checkpoints)
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step),
+                               keep=T.keep_checkpoints)
 
     # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
-    for step in range(start, len(plan)):
+    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "rm"):
         t0 = time.perf_counter()
         batch = [train_enc[i] for i in plan[step]]
         n_pairs = len(batch)
@@ -123,8 +124,6 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
             metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
 
     # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
     extra = {}

@@ -18,8 +18,9 @@ from turborlhf.algo import reduce_loss, sft_nll_loss
 from turborlhf.config import SFTConfig
 from turborlhf.data.loaders import load_sft
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
-from turborlhf.engine.checkpoint import latest_checkpoint, restore, save_checkpoint, trainer_state
-from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware, setup_run
+from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
+from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -86,11 +87,11 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
     log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
 
-    def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step),
-                        keep=T.keep_checkpoints)
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step),
+                               keep=T.keep_checkpoints)
 
-    for step in range(start, len(plan)):
+    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, tag):
         t0 = time.perf_counter()
         batch = [train_enc[i] for i in plan[step]]
         step_loss = sft_step(model, tokenizer, batch, T.micro_batch_size, cfg.model.dtype)
@@ -104,8 +105,6 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
             metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
-        if T.save_every and done % T.save_every == 0 and done < len(plan):
-            checkpoint(done)
 
     if test_enc:
         log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)})
@@ -117,17 +116,13 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
 def train(cfg: SFTConfig, resume: bool = False) -> Path:
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "sft")      # device and precision: auto → this host's choice
-    out = setup_run(cfg, cfg.output_dir)
+    out, ckpt = start_run(cfg, resume, "sft")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
 
-    # 2. tokenizer and model (fp32 master weights, bf16 autocast compute; LoRA/QLoRA/checkpointing
-    #    as model.* says)
+    # 2. tokenizer; data → token ids + response masks (read and checked before any model loads);
+    #    a deterministic plan of optimizer steps
     tok = load_tokenizer(cfg.model.name_or_path)
-    ckpt = latest_checkpoint(out) if resume else None
-    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
-
-    # 3. data → token ids + response masks; a deterministic plan of optimizer steps
     rows = load_sft(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
@@ -137,6 +132,9 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
     print_batch_table("sft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
+
+    # 3. model (fp32 master weights, bf16 autocast compute; LoRA/QLoRA/checkpointing as model.* says)
+    model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
 
     # 4-6. optimizer, schedule and resume state; the loop (micro-batches share the step's token
     #      count as denominator); final evaluation, resumable checkpoint, exported HF model

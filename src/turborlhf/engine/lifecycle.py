@@ -1,0 +1,198 @@
+"""How every training command starts and stops: one implementation shared by all trainers.
+
+Start (`start_run`): the run directory, the checkpoint to resume from, and on ``--resume`` a check
+that the config is the one the checkpoint was trained with. A changed config is refused, naming the
+changed fields, unless the caller allows it (``--resume-changed``, `allow_config_change`);
+``config.yaml`` is written only after that check passed. ``--resume`` with no checkpoint says so in
+one line and starts from step 0.
+
+Stop (`checkpointed_steps`): the loop's step iterator. It saves a checkpoint every ``save_every``
+steps, and on SIGINT/SIGTERM it lets the current optimizer step finish, saves a resumable
+checkpoint whatever ``save_every`` is, and raises `RunInterrupted` (the CLI prints its message,
+which names the checkpoint, and exits with 128 + the signal number: 130 for SIGINT, 143 for
+SIGTERM). A second signal stops at once (``KeyboardInterrupt``). Torchrun's elastic agent, Slurm
+and Kubernetes all send SIGTERM before killing a job, so a preempted run keeps its progress.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import yaml
+
+from turborlhf.config import Cfg, config_to_dict
+from turborlhf.engine.checkpoint import latest_checkpoint
+from turborlhf.errors import UserError
+
+__all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
+           "allow_config_change", "config_changes", "RESUME_EXEMPT"]
+
+# Fields that may differ on --resume without changing what is computed: where things go (the output
+# directory, the placement of roles on workers: Ray and the local backend train the same numbers),
+# how much is printed, how often checkpoints are kept or evaluations run, thread counts. Prefixes end
+# with ".".
+RESUME_EXEMPT = ("output_dir", "log.", "distributed.", "train.threads", "train.save_every",
+                 "train.keep_checkpoints", "train.eval_every")
+
+_ALLOW_CHANGED: contextvars.ContextVar[bool] = contextvars.ContextVar("turborlhf_allow_config_change",
+                                                                      default=False)
+
+
+class RunInterrupted(RuntimeError):
+    """The run stopped on SIGINT/SIGTERM after saving a resumable checkpoint (the message names it).
+
+    ``exit_code`` is 128 + the signal number, as a shell reports a process killed by it."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
+class ConfigChanged(UserError):
+    """``--resume`` with a config that differs from the run's ``config.yaml`` (fields named)."""
+
+
+@contextlib.contextmanager
+def allow_config_change(allowed: bool = True) -> Iterator[None]:
+    """Within the block, `start_run` resumes with a changed config (``--resume-changed``)."""
+    token = _ALLOW_CHANGED.set(allowed)
+    try:
+        yield
+    finally:
+        _ALLOW_CHANGED.reset(token)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """``{dotted field: (old, new)}`` for every leaf that differs, fields in `RESUME_EXEMPT` left out."""
+    a, b = _flatten(old), _flatten(new)
+    out = {}
+    for key in sorted(a.keys() | b.keys()):
+        if any(key == e or (e.endswith(".") and key.startswith(e)) for e in RESUME_EXEMPT):
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out[key] = (a.get(key, "<unset>"), b.get(key, "<unset>"))
+    return out
+
+
+def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
+    """Refuse (ConfigChanged) a config that differs from ``out/config.yaml``, unless allowed; then
+    the previous config is kept as ``config.before-resume.yaml``."""
+    saved = out / "config.yaml"
+    if not saved.exists():
+        return
+    old = yaml.safe_load(saved.read_text()) or {}
+    new = config_to_dict(cfg)
+    changed = config_changes(old, new)
+    if not changed:
+        return
+    listing = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
+    if not _ALLOW_CHANGED.get():
+        raise ConfigChanged(f"--resume from {ckpt} with a changed config ({listing}); run with the config in "
+                            f"{saved}, or pass --resume-changed to continue with the new one")
+    (out / "config.before-resume.yaml").write_text(saved.read_text())
+    print(f"[{tag}] --resume-changed: continuing {ckpt} with {listing} (previous config kept in "
+          f"{out / 'config.before-resume.yaml'})", file=sys.stderr, flush=True)
+
+
+def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
+    """Create ``cfg.output_dir`` and return it with the checkpoint to resume from (None: step 0).
+
+    With `resume`: the newest complete checkpoint; none there is said in one line on stderr and the
+    run starts from step 0; a config that differs from the saved one raises `ConfigChanged` (a
+    `UserError`) naming the fields, unless `allow_config_change` is active. The resolved config is
+    written to ``config.yaml`` only after these checks.
+    """
+    from turborlhf.engine.run import setup_run
+
+    out = Path(cfg.output_dir)
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        print(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0",
+              file=sys.stderr, flush=True)
+    if ckpt is not None:
+        _check_resume_config(cfg, out, ckpt, tag)
+    return setup_run(cfg, str(out)), ckpt
+
+
+class _StopOnSignal:
+    """SIGINT/SIGTERM handlers for the duration of a loop: the first signal is recorded (the loop
+    stops after its current step); a second one interrupts at once. Off the main thread (where
+    Python cannot install handlers) it records nothing."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.signum: Optional[int] = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        _ACTIVE.append(self)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+        print(f"\n[{self.tag}] {signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+_ACTIVE: list[_StopOnSignal] = []     # the handlers of the running `checkpointed_steps` loops
+
+
+def stop_requested() -> Optional[int]:
+    """The signal number a running `checkpointed_steps` loop received (None: none, or no loop
+    running). For work inside one step that can itself save and stop part-way (rejection
+    sampling's SFT within a round)."""
+    return next((s.signum for s in reversed(_ACTIVE) if s.signum is not None), None)
+
+
+def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save_every: int,
+                       tag: str) -> Iterator[int]:
+    """The step indices ``start … total-1`` of a training loop, with its checkpoints in between.
+
+    After the loop body of step i returns (``done = i + 1`` steps finished):
+
+    - a SIGINT/SIGTERM received during that step: ``save(done)``, then `RunInterrupted` naming the
+      checkpoint and the signal (raised from the loop's ``for``); also after the last step, so that
+      a run stopped there keeps its steps (``--resume`` then runs only the final evaluation and
+      export, which the caller does after the loop with the default signal handlers back);
+    - otherwise every `save_every` steps (0 = never) before the last: ``save(done)`` (the caller
+      saves the final checkpoint itself).
+
+    `save(done)` writes a resumable checkpoint after `done` steps and returns its directory. The
+    signal handlers are installed when the loop starts and restored when it ends (also on errors).
+    """
+    with _StopOnSignal(tag) as stop:
+        for step in range(start, total):
+            yield step
+            done = step + 1
+            if stop.signum is not None:
+                path = save(done)
+                name = signal.Signals(stop.signum).name
+                raise RunInterrupted(f"{name} at step {done}/{total}: kept checkpoint {path}; "
+                                     "continue with --resume", stop.signum)
+            if save_every and done % save_every == 0 and done < total:
+                save(done)

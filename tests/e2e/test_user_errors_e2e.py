@@ -1,0 +1,108 @@
+"""Bad input is one line ``error: ...`` naming the file, path or field, with exit code 2 (the full
+traceback only under ``--debug``); data is checked before any model loads; a causal LM given as a
+reward model for scoring is refused."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.helpers import REPO
+
+
+def _cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "turborlhf", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)
+
+
+def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> str:
+    err = [l for l in res.stderr.splitlines() if l.strip() and "it/s]" not in l]   # progress bars aside
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert len(err) == 1 and err[0].startswith("error: "), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+def _sft(tiny_model, train_file, tmp_path, *extra):
+    return _cli("sft", "--config", REPO / "configs/tiny/sft.yaml", f"model.name_or_path={tiny_model}",
+                f"data.train_file={train_file}", f"output_dir={tmp_path / 'out'}", "log.tensorboard=false", *extra)
+
+
+def test_data_errors_are_one_line_before_any_model_loads(tiny_model, tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"prompt": "p", "response": "r"}).encode() + b"\n"
+                       + '{"prompt": "caf\xe9", "response": "r"}\n'.encode("latin-1"))
+    _one_line_error(_sft(tiny_model, latin1, tmp_path), str(latin1), "line 2 is not UTF-8")
+    _one_line_error(_sft(tiny_model, tmp_path / "missing.jsonl", tmp_path), "missing.jsonl", "no such file")
+    _one_line_error(_sft(tiny_model, tmp_path, tmp_path), "is a directory")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    res = _sft(tiny_model, bad, tmp_path)
+    _one_line_error(res, str(bad), "bad_json")
+    assert "Loading weights" not in res.stderr                       # the data was checked first
+
+
+def test_debug_shows_the_traceback(tiny_model, tmp_path):
+    res = _sft(tiny_model, tmp_path / "missing.jsonl", tmp_path, "--debug")
+    assert res.returncode != 0 and "Traceback" in res.stderr and "DataFileError" in res.stderr
+
+
+def test_a_directory_that_is_not_a_model(tiny_data, tmp_path):
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    _one_line_error(_sft(empty, tiny_data / "train_pairs.jsonl", tmp_path), str(empty), "not a model directory")
+    _one_line_error(_sft(tmp_path / "nowhere", tiny_data / "train_pairs.jsonl", tmp_path), "no such model directory")
+
+
+def test_bad_reward_function_path(tiny_model, tiny_rm, tiny_data, tmp_path):
+    res = _cli("ppo", "--config", REPO / "configs/tiny/grpo.yaml", f"actor.name_or_path={tiny_model}",
+               f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+               f"output_dir={tmp_path / 'ppo'}", "rewards=[{kind: function, path: \"nowhere/rf.py:score\"}]")
+    _one_line_error(res, "nowhere/rf.py", "not found")
+
+
+def test_causal_lm_as_reward_model_is_refused_for_scoring(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A causal-LM directory gave a random score head, its warning muted: PPO learned from noise and
+    eval-rm reported about 0.5."""
+    res = _cli("eval-rm", "--model", tiny_model, "--data", tiny_data / "test_pairs.jsonl", "--limit", "4")
+    _one_line_error(res, str(tiny_model), "not a reward model", "LlamaForCausalLM")
+    res = _cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
+               f"reward_model={tiny_model}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+               f"output_dir={tmp_path / 'ppo'}", "train.max_steps=1", "log.tensorboard=false")
+    _one_line_error(res, "not a reward model")
+    assert "Loading weights" not in res.stderr                      # refused before the actor loaded
+    res = _cli("rejection-sampling", "--config", REPO / "configs/tiny/rejection_sampling.yaml",
+               f"model.name_or_path={tiny_model}", f"reward_model={tiny_model}",
+               f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", f"output_dir={tmp_path / 'rs'}")
+    _one_line_error(res, "not a reward model")
+    assert "Loading weights" not in res.stderr
+    # a critic built from a causal LM (fresh head, to be trained) stays legitimate, and a trained RM scores
+    from turborlhf.config import ModelCfg
+    from turborlhf.models.load import load_tokenizer, load_trainable
+    from turborlhf.rewards.model import load_reward_model
+
+    tok = load_tokenizer(str(tiny_model))
+    assert load_trainable("scalar", ModelCfg(name_or_path=str(tiny_model)), tok).score.weight.requires_grad
+    load_reward_model(str(tiny_rm), tok)
+
+
+@pytest.mark.parametrize("lines, strict", [([], False), (["not json", "{}"], False), (["not json"], True)])
+def test_prepare_data_fails_when_nothing_valid_or_strict(lines, strict, tiny_model, tiny_data, tmp_path):
+    src = tmp_path / "raw.jsonl.gz"
+    good = (REPO / "data/hh-rlhf/harmless-base-1800.jsonl.gz")
+    with gzip.open(good, "rt") as f:
+        first = f.readline().strip()
+    body = lines + ([first] if strict else [])          # --strict: one bad line among good ones fails too
+    with gzip.open(src, "wt") as f:
+        f.write("".join(l + "\n" for l in body))
+    res = _cli("prepare-data", "hh-rlhf", "--input", src, "--output-dir", tmp_path / "out", "--tokenizer", tiny_model,
+               *(["--strict"] if strict else []))
+    _one_line_error(res, str(src), "bad line" if lines else "no valid pair")

@@ -1,0 +1,41 @@
+"""engine.lifecycle without a model: which config changes --resume refuses, and the step iterator's
+checkpoints and signal handling."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, config_changes
+
+
+def test_config_changes_names_fields_and_skips_exempt_ones():
+    old = {"optim": {"lr": 1e-3, "schedule": "cosine"}, "train": {"max_steps": 6, "threads": 2, "save_every": 0},
+           "log": {"progress": True}, "output_dir": "runs/a", "distributed": {"backend": "local"}}
+    new = {"optim": {"lr": 1e-3, "schedule": "cosine"}, "train": {"max_steps": 12, "threads": 1, "save_every": 5},
+           "log": {"progress": False}, "output_dir": "/abs/runs/a", "distributed": {"backend": "ray"},
+           "reference": "x"}
+    assert config_changes(old, new) == {"train.max_steps": (6, 12), "reference": ("<unset>", "x")}
+    assert config_changes(old, old) == {}
+
+
+def test_checkpointed_steps_saves_periodically_and_not_after_the_last_step():
+    saved = []
+    steps = list(checkpointed_steps(0, 5, lambda d: saved.append(d) or f"ckpt-{d}", 2, "t"))
+    assert steps == [0, 1, 2, 3, 4] and saved == [2, 4]
+    saved.clear()
+    assert list(checkpointed_steps(3, 5, lambda d: saved.append(d), 0, "t")) == [3, 4] and saved == []
+
+
+def test_signal_finishes_the_step_saves_and_raises_then_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    saved, ran = [], []
+    with pytest.raises(RunInterrupted, match=r"SIGTERM at step 2/10: kept checkpoint ckpt-2") as e:
+        for step in checkpointed_steps(0, 10, lambda d: saved.append(d) or f"ckpt-{d}", 0, "t"):
+            ran.append(step)
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)      # arrives mid-step: the step still completes
+                ran.append("after kill")
+    assert ran == [0, 1, "after kill"] and saved == [2] and e.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
