@@ -273,9 +273,9 @@ class PPODataCfg(DataFormatCfg):
 class RewardSourceCfg(Cfg):
     """One reward source; the PPO score is Σ weight · score over all sources."""
 
-    kind: Literal["model", "function", "remote"] = Field(
-        ..., description="model = reward-model directory, function = Python rule, remote = `turborlhf serve-rm` URL")
-    path: str = Field(..., description="RM directory | path/to/module.py:function | http://host:port")
+    kind: Literal["model", "function", "remote", "callable"] = Field(
+        ..., description="model = RM directory, function = Python rule, remote = `serve-rm` URL, callable = Python API's")
+    path: str = Field(..., description="RM directory | path/to/module.py:function | http://host:port | callable's key")
     weight: float = Field(1.0, description="weight of this source in the combined score")
     name: Optional[str] = Field(None, description="metric name (reward/<name>); default <kind><index>")
     timeout_s: float = Field(60.0, gt=0, description="remote: seconds to wait for one answer")

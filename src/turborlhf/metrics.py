@@ -2,17 +2,23 @@
 experiment trackers of ``log.report_to`` (TensorBoard, W&B, MLflow, Trackio: ``trackers.py``).
 
 Canonical metric names are defined here once and used by every trainer.
+
+Callbacks (the Python API's ``callbacks=``, `turborlhf.api`): objects with any of the hooks of
+`TrainerCallback`, active for the duration of a `use_callbacks` block. Every trainer logs through
+`MetricsLogger`, so this is the one place they are called, for every command alike.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs"]
+__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs", "TrainerCallback", "use_callbacks"]
 
 
 class M:
@@ -90,6 +96,53 @@ def tracker_kwargs(cfg) -> dict[str, Any]:
     return {"report_to": names, "project": log.project, "run_name": log.run_name, "config": config_to_dict(cfg)}
 
 
+class TrainerCallback:
+    """The hooks a callback may define (HF ``TrainerCallback``'s names; subclassing is optional: any
+    object with some of these methods works, the others are skipped). Called on the process that
+    runs the training loop (the driver, for ``distributed.backend=ray``).
+
+    - ``on_train_begin(name, total_steps)``: the loop starts (``name``: ``sft``, ``rm``, ``dpo``,
+      ``kto``, ``ppo``); ``total_steps``: its optimizer steps;
+    - ``on_step_end(step, metrics)``: optimizer step ``step`` (1-based) finished and was logged
+      (every ``log.every`` steps, 1 by default, and the last one); ``metrics``: ``{name: value}``
+      with the canonical names of `M`;
+    - ``on_log(step, metrics)``: every row written to ``metrics.jsonl`` (the step rows above, and
+      evaluation rows such as the final ``eval/*``);
+    - ``on_train_end(name, step)``: the loop's logger closed (after the last step, or when the run
+      stopped).
+
+    An exception raised by a hook stops the run (it propagates out of the training loop).
+    """
+
+    def on_train_begin(self, name: str, total_steps: int) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def on_train_end(self, name: str, step: int) -> None: ...
+
+
+_CALLBACKS: contextvars.ContextVar[tuple] = contextvars.ContextVar("turborlhf_callbacks", default=())
+
+
+@contextlib.contextmanager
+def use_callbacks(callbacks: Sequence[Any]) -> Iterator[None]:
+    """Within the block, every `MetricsLogger` created calls `callbacks`' hooks (`TrainerCallback`)."""
+    token = _CALLBACKS.set(tuple(callbacks))
+    try:
+        yield
+    finally:
+        _CALLBACKS.reset(token)
+
+
+def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is not None:
+            fn(*args)
+
+
 class MetricsLogger:
     """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and stdout.
 
@@ -129,6 +182,9 @@ class MetricsLogger:
         self._jsonl = open(path, "a" if resume else "w")
         self._t0 = time.perf_counter()
         self._start_step = start_step
+        self._callbacks = _CALLBACKS.get()       # the `use_callbacks` block active now
+        self._last_step = start_step
+        _call(self._callbacks, "on_train_begin", name, total_steps)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         from turborlhf.trackers import finite_scalars
@@ -142,6 +198,12 @@ class MetricsLogger:
             t.log(step, scalars)
         if self.progress:
             print(self.progress_line(step, row), flush=True)
+        if self._callbacks:
+            cb_metrics = {k: v for k, v in row.items() if k != "step"}
+            if step > self._last_step:       # a step's first row; a later row of the same step is an evaluation
+                self._last_step = step
+                _call(self._callbacks, "on_step_end", step, dict(cb_metrics))
+            _call(self._callbacks, "on_log", step, cb_metrics)
 
     def progress_line(self, step: int, row: dict) -> str:
         elapsed = time.perf_counter() - self._t0
@@ -156,7 +218,10 @@ class MetricsLogger:
         return " ".join(parts)
 
     def close(self) -> None:
+        if self._jsonl.closed:
+            return
         self._jsonl.close()
         for t in self._trackers:
             t.close()
         self._trackers = []
+        _call(self._callbacks, "on_train_end", self.name, self._last_step)

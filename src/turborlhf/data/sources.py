@@ -16,6 +16,9 @@
   ``org/name[/data_dir][:split]``, ``datasets.load_dataset(id, data_dir=, split=)`` (needs
   network access; ``HF_HUB_OFFLINE=1`` refuses).
 
+* in memory: a `Rows` list of dicts, or a 🤗 ``datasets.Dataset`` object (numbered by row;
+  the Python API, `turborlhf.api`, renders prompts of its datasets this way).
+
 A ``DatasetDict`` (a saved dict, a data directory or a hub id) gives its ``train`` split, or its
 only split; ``SPEC:SPLIT`` picks another (``Anthropic/hh-rlhf:test``, ``saved_dir:test``).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,12 +40,23 @@ from typing import Any
 from turborlhf.data.errors import DataError
 from turborlhf.data.jsonl import JsonLineError, read_jsonl
 
-__all__ = ["open_rows", "DATASETS_SUFFIXES"]
+__all__ = ["open_rows", "Rows", "DATASETS_SUFFIXES"]
 
 # file suffix -> datasets builder
 DATASETS_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 _JSON_SUFFIXES = (".json", ".json.gz")
 _FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", *_JSON_SUFFIXES, *DATASETS_SUFFIXES)
+
+
+class Rows(list):
+    """Records held in memory (a list of dicts) as a source of `open_rows`; errors name it by `name`."""
+
+    def __init__(self, rows=(), name: str = "<in-memory rows>") -> None:
+        super().__init__(rows)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _split_spec(spec: str) -> tuple[str, str | None]:
@@ -54,13 +69,18 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
     return base, split
 
 
-def open_rows(spec: str | os.PathLike) -> tuple[str, Iterator[tuple[int, Any]]]:
+def open_rows(spec: "str | os.PathLike | Rows") -> tuple[str, Iterator[tuple[int, Any]]]:
     """``spec`` -> ``(unit, rows)``: unit is ``"line"`` or ``"row"``; rows yields ``(n, obj)``.
 
     ``obj`` is a dict for good rows, a ``JsonLineError`` for unreadable JSON lines, or whatever
     JSON value a line held. Raises ``FileNotFoundError`` for a missing path with a data-file
     suffix, ``DataError`` (one line, naming ``spec``) for an unreadable file, directory or id.
     """
+    if isinstance(spec, Rows):
+        return "row", enumerate(spec, start=1)
+    ds_mod = sys.modules.get("datasets")          # a Dataset object exists only if datasets was imported
+    if ds_mod is not None and isinstance(spec, ds_mod.Dataset):
+        return "row", _dataset_rows(spec, "<in-memory dataset>")
     text = os.fspath(spec)
     base, split = _split_spec(text)
     p = Path(base)

@@ -30,7 +30,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint
 from turborlhf.errors import UserError
 
 __all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
-           "allow_config_change", "config_changes", "RESUME_EXEMPT"]
+           "allow_config_change", "config_changes", "RESUME_EXEMPT", "run_to_end"]
 
 # Fields that may differ on --resume without changing what is computed: where things go (the output
 # directory, the placement of roles on workers: Ray and the local backend train the same numbers),
@@ -196,3 +196,14 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
                                      "continue with --resume", stop.signum)
             if save_every and done % save_every == 0 and done < total:
                 save(done)
+
+
+def run_to_end(steps: Iterator[Any]) -> Any:
+    """Exhaust a trainer's step generator (``train_steps``: one item per optimizer step) and return
+    its return value (the output directory). Each trainer's ``train(cfg, resume)`` is this over its
+    ``train_steps``, so the command line and `turborlhf.api`'s ``.train()``/``.step()`` run one loop."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value

@@ -9,6 +9,8 @@ directory as a ``model`` source named ``rm`` with weight 1):
 - ``function``: ``path/to/module.py:function`` (`turborlhf.rewards.functions`), called with
   texts.
 - ``remote``: the URL of a ``turborlhf serve-rm`` server (`turborlhf.rewards.remote`).
+- ``callable``: an in-process Python callable passed to the Python API (``reward_funcs=``,
+  `turborlhf.rewards.callables`); ``path`` is the key it was given under.
 
 The weighted sum is the only combination (TRL GRPO's ``reward_weights``, OpenRLHF's sum of
 remote rewards); per-source scores are returned too so trainers can log each one. Texts are
@@ -132,7 +134,7 @@ class CombinedReward:
 
 
 def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "auto",
-                 chunk: int = 8) -> CombinedReward:
+                 chunk: int = 8, callables=None) -> CombinedReward:
     """Load every source.
 
     Args:
@@ -143,6 +145,8 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
         dtype: compute precision of in-process reward models (``auto``, ``bf16`` or ``fp32``; ``auto``:
             this host's CPU choice, `turborlhf.engine.hardware`).
         chunk: rows per reward-model forward pass.
+        callables: the ``kind: callable`` sources' functions
+            (`turborlhf.rewards.callables.RewardCallables`), keyed by their ``path``.
 
     Raises:
         ValueError: no source, duplicate names, unknown kind; `RewardFunctionError` for a bad
@@ -159,6 +163,10 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
             fn = _FunctionSource(s.path)
         elif s.kind == "remote":
             fn = _RemoteSource(s.path, s.timeout_s, s.retries)
+        elif s.kind == "callable":
+            from turborlhf.rewards.callables import RewardCallables
+
+            fn = (callables if callables is not None else RewardCallables()).source(s.path, name)
         else:
             raise ValueError(f"unknown reward source kind {s.kind!r}")
         loaded.append((name, float(s.weight), fn))

@@ -42,7 +42,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.data.tokenize import encode_prompt_response
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -60,7 +60,7 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
+__all__ = ["train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
 
 # config name → turborlhf.algo.DPO_VARIANTS key (one explicit table, no if/elif ladder)
 LOSS_VARIANTS = {"dpo": "sigmoid", "cdpo": "cdpo", "robust": "robust", "ipo": "ipo"}
@@ -163,6 +163,14 @@ def _eval_metrics(ev: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def train(cfg: DPOConfig, resume: bool = False) -> Path:
+    """`turborlhf dpo`: the whole run (`train_steps` to its end); returns the output directory."""
+    return run_to_end(train_steps(cfg, resume))
+
+
+def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int, dict]]:
+    """`train` as a generator: yields ``(done, total, metrics)`` after each optimizer step (``done``:
+    steps finished, 1-based, of ``total``; ``metrics``: that step's, logged or not); the final evaluation,
+    checkpoint and export run when it is resumed after the last step; returns the output directory."""
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "dpo")      # device and precision: auto → this host's choice
     out, ckpt = start_run(cfg, resume, "dpo")
@@ -246,6 +254,7 @@ def train(cfg: DPOConfig, resume: bool = False) -> Path:
             metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
+        yield done, len(plan), metrics
 
     # 7. final evaluation on the test pairs, resumable checkpoint, exported HF policy
     if test_enc:

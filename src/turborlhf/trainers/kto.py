@@ -30,7 +30,7 @@ import json
 import time
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -48,7 +48,7 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "mismatch_sources", "check_weights"]
+__all__ = ["train", "train_steps", "mismatch_sources", "check_weights"]
 
 
 def mismatch_sources(prompts: Sequence[str]) -> list[int]:
@@ -135,6 +135,14 @@ def evaluate(model, tok, test_enc: Sequence[dict], test_kl: Sequence[dict], ref:
 
 
 def train(cfg: KTOConfig, resume: bool = False) -> Path:
+    """`turborlhf kto`: the whole run (`train_steps` to its end); returns the output directory."""
+    return run_to_end(train_steps(cfg, resume))
+
+
+def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int, dict]]:
+    """`train` as a generator: yields ``(done, total, metrics)`` after each optimizer step (``done``:
+    steps finished, 1-based, of ``total``; ``metrics``: that step's, logged or not); the final evaluation,
+    checkpoint and export run when it is resumed after the last step; returns the output directory."""
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "kto")      # device and precision: auto → this host's choice
     out, ckpt = start_run(cfg, resume, "kto")
@@ -216,6 +224,7 @@ def train(cfg: KTOConfig, resume: bool = False) -> Path:
             metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
+        yield done, len(plan), metrics
 
     # 7. final evaluation, resumable checkpoint, exported HF policy
     if test_enc:

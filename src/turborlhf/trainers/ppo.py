@@ -47,7 +47,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -60,7 +60,7 @@ from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run
+from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -72,7 +72,7 @@ from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
 from turborlhf.trainers.sft import sft_loss_on_batch
 
-__all__ = ["train", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
+__all__ = ["train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
            "minibatch_schedule", "minibatch_counts", "merge_rank_stats", "actor_micro_step", "critic_micro_step",
            "ptx_step", "rollout_items", "generate", "sync_weights", "build_roles", "row_shards",
            "ADVANTAGE_ESTIMATORS", "EmaModel", "PtxStream", "RunInterrupted"]
@@ -581,9 +581,10 @@ def lora_reference(cfg: PPOConfig) -> bool:
     return cfg.actor.lora.rank > 0 and same_model(cfg.reference or cfg.actor.name_or_path, cfg.actor.name_or_path)
 
 
-def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1):
+def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, reward_callables=None):
     """Place the roles (`turborlhf.distributed.placement.launch`): actor (trainable); critic
-    (trainable, gae only, from the RM by default); reward sources; reference (frozen, only when a
+    (trainable, gae only, from the RM by default); reward sources (`reward_callables`: the Python
+    API's functions, `turborlhf.rewards.callables.RewardCallables`); reference (frozen, only when a
     KL term is on); rollout engines. Returns the `Cluster` (``cluster["actor"]`` etc.)."""
     from turborlhf.distributed.placement import RoleSpec, launch
     from turborlhf.trainers import ppo_workers as W
@@ -593,7 +594,7 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1):
     specs = {"actor": RoleSpec(W.ActorWorker, (cfg, c, total_updates, threads))}
     if A.needs_critic:
         specs["critic"] = RoleSpec(W.CriticWorker, (cfg, c, total_updates, threads))
-    specs["reward"] = RoleSpec(W.RewardWorker, (cfg, threads))
+    specs["reward"] = RoleSpec(W.RewardWorker, (cfg, threads, reward_callables))
     if A.needs_reference and not lora_reference(cfg):
         specs["reference"] = RoleSpec(W.ReferenceWorker, (cfg, threads))
     specs["rollout"] = RoleSpec(W.RolloutWorker, (cfg, c, threads))
@@ -623,7 +624,16 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     return out
 
 
-def train(cfg: PPOConfig, resume: bool = False) -> Path:
+def train(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> Path:
+    """`turborlhf ppo` (and grpo, rloo): the whole run (`train_steps` to its end); returns the output
+    directory. `reward_callables`: the ``kind: callable`` reward sources' functions (Python API)."""
+    return run_to_end(train_steps(cfg, resume, reward_callables))
+
+
+def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> Iterator[tuple[int, int, dict]]:
+    """`train` as a generator: yields ``(done, total, metrics)`` after each PPO step; the final checkpoint
+    and export run when it is resumed after the last one; returns the output directory. The roles'
+    workers are shut down when it ends or is closed."""
     # 0. run directory, threads, seed, prompts and the step plan
     cfg = resolve_hardware(cfg, "ppo")      # device and precision: auto → this host's choice
     out, ckpt = start_run(cfg, resume, "ppo")
@@ -645,14 +655,15 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
 
     # roles on their workers (this process, or Ray), controllers, resume state
-    cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches)
+    cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches, reward_callables)
     try:
-        return _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt)
+        return (yield from _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt))
     finally:
         cluster.shutdown()
 
 
-def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path]) -> Path:
+def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path,
+         ckpt: Optional[Path]) -> Iterator[tuple[int, int, dict]]:
     A, D = cfg.algo, cfg.distributed
     info = cluster["actor"].run("info")[0]
     rollout_rows = A.prompts_per_step * A.n_samples_per_prompt
@@ -701,7 +712,9 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
 
     try:
         for step in checkpointed_steps(start, len(plan), checkpoint, cfg.train.save_every, "ppo"):
-            _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f, canary)
+            done, metrics = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log,
+                                  samples_f, canary)
+            yield done, len(plan), metrics
         checkpoint(len(plan))
         cluster["actor"].run("export", str(out))
     except WorkerError as e:
@@ -718,8 +731,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f, canary=None) -> int:
-    """One PPO step (numbered as in the module docstring); returns the number of steps done."""
+          samples_f, canary=None) -> tuple[int, dict]:
+    """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics."""
     A = cfg.algo
     t_step = time.perf_counter()
     # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
@@ -764,4 +777,4 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     samples_f.write(json.dumps({"step": done, "prompt": tok.decode(rows_prompts[0][-200:]),
                                 "response": tok.decode(responses[0]), "score": float(exp.raw_scores_B[0])}) + "\n")
     samples_f.flush()
-    return done
+    return done, metrics

@@ -411,7 +411,8 @@ class ReferenceWorker(_Offload):
 class RewardWorker(_Offload):
     """Every reward source of the run (`turborlhf.rewards.combine.build_reward`)."""
 
-    def __init__(self, cfg, threads: int = 0) -> None:
+    def __init__(self, cfg, threads: int = 0, callables=None) -> None:
+        """`callables`: the ``kind: callable`` sources' functions (`turborlhf.rewards.callables`)."""
         from turborlhf.models.load import load_tokenizer
         from turborlhf.rewards.combine import build_reward
 
@@ -419,7 +420,8 @@ class RewardWorker(_Offload):
         self.cfg, self.device = cfg, _device(cfg)
         self.offload = cfg.distributed.ref_reward_offload
         self.tok = load_tokenizer(cfg.actor.name_or_path)
-        self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size)
+        self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size,
+                                   callables)
         for m in self._models():
             m.to("cpu" if self.offload else self.device)
 

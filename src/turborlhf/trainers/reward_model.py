@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -20,7 +21,7 @@ from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -28,7 +29,7 @@ from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
-__all__ = ["train", "evaluate_pairs", "score_pairs", "summarize_scores"]
+__all__ = ["train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
 
 
 @torch.no_grad()
@@ -61,6 +62,14 @@ def summarize_scores(ch: torch.Tensor, rj: torch.Tensor) -> dict:
 
 
 def train(cfg: RMConfig, resume: bool = False) -> Path:
+    """`turborlhf rm`: the whole run (`train_steps` to its end); returns the output directory."""
+    return run_to_end(train_steps(cfg, resume))
+
+
+def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int, dict]]:
+    """`train` as a generator: yields ``(done, total, metrics)`` after each optimizer step (``done``:
+    steps finished, 1-based, of ``total``; ``metrics``: that step's, logged or not); the final evaluation,
+    checkpoint and export run when it is resumed after the last step; returns the output directory."""
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "rm")      # device and precision: auto → this host's choice
     out, ckpt = start_run(cfg, resume, "rm")
@@ -124,6 +133,7 @@ def train(cfg: RMConfig, resume: bool = False) -> Path:
             metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
+        yield done, len(plan), metrics
 
     # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
     extra = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from turborlhf.config import SFTConfig
 from turborlhf.data.loaders import load_sft
 from turborlhf.data.tokenize import encode_prompt_response, pad_batch
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
@@ -27,7 +27,7 @@ from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import load_tokenizer, load_trainable
 
-__all__ = ["train", "fit", "sft_step", "encode_examples", "sft_loss_on_batch", "evaluate_nll"]
+__all__ = ["train", "train_steps", "fit", "fit_steps", "sft_step", "encode_examples", "sft_loss_on_batch", "evaluate_nll"]
 
 
 def encode_examples(tokenizer, rows: list[dict], max_len: int) -> list[dict]:
@@ -80,6 +80,15 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
     cfg: any config with ``model.dtype``, ``optim`` (`OptimCfg`), ``train`` (`SFTTrainCfg`) and
     ``log`` (`LogCfg`). train_enc/test_enc: `encode_examples` records; plan: `plan_steps` output.
     """
+    run_to_end(fit_steps(cfg, model, tokenizer, train_enc, test_enc, plan, out, ckpt, tag))
+
+
+def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan: list[list[int]], out: Path,
+              ckpt: Optional[Path], tag: str = "sft") -> Iterator[tuple[int, int, dict]]:
+    """`fit` as a generator: yields ``(done, total, metrics)`` after each optimizer step (``done``: steps
+    finished, 1-based, of ``total``; ``metrics``: that step's, logged or not); the final evaluation, checkpoint
+    and export run when it is resumed after the last step (`turborlhf.api` drives it one step at
+    a time)."""
     T = cfg.train
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
@@ -105,6 +114,7 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
             metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
+        yield done, len(plan), metrics
 
     if test_enc:
         log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, T.micro_batch_size)})
@@ -114,6 +124,13 @@ def fit(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict], plan
 
 
 def train(cfg: SFTConfig, resume: bool = False) -> Path:
+    """`turborlhf sft`: the whole run (`train_steps` to its end); returns the output directory."""
+    return run_to_end(train_steps(cfg, resume))
+
+
+def train_steps(cfg: SFTConfig, resume: bool = False) -> Iterator[tuple[int, int, dict]]:
+    """`train` as a generator of ``(done, total, metrics)`` per optimizer step (`fit_steps`); its return
+    value (``StopIteration.value``) is the output directory."""
     # 1. run directory, threads, seed
     cfg = resolve_hardware(cfg, "sft")      # device and precision: auto → this host's choice
     out, ckpt = start_run(cfg, resume, "sft")
@@ -138,6 +155,6 @@ def train(cfg: SFTConfig, resume: bool = False) -> Path:
 
     # 4-6. optimizer, schedule and resume state; the loop (micro-batches share the step's token
     #      count as denominator); final evaluation, resumable checkpoint, exported HF model
-    fit(cfg, model, tok, train_enc, test_enc, plan, out, ckpt, "sft")
+    yield from fit_steps(cfg, model, tok, train_enc, test_enc, plan, out, ckpt, "sft")
     print(f"[sft] saved policy to {out}", flush=True)
     return out

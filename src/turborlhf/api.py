@@ -1,0 +1,473 @@
+"""Trainer objects in TRL's shape: ``SFTTrainer``, ``RewardTrainer``, ``DPOTrainer``, ``KTOTrainer``,
+``PPOTrainer``, ``GRPOTrainer`` and ``RLOOTrainer``, importable from ``turborlhf``::
+
+    from datasets import Dataset
+    from turborlhf import GRPOTrainer
+
+    def accuracy(prompts, completions, answer, **kwargs):
+        return [float(c.strip().endswith(a)) for c, a in zip(completions, answer)]
+
+    ds = Dataset.from_list([{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}])
+    trainer = GRPOTrainer(model="smollm2-135m-instruct", reward_funcs=accuracy, train_dataset=ds,
+                          args={"train": {"max_steps": 10}, "output_dir": "runs/grpo"})
+    result = trainer.train()            # TrainResult: output_dir, global_step, metrics
+
+They are a thin layer over the commands: each builds the command's config (`turborlhf.config`,
+validated by the same pydantic classes, errors naming the field) and runs the same
+``train_steps`` generator that ``turborlhf <command>`` runs to its end (`run_to_end`), so the
+command line and Python share one implementation.
+
+Arguments (each trainer):
+
+- ``model``: a local directory, hub id or zoo name, or an in-memory ``transformers`` model, which
+  is saved (with ``processing_class``, else the tokenizer of its ``name_or_path``) to
+  ``<output_dir>/input_model`` and trained from there;
+- ``args``: the command's config object (``SFTConfig``, ``GRPOConfig`` ...) or a dict of the same
+  fields as its YAML (``{"optim": {"lr": 1e-5}, "train": {"max_steps": 10}}``); ``model`` and the
+  datasets given as arguments override its fields;
+- ``train_dataset`` / ``eval_dataset``: a ``datasets.Dataset``, a list of dicts or a path (any
+  source of `turborlhf.data.sources`: JSON lines, Parquet, a ``save_to_disk`` directory, a hub id).
+  In-memory data is written to ``<output_dir>/data/`` (a ``Dataset`` with ``save_to_disk``, a
+  list as JSON lines) and read back by the command's loader, so ``data.*_key`` and
+  ``data.chat_template`` apply and the run's ``config.yaml`` names files that exist;
+- ``callbacks``: objects with any of `turborlhf.metrics.TrainerCallback`'s hooks;
+- RL trainers: ``reward_funcs`` (one or a list): Python callables
+  (`turborlhf.rewards.callables`: called as ``fn(prompts=, completions=, **columns)`` with the
+  dataset's other columns, as TRL does), reward-model directories, ``path/to/file.py:function``
+  specs or ``http(s)://`` `turborlhf serve-rm` URLs; ``reward_weights`` weighs them (TRL's name).
+  Callables travel to Ray workers (``distributed.backend=ray``) with cloudpickle, by value.
+
+``.train()`` runs every step (or the rest, after ``.step()`` calls) and returns a `TrainResult`;
+``.step()`` runs one optimizer step (one PPO step for the RL trainers) and returns its metrics;
+after the last one it also runs the final evaluation, checkpoint and export. Between ``.step()``
+calls the run's SIGINT/SIGTERM handlers stay installed (a signal stops it after the next step with
+a checkpoint, `turborlhf.engine.lifecycle`); ``.close()`` ends a run before its last step (its
+workers are shut down; ``train(resume_from_checkpoint=True)`` on a new trainer continues from the
+last saved checkpoint).
+
+Not offered: TRL's ``compute_metrics``, ``data_collator``, ``optimizers=`` and
+``peft_config=`` (use ``args["model"]["lora"]``); the multi-stage commands (rejection sampling,
+conditional SFT, pipeline) have no trainer object.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+
+from turborlhf.errors import UserError
+
+__all__ = ["SFTTrainer", "RewardTrainer", "DPOTrainer", "KTOTrainer", "PPOTrainer", "GRPOTrainer", "RLOOTrainer",
+           "TrainResult", "TrainerState"]
+
+
+@dataclass
+class TrainResult:
+    """What ``.train()`` returns: the output directory (the trained model, loadable with
+    ``from_pretrained``; also ``os.fspath(result)``), optimizer steps done, and the last step's metrics."""
+
+    output_dir: Path
+    global_step: int
+    metrics: dict = field(default_factory=dict)
+
+    def __fspath__(self) -> str:
+        return str(self.output_dir)
+
+
+@dataclass
+class TrainerState:
+    """``trainer.state``: steps done (``global_step`` of ``max_steps``) and every row logged
+    (``log_history``, as HF's TrainerState; each row a dict with ``step``)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    log_history: list = field(default_factory=list)
+
+
+class _History:
+    """The callback that fills ``trainer.state.log_history``."""
+
+    def __init__(self, state: TrainerState) -> None:
+        self.state = state
+
+    def on_log(self, step: int, metrics: dict) -> None:
+        self.state.log_history.append({"step": step, **metrics})
+
+
+def _is_hf_model(obj: Any) -> bool:
+    return hasattr(obj, "save_pretrained") and hasattr(obj, "config") and not isinstance(obj, (str, os.PathLike))
+
+
+def _save_model(model, tokenizer, dest: Path, what: str) -> str:
+    """An in-memory model (and its tokenizer) as a HF directory `dest`; returns its path."""
+    from turborlhf.models.load import load_tokenizer
+
+    if tokenizer is None:
+        source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+        try:
+            tokenizer = load_tokenizer(source) if source else None
+        except Exception:
+            tokenizer = None
+        if tokenizer is None:
+            raise UserError(f"{what}: an in-memory model whose tokenizer cannot be found from its name_or_path "
+                            f"({source!r}); pass processing_class=<its tokenizer>")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return str(dest)
+
+
+def _write_dataset(data: Any, dest: Path, what: str) -> str:
+    """A dataset argument as a path the loaders read: paths unchanged; a ``datasets.Dataset`` saved
+    with ``save_to_disk`` to `dest`; a list of dicts as JSON lines ``dest.jsonl``."""
+    if isinstance(data, (str, os.PathLike)):
+        return os.fspath(data)
+    import datasets
+
+    if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        raise UserError(f"{what}: a DatasetDict; pass one split (dataset['train'])")
+    if isinstance(data, datasets.IterableDataset):
+        raise UserError(f"{what}: an IterableDataset is not supported; pass a Dataset, a list of dicts or a path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, datasets.Dataset):
+        if dest.exists():
+            shutil.rmtree(dest)
+        data.save_to_disk(str(dest))
+        return str(dest)
+    if isinstance(data, Sequence) and all(isinstance(r, dict) for r in data):
+        path = dest.with_suffix(".jsonl")
+        try:
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in data)
+        except TypeError as e:
+            raise UserError(f"{what}: a list of dicts with a value JSON cannot hold ({e}); pass a datasets.Dataset")
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+    raise UserError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise UserError(f"args: {p} must be a mapping")
+    node[last] = value
+
+
+class _Trainer:
+    """Shared mechanics of the trainer objects (module docstring); subclasses name the command."""
+
+    command: ClassVar[str]                      # turborlhf <command>
+    module: ClassVar[str]                       # its trainer module (train_steps)
+    config_name: ClassVar[str]                  # config class in turborlhf.config
+    model_field: ClassVar[str] = "model.name_or_path"
+    train_field: ClassVar[str] = "data.train_file"
+    eval_field: ClassVar[Optional[str]] = "data.test_file"
+    ref_field: ClassVar[Optional[str]] = None   # where ref_model= goes
+
+    def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None,
+                 ref_model: Any = None) -> None:
+        from turborlhf.config import config_to_dict, load_config
+
+        cls = self._config_class()
+        if args is None:
+            tree: dict = {}
+        elif isinstance(args, dict):
+            tree = json.loads(json.dumps(args))
+        elif isinstance(args, self._accepted_config()):
+            tree = config_to_dict(args)
+        else:
+            raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
+        out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)
+        tree["output_dir"] = str(out)
+        if model is not None:
+            path = _save_model(model, processing_class, out / "input_model", "model") if _is_hf_model(model) \
+                else os.fspath(model)
+            _set(tree, self.model_field, path)
+        elif processing_class is not None:
+            warnings.warn("processing_class is used with an in-memory model only; the tokenizer is read from the "
+                          "model directory", stacklevel=2)
+        if ref_model is not None:
+            if self.ref_field is None:
+                raise UserError(f"{type(self).__name__} takes no ref_model")
+            path = _save_model(ref_model, processing_class, out / "ref_model", "ref_model") \
+                if _is_hf_model(ref_model) else os.fspath(ref_model)
+            _set(tree, self.ref_field, path)
+        if train_dataset is not None:
+            _set(tree, self.train_field, _write_dataset(train_dataset, out / "data" / "train", "train_dataset"))
+        if eval_dataset is not None:
+            _set(tree, self.eval_field, _write_dataset(eval_dataset, out / "data" / "eval", "eval_dataset"))
+        self._extend_tree(tree, out)
+        self.args = load_config(cls, base=tree)           # ConfigError naming the field
+        self.train_dataset = train_dataset
+        self.callbacks: list = list(callbacks or [])
+        self.state = TrainerState()
+        self._steps: Optional[Iterator] = None
+        self._result: Optional[TrainResult] = None
+
+    # -- the command behind the object
+
+    @classmethod
+    def _config_class(cls):
+        from turborlhf import config
+
+        return getattr(config, cls.config_name)
+
+    @classmethod
+    def _accepted_config(cls) -> type:
+        return cls._config_class()
+
+    def _extend_tree(self, tree: dict, out: Path) -> None:
+        """Subclasses add their own arguments (reward functions) to the config tree."""
+
+    def _train_steps(self, resume: bool) -> Iterator:
+        import importlib
+
+        return importlib.import_module(self.module).train_steps(self.args, resume)
+
+    # -- public API
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.args.output_dir)
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (an object with some of `turborlhf.metrics.TrainerCallback`'s hooks)."""
+        self.callbacks.append(callback)
+
+    def _next(self) -> tuple[int, int, dict]:
+        from turborlhf.metrics import use_callbacks
+
+        with use_callbacks([_History(self.state), *self.callbacks]):
+            try:
+                done, total, metrics = next(self._steps)
+            except StopIteration as stop:         # a run with nothing left to do (resumed at its end)
+                self._finish(stop.value, {})
+                raise
+            self.state.global_step, self.state.max_steps = done, total
+            if done >= total:                     # the last step: final evaluation, checkpoint, export
+                try:
+                    next(self._steps)
+                except StopIteration as stop:
+                    self._finish(stop.value, metrics)
+            return done, total, metrics
+
+    def _finish(self, out: Any, metrics: dict) -> None:
+        self._steps = None
+        self._result = TrainResult(Path(out or self.output_dir), self.state.global_step, metrics)
+
+    def step(self) -> dict:
+        """Run one optimizer step (RL trainers: one rollout-and-update step) and return its metrics
+        (``{name: value}``, `turborlhf.metrics.M`'s names). The first call sets the run up (output
+        directory, data, models); the last one also evaluates, checkpoints and exports the model.
+
+        Raises:
+            RuntimeError: every step is done already (``.train()`` or earlier ``.step()`` calls).
+        """
+        if self._result is not None:
+            raise RuntimeError(f"{type(self).__name__}: all {self.state.global_step} steps are done; the model "
+                               f"is in {self._result.output_dir}")
+        if self._steps is None:
+            self._steps = self._train_steps(False)
+        try:
+            return self._next()[2]
+        except StopIteration:
+            raise RuntimeError(f"{type(self).__name__}: no step left to run (the run in {self.output_dir} is "
+                               "complete)") from None
+
+    def train(self, resume_from_checkpoint: bool = False) -> TrainResult:
+        """Run every step (after ``.step()`` calls: the rest) and return a `TrainResult`.
+
+        Args:
+            resume_from_checkpoint: continue from the newest checkpoint in ``output_dir`` (as
+                ``--resume``; a changed config is refused, naming the fields). Only before any
+                ``.step()`` call.
+
+        Raises:
+            RunInterrupted: SIGINT/SIGTERM stopped the run after saving a checkpoint.
+            UserError: bad input (config field, data file, model directory, reward function).
+        """
+        if self._result is not None:
+            return self._result
+        if self._steps is None:
+            self._steps = self._train_steps(resume_from_checkpoint)
+        elif resume_from_checkpoint:
+            raise RuntimeError("train(resume_from_checkpoint=True) after .step(): the run is going on already")
+        while self._result is None:
+            try:
+                self._next()
+            except StopIteration:
+                pass
+        return self._result
+
+    def close(self) -> None:
+        """End a run that was stepped part-way: its signal handlers and workers are released (the
+        last checkpoint saved stays; nothing is exported)."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+
+class SFTTrainer(_Trainer):
+    """``turborlhf sft``: next-token loss on response tokens (`turborlhf.trainers.sft`). Data:
+    ``{prompt, response|completion}``, ``{messages}`` or pair records (trains on chosen)."""
+
+    command, module, config_name = "sft", "turborlhf.trainers.sft", "SFTConfig"
+
+    def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None) -> None:
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks)
+
+
+class RewardTrainer(_Trainer):
+    """``turborlhf rm``: Bradley-Terry reward model (`turborlhf.trainers.reward_model`). Data:
+    ``{prompt, chosen, rejected}`` pairs (or conversations, raw HH)."""
+
+    command, module, config_name = "rm", "turborlhf.trainers.reward_model", "RMConfig"
+
+    def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None) -> None:
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks)
+
+
+class DPOTrainer(_Trainer):
+    """``turborlhf dpo``: DPO and its variants (`turborlhf.trainers.dpo`); ``ref_model``: the
+    reference (default: the policy's initial weights)."""
+
+    command, module, config_name, ref_field = "dpo", "turborlhf.trainers.dpo", "DPOConfig", "reference"
+
+
+class KTOTrainer(_Trainer):
+    """``turborlhf kto``: KTO on ``{prompt, completion, label}`` or pair data (`turborlhf.trainers.kto`)."""
+
+    command, module, config_name, ref_field = "kto", "turborlhf.trainers.kto", "KTOConfig", "reference"
+
+
+class _RLTrainer(_Trainer):
+    """The ppo trainer (`turborlhf.trainers.ppo`) with its reward sources given as objects."""
+
+    module = "turborlhf.trainers.ppo"
+    model_field, train_field, eval_field, ref_field = ("actor.name_or_path", "data.prompts_file",
+                                                       "data.test_prompts_file", "reference")
+
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None,
+                 reward_weights: Optional[Sequence[float]] = None, ref_model: Any = None,
+                 reward_model: Any = None, value_model: Any = None) -> None:
+        funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
+                                                 else [reward_funcs])
+        if reward_model is not None:
+            funcs.insert(0, reward_model)
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise UserError(f"reward_weights: {len(reward_weights)} weights for {len(funcs)} reward functions")
+        self._funcs, self._weights = funcs, reward_weights
+        self._value_model = value_model
+        self._callables: dict[str, Callable] = {}
+        self._processing_class = processing_class
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, ref_model)
+
+    @classmethod
+    def _accepted_config(cls) -> type:
+        from turborlhf.config import PPOConfig
+
+        return PPOConfig
+
+    def _extend_tree(self, tree: dict, out: Path) -> None:
+        sources = list(tree.get("rewards") or [])
+        for i, fn in enumerate(self._funcs):
+            weight = float(self._weights[i]) if self._weights is not None else 1.0
+            if isinstance(fn, (str, os.PathLike)):
+                spec = os.fspath(fn)
+                kind = "remote" if spec.startswith(("http://", "https://")) else \
+                    "function" if ":" in spec and not Path(spec).exists() else "model"
+                sources.append({"kind": kind, "path": spec, "weight": weight})
+            elif _is_hf_model(fn):
+                path = _save_model(fn, self._processing_class, out / f"reward_model_{i}", f"reward_funcs[{i}]")
+                sources.append({"kind": "model", "path": path, "weight": weight})
+            elif callable(fn):
+                base = getattr(fn, "__name__", "") or type(fn).__name__
+                base = base if base.isidentifier() else f"reward{i}"
+                key = base if base not in self._callables else f"{base}_{i}"
+                self._callables[key] = fn
+                sources.append({"kind": "callable", "path": key, "name": key, "weight": weight})
+            else:
+                raise UserError(f"reward_funcs[{i}]: expected a callable, a reward-model directory, "
+                                f"'path/to/file.py:function' or an http(s) URL, got {type(fn).__name__}")
+        if sources:
+            tree["rewards"] = sources
+        if self._value_model is not None:
+            path = _save_model(self._value_model, self._processing_class, out / "value_model", "value_model") \
+                if _is_hf_model(self._value_model) else os.fspath(self._value_model)
+            tree.setdefault("critic", {})["name_or_path"] = path
+
+    def _train_steps(self, resume: bool) -> Iterator:
+        from turborlhf.rewards.callables import RewardCallables
+        from turborlhf.trainers.ppo import train_steps
+
+        from turborlhf.rewards.callables import callable_kwargs
+
+        callables = None
+        if self._callables:
+            table = self._prompt_columns()
+            names = {k: [] for cols in table.values() for k in cols}
+            for key, fn in self._callables.items():     # a column the function needs but the data lacks: now
+                callable_kwargs(fn, [], [], names, f"reward function {key!r}")
+            callables = RewardCallables(self._callables, table)
+        return train_steps(self.args, resume, callables)
+
+    def _prompt_columns(self):
+        """The training rows' other fields by prompt token ids, for the callables (`PromptColumns`)."""
+        from turborlhf.data.errors import DataError
+        from turborlhf.data.loaders import load_prompts
+        from turborlhf.data.sources import Rows, open_rows
+        from turborlhf.data.tokenize import encode_prompt
+        from turborlhf.models.load import load_tokenizer
+        from turborlhf.rewards.callables import PromptColumns
+
+        cfg = self.args
+        tok = load_tokenizer(cfg.actor.name_or_path)
+        kw = cfg.data.loader_kwargs()
+        table = PromptColumns()
+        _, rows = open_rows(cfg.data.prompts_file)
+        for _, row in rows:
+            if not isinstance(row, dict):
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    (prompt,) = load_prompts(Rows([row]), tok, **kw)
+            except (DataError, ValueError):          # a row the trainer skips too
+                continue
+            ids = tuple(encode_prompt(tok, prompt, cfg.rollout.max_prompt_len))
+            table.setdefault(ids, {k: v for k, v in row.items() if k != cfg.data.prompt_key})
+        return table
+
+
+class PPOTrainer(_RLTrainer):
+    """``turborlhf ppo``: PPO with actor, critic, reward and reference (`turborlhf.trainers.ppo`).
+    ``reward_model``/``reward_funcs``: the reward sources; ``value_model``: the critic's start
+    (default: the reward model); ``ref_model``: the reference (default: the actor's start)."""
+
+    command, config_name = "ppo", "PPOConfig"
+
+
+class GRPOTrainer(_RLTrainer):
+    """``turborlhf grpo``: the ppo trainer with GRPO's preset (`turborlhf.presets.GRPOConfig`):
+    group-normalised advantages over 4 samples per prompt, no critic, k3 KL loss."""
+
+    command, config_name = "grpo", "GRPOConfig"
+
+
+class RLOOTrainer(_RLTrainer):
+    """``turborlhf rloo``: the ppo trainer with RLOO's preset (`turborlhf.presets.RLOOConfig`):
+    leave-one-out baseline, no critic, KL in the reward."""
+
+    command, config_name = "rloo", "RLOOConfig"

@@ -1,0 +1,198 @@
+"""The Python trainer objects (`turborlhf.api`) on tiny random models: GRPO on an in-memory dataset
+with a reward function reading its `answer` column, SFT from Parquet / save_to_disk / in-memory
+data and an in-memory model (the same weights as the command line), DPO from a dict, callbacks on
+every step, `.step()` == `.train()`, and callable rewards on the Ray backend."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
+
+QUIET = {"log": {"tensorboard": False, "progress": False}}
+SFT_ARGS = {"model": {"dtype": "fp32"}, "data": {"max_len": 96, "max_samples": 32},
+            "optim": {"lr": 1e-3, "warmup_steps": 1}, "train": {"max_steps": 3, "sequences_per_step": 4, "micro_batch_size": 2}, **QUIET}
+
+
+def _questions(n: int = 8) -> list[dict]:
+    return [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i), "level": i % 3} for i in range(n)]
+
+
+def exact_answer(prompts, completions, answer, **kwargs):
+    """TRL-style reward: 1 if the completion contains the answer (module level: Ray pickles it by value)."""
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+def short(completions, **kwargs):
+    return [-len(c) / 100.0 for c in completions]
+
+
+def test_grpo_in_memory_dataset_reward_reads_answer_column(tiny_model, tmp_path):
+    from datasets import Dataset
+
+    from turborlhf import GRPOTrainer
+
+    rows = _questions()
+    calls: list[tuple] = []
+
+    def reward(prompts, completions, answer, level, **kwargs):
+        calls.append((list(prompts), list(answer), list(level), sorted(kwargs)))
+        return [float(a in c) + 0.01 * len(c) for c, a in zip(completions, answer)]
+
+    steps = []
+
+    class Steps:
+        def on_step_end(self, step, metrics):
+            steps.append(step)
+
+    out = tmp_path / "grpo"
+    trainer = GRPOTrainer(model=str(tiny_model), reward_funcs=reward, train_dataset=Dataset.from_list(rows),
+                          args={"train": {"max_steps": 2}, "output_dir": str(out), **QUIET}, callbacks=[Steps()])
+    result = trainer.train()
+    assert result.output_dir == out and result.global_step == 2 and steps == [1, 2]
+    assert (out / "model.safetensors").exists() and max_weight_diff(weights(tiny_model), weights(out)) > 0
+    # GRPO's preset with its defaults: 8 prompts × 4 samples per step, one call per step
+    assert len(calls) == 2 and all(len(p) == 32 for p, *_ in calls)
+    by_question = {r["prompt"]: (r["answer"], r["level"]) for r in rows}
+    for prompts, answers, levels, others in calls:
+        for p, a, lv in zip(prompts, answers, levels):     # each row got its own prompt's columns
+            assert by_question[p] == (a, lv)
+        assert others == []                                # `prompt` itself is not a column
+    rows_logged = metrics(out)
+    assert [r["step"] for r in rows_logged] == [1, 2]
+    assert all(math.isfinite(r["rollout/reward_mean"]) and r["rollout/reward_mean"] > 0 for r in rows_logged)
+    assert trainer.args.algo.advantage_estimator == "grpo" and trainer.args.rewards[0].kind == "callable"
+
+
+def test_reward_function_missing_column_is_named(tiny_model, tmp_path):
+    from turborlhf import GRPOTrainer
+    from turborlhf.rewards.functions import RewardFunctionError
+
+    def needs_solution(prompts, completions, solution):
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model=str(tiny_model), reward_funcs=needs_solution, train_dataset=_questions(),
+                          args={"train": {"max_steps": 1}, "output_dir": str(tmp_path / "g"), **QUIET})
+    with pytest.raises(RewardFunctionError, match="needs_solution.*'solution'.*answer, level"):
+        trainer.train()
+
+
+def _pairs(tiny_data):
+    from datasets import Dataset
+
+    rows = [json.loads(l) for l in (tiny_data / "train_pairs.jsonl").read_text().splitlines()[:32]]
+    return Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
+
+
+def test_sft_from_parquet_save_to_disk_memory_and_in_memory_model_match_the_cli(tiny_model, tiny_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf import SFTTrainer
+
+    ds = _pairs(tiny_data)
+    ds.to_parquet(str(tmp_path / "pairs.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ds))
+    run_cli("sft", "--config", REPO / "configs/tiny/sft.yaml", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tmp_path / 'pairs.jsonl'}", "data.max_samples=32", "train.max_steps=3",
+            "train.save_every=0", f"output_dir={tmp_path / 'cli'}", "log.tensorboard=false", "log.progress=false")
+    cli = weights(tmp_path / "cli")
+    sources = {"parquet": str(tmp_path / "pairs.parquet"), "saved": tmp_path / "saved", "memory": ds}
+    for name, data in sources.items():
+        out = tmp_path / name
+        SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out)}, train_dataset=data).train()
+        assert max_weight_diff(cli, weights(out)) < 1e-6, name
+    assert (tmp_path / "memory" / "data" / "train" / "dataset_info.json").exists()   # written with save_to_disk
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    out = tmp_path / "model_object"
+    SFTTrainer(model=model, args={**SFT_ARGS, "output_dir": str(out)}, train_dataset=ds).train()
+    assert (out / "input_model" / "tokenizer.json").exists()
+    assert max_weight_diff(cli, weights(out)) < 1e-6
+
+
+def test_dpo_with_dict_args_and_errors_naming_fields(tiny_model, tiny_data, tmp_path):
+    from turborlhf import DPOConfig, DPOTrainer
+    from turborlhf.config import ConfigError
+
+    rows = list(_pairs(tiny_data))[:16]
+    args = {"model": {"dtype": "fp32"}, "algo": {"beta": 0.2}, "train": {"max_steps": 2, "pairs_per_step": 4,
+                                                                          "micro_batch_size": 2},
+            "output_dir": str(tmp_path / "dpo"), **QUIET}
+    trainer = DPOTrainer(model=str(tiny_model), args=args, train_dataset=rows)
+    assert isinstance(trainer.args, DPOConfig) and trainer.args.algo.beta == 0.2
+    result = trainer.train()
+    assert [r["step"] for r in metrics(result.output_dir)] == [1, 2] and result.metrics["rewards/accuracy"] >= 0
+    with pytest.raises(ConfigError, match="algo.beta"):
+        DPOTrainer(model=str(tiny_model), args={**args, "algo": {"beta": "high"}}, train_dataset=rows)
+    with pytest.raises(ConfigError, match="train.no_such_field"):
+        DPOTrainer(model=str(tiny_model), args={"train": {"no_such_field": 1}}, train_dataset=rows)
+
+
+def test_callbacks_see_every_step_and_the_final_evaluation(tiny_model, tiny_data, tmp_path):
+    from turborlhf import SFTTrainer, TrainerCallback
+
+    seen: list = []
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, name, total_steps):
+            seen.append(("begin", name, total_steps))
+
+        def on_step_end(self, step, metrics):
+            seen.append(("step", step, round(metrics["train/loss"], 6)))
+
+        def on_log(self, step, metrics):
+            seen.append(("log", step, sorted(metrics)[:1]))
+
+        def on_train_end(self, name, step):
+            seen.append(("end", name, step))
+
+    ds = _pairs(tiny_data)
+    trainer = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "sft")},
+                         train_dataset=ds, eval_dataset=ds.select(range(8)), callbacks=[Record()])
+    trainer.train()
+    losses = [round(r["train/loss"], 6) for r in metrics(tmp_path / "sft") if "train/loss" in r]
+    assert seen[0] == ("begin", "sft", 3) and seen[-1] == ("end", "sft", 3)
+    assert [s for s in seen if s[0] == "step"] == [("step", i + 1, x) for i, x in enumerate(losses)]
+    assert ("log", 3, ["eval/loss"]) in seen                       # the final evaluation row
+    assert trainer.state.global_step == 3 and len(trainer.state.log_history) == 4
+
+
+def test_step_gives_the_weights_of_train(tiny_model, tiny_data, tmp_path):
+    from turborlhf import SFTTrainer
+
+    ds = _pairs(tiny_data)
+    a = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "a")}, train_dataset=ds)
+    a.train()
+    b = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "b")}, train_dataset=ds)
+    stepped = [b.step() for _ in range(3)]                         # the third also exports
+    assert max_weight_diff(weights(tmp_path / "a"), weights(tmp_path / "b")) < 1e-7
+    assert [m["train/loss"] for m in stepped] == [r["train/loss"] for r in metrics(tmp_path / "a")]
+    with pytest.raises(RuntimeError, match="all 3 steps are done"):
+        b.step()
+    # .train() after a .step() runs the rest
+    c = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "c")}, train_dataset=ds)
+    c.step()
+    assert c.train().global_step == 3
+    assert max_weight_diff(weights(tmp_path / "a"), weights(tmp_path / "c")) < 1e-7
+
+
+def test_callable_reward_on_the_ray_backend_matches_local(tiny_model, tmp_path):
+    pytest.importorskip("ray")
+    from turborlhf import GRPOTrainer
+
+    common = {"rollout": {"max_new_tokens": 8, "batch_size": 16}, "algo": {"prompts_per_step": 2},
+              "train": {"max_steps": 2, "micro_batch_size": 4}, "actor": {"dtype": "fp32"}, **QUIET}
+    for backend in ("local", "ray"):
+        args = {**common, "output_dir": str(tmp_path / backend),
+                "distributed": {"backend": backend, "timeout_s": 180}}
+        GRPOTrainer(model=str(tiny_model), reward_funcs=[exact_answer, short], reward_weights=[1.0, 0.5],
+                    train_dataset=_questions(), args=args).train()
+    a, b = metrics(tmp_path / "local"), metrics(tmp_path / "ray")
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        for k in ("reward/exact_answer", "reward/short", "rollout/reward_mean", "policy/loss"):
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-5), (k, ra[k], rb[k])
+    assert any(r["reward/short"] < 0 for r in b)
+    assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-5
