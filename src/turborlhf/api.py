@@ -212,6 +212,7 @@ class _Trainer:
         self.state = TrainerState()
         self._steps: Optional[Iterator] = None
         self._result: Optional[TrainResult] = None
+        self._stopped: Optional[BaseException] = None
 
     # -- the command behind the object
 
@@ -246,19 +247,25 @@ class _Trainer:
     def _next(self) -> tuple[int, int, dict]:
         from turborlhf.metrics import use_callbacks
 
+        if self._stopped is not None:
+            raise RuntimeError(f"{type(self).__name__}: the run stopped ({type(self._stopped).__name__}: "
+                               f"{self._stopped}); continue it with a new trainer's train(resume_from_checkpoint=True)")
         with use_callbacks([_History(self.state), *self.callbacks]):
             try:
                 done, total, metrics = next(self._steps)
+                self.state.global_step, self.state.max_steps = done, total
+                if done >= total:                 # the last step: final evaluation, checkpoint, export
+                    try:
+                        next(self._steps)
+                    except StopIteration as stop:
+                        self._finish(stop.value, metrics)
+                return done, total, metrics
             except StopIteration as stop:         # a run with nothing left to do (resumed at its end)
                 self._finish(stop.value, {})
                 raise
-            self.state.global_step, self.state.max_steps = done, total
-            if done >= total:                     # the last step: final evaluation, checkpoint, export
-                try:
-                    next(self._steps)
-                except StopIteration as stop:
-                    self._finish(stop.value, metrics)
-            return done, total, metrics
+            except BaseException as e:            # an error or a signal: this run object is done
+                self._steps, self._stopped = None, e
+                raise
 
     def _finish(self, out: Any, metrics: dict) -> None:
         self._steps = None
@@ -275,7 +282,7 @@ class _Trainer:
         if self._result is not None:
             raise RuntimeError(f"{type(self).__name__}: all {self.state.global_step} steps are done; the model "
                                f"is in {self._result.output_dir}")
-        if self._steps is None:
+        if self._steps is None and self._stopped is None:
             self._steps = self._train_steps(False)
         try:
             return self._next()[2]
@@ -297,7 +304,7 @@ class _Trainer:
         """
         if self._result is not None:
             return self._result
-        if self._steps is None:
+        if self._steps is None and self._stopped is None:
             self._steps = self._train_steps(resume_from_checkpoint)
         elif resume_from_checkpoint:
             raise RuntimeError("train(resume_from_checkpoint=True) after .step(): the run is going on already")

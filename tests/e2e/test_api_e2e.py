@@ -196,3 +196,53 @@ def test_callable_reward_on_the_ray_backend_matches_local(tiny_model, tmp_path):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-5), (k, ra[k], rb[k])
     assert any(r["reward/short"] < 0 for r in b)
     assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-5
+
+
+def test_the_other_trainers_and_config_objects(tiny_model, tiny_data, tmp_path):
+    """RewardTrainer, KTOTrainer, PPOTrainer (stepped, with the RM and a config object) and
+    RLOOTrainer (a reward model beside a callable, weighted) run from Python."""
+    from turborlhf import KTOTrainer, PPOConfig, PPOTrainer, RewardTrainer, RLOOTrainer
+
+    pairs = _pairs(tiny_data)
+    small = {"model": {"dtype": "fp32"}, "data": {"max_len": 96}, **QUIET}
+    rm = RewardTrainer(model=tiny_model, train_dataset=pairs.select(range(16)),
+                       args={**small, "train": {"max_steps": 2, "pairs_per_step": 4, "micro_batch_size": 2},
+                             "output_dir": str(tmp_path / "rm")}).train()
+    assert rm.global_step == 2 and (tmp_path / "rm" / "model.safetensors").exists()
+    kto_rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": i % 2 == 0} for i, r in enumerate(pairs)]
+    kto = KTOTrainer(model=tiny_model, train_dataset=kto_rows[:16],
+                     args={**small, "train": {"max_steps": 2, "examples_per_step": 4, "micro_batch_size": 2},
+                           "output_dir": str(tmp_path / "kto")}).train()
+    assert [r["step"] for r in metrics(kto.output_dir) if "train/loss" in r] == [1, 2]
+    rl = {"rollout": {"max_new_tokens": 8}, "algo": {"prompts_per_step": 2}, "train": {"max_steps": 2},
+          "actor": {"dtype": "fp32"}, **QUIET}
+    cfg = PPOConfig.model_validate({**rl, "data": {"prompts_file": str(tiny_data / "train_prompts.jsonl")},
+                                    "reward_model": str(rm.output_dir), "output_dir": str(tmp_path / "ppo")})
+    ppo = PPOTrainer(model=tiny_model, args=cfg)
+    first, second = ppo.step(), ppo.step()                       # the second (last) exports the actor
+    assert math.isfinite(first["value/loss"]) and math.isfinite(second["rollout/reward_mean"])
+    assert (tmp_path / "ppo" / "model.safetensors").exists() and ppo.train().global_step == 2
+    assert ppo.args.critic is None and ppo.args.critic_init == str(rm.output_dir)
+    rloo = RLOOTrainer(model=tiny_model, reward_model=rm.output_dir, reward_funcs=short, reward_weights=[1.0, 0.5],
+                       train_dataset=_questions(), args={**rl, "output_dir": str(tmp_path / "rloo")})
+    rows = metrics(rloo.train().output_dir)
+    assert rloo.args.algo.advantage_estimator == "rloo" and [s.weight for s in rloo.args.rewards] == [1.0, 0.5]
+    assert all("reward/short" in r and "reward/model0" in r for r in rows)
+
+
+def test_a_run_stopped_by_an_error_is_not_restarted_by_the_same_object(tiny_model, tiny_data, tmp_path):
+    from turborlhf import SFTTrainer
+
+    class Boom:
+        def on_step_end(self, step, metrics):
+            if step == 2:
+                raise ValueError("stop here")
+
+    t = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "s")},
+                   train_dataset=_pairs(tiny_data), callbacks=[Boom()])
+    t.step()
+    with pytest.raises(ValueError, match="stop here"):
+        t.step()
+    for again in (t.step, t.train):
+        with pytest.raises(RuntimeError, match="the run stopped .ValueError: stop here.; continue it"):
+            again()
