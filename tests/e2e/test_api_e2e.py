@@ -246,3 +246,30 @@ def test_a_run_stopped_by_an_error_is_not_restarted_by_the_same_object(tiny_mode
     for again in (t.step, t.train):
         with pytest.raises(RuntimeError, match="the run stopped .ValueError: stop here.; continue it"):
             again()
+
+
+def test_the_cli_refuses_a_callable_source_in_one_line(tiny_model, tiny_data, tmp_path, capsys):
+    from turborlhf.cli import main
+
+    rc = main(["grpo", "--config", str(REPO / "configs/tiny/grpo.yaml"), f"actor.name_or_path={tiny_model}",
+               "reward_model=null", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+               "rewards=[{kind: callable, path: accuracy}]", f"output_dir={tmp_path}", "log.tensorboard=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: rewards: the callable reward source 'accuracy' exists only in")
+
+
+def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_data, tmp_path):
+    from turborlhf import SFTTrainer
+
+    ds = _pairs(tiny_data)
+    args = {**SFT_ARGS, "train": {**SFT_ARGS["train"], "save_every": 1}}
+    SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "full")}, train_dataset=ds).train()
+    part = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds)
+    part.step()
+    part.step()
+    part.close()                                                   # stopped after step 2 (checkpoint kept)
+    assert not (tmp_path / "r" / "model.safetensors").exists()
+    again = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds)
+    assert again.train(resume_from_checkpoint=True).global_step == 3
+    assert max_weight_diff(weights(tmp_path / "full"), weights(tmp_path / "r")) < 1e-7
+    assert [r["step"] for r in metrics(tmp_path / "r")] == [1, 2, 3]
