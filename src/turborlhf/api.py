@@ -151,6 +151,14 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
     raise UserError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
 
 
+def _plain(value: Any) -> Any:
+    """A value of an ``args`` dict as YAML holds it: paths as strings; anything else is refused."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise UserError(f"args: {value!r} ({type(value).__name__}) is not a config value (numbers, strings, lists, "
+                    "mappings)")
+
+
 def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     node = tree
@@ -181,7 +189,7 @@ class _Trainer:
         if args is None:
             tree: dict = {}
         elif isinstance(args, dict):
-            tree = json.loads(json.dumps(args))
+            tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
             tree = config_to_dict(args)
         else:

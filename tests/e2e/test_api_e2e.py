@@ -119,7 +119,7 @@ def test_dpo_with_dict_args_and_errors_naming_fields(tiny_model, tiny_data, tmp_
     rows = list(_pairs(tiny_data))[:16]
     args = {"model": {"dtype": "fp32"}, "algo": {"beta": 0.2}, "train": {"max_steps": 2, "pairs_per_step": 4,
                                                                           "micro_batch_size": 2},
-            "output_dir": str(tmp_path / "dpo"), **QUIET}
+            "output_dir": tmp_path / "dpo", **QUIET}      # a Path is fine
     trainer = DPOTrainer(model=str(tiny_model), args=args, train_dataset=rows)
     assert isinstance(trainer.args, DPOConfig) and trainer.args.algo.beta == 0.2
     result = trainer.train()
