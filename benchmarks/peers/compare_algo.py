@@ -25,7 +25,7 @@ It calls `compare_core.install_peer`, i.e. `turborlhf.bench.peers.ensure_package
 as `turborlhf bench` installs them; OpenRLHF 0.11.2 and 0.9.0 (0.9.0 still has KTOLoss; 0.9.10,
 0.10.0 and 0.11.x do not: KTO was removed in 2026-03) as their own files only, ``pip install
 --no-deps``: deepspeed, vLLM, flash-attn, Ray, bitsandbytes are not installed (see above). PyPI
-only, ~40 s and ~35 MB for the four.
+only, ~20 s and ~20 MB for the four.
 
 Usage (1 thread, small tensors, < 1 min; no model is loaded)::
 

@@ -39,7 +39,7 @@ OWN_FILES_ONLY = {"openrlhf"}
 def install_peer(peer: str, timeout_s: float = 600.0):
     """Install `peer` into `peer_path(peer)` unless that folder exists, with
     `turborlhf.bench.peers.ensure_package`: TRL with the packages the environment lacks, OpenRLHF
-    alone (`OWN_FILES_ONLY`). Needs PyPI; ~10 s and ~20 MB per peer.
+    alone (`OWN_FILES_ONLY`). Needs PyPI; 2-6 s and 2-8 MB per peer.
 
     Returns the folder. Raises `turborlhf.bench.peers.PeerUnavailable` (the message carries pip's
     last lines) if pip fails or one pip call runs past `timeout_s` seconds.

@@ -12,7 +12,7 @@ there in its own child process with only its folder and our ``src`` on PYTHONPAT
 
 A peer whose folder (``<cache>/peers/<pkg>-<ver>-py<XY>/site-packages``, cache = ``$TURBORLHF_CACHE``
 or ``~/.cache/turborlhf``) is absent is installed there first, once per session
-(`compare_core.install_peer`: PyPI only, ~10 s per peer, at most ``INSTALL_TIMEOUT_S`` per pip
+(`compare_core.install_peer`: PyPI only, 2-6 s per peer, at most ``INSTALL_TIMEOUT_S`` per pip
 call). If that fails, ``TURBORLHF_PEERS`` decides:
 
 * ``require`` (the default when ``CI`` is set and not ``0``/``false``; ``.ci/run`` sets it): the
@@ -76,7 +76,7 @@ def _install(peer: str):
     try:
         ca.install_peer(peer, timeout_s=INSTALL_TIMEOUT_S)
     except PeerUnavailable as e:
-        _FAILED.append(f"installing {peer} failed earlier in this session")
+        _FAILED.append(f"installing {peer} failed earlier in this session ({str(e).splitlines()[-1]})")
         return str(e)
     return None
 
