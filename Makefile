@@ -31,5 +31,11 @@ test: model
 test-fast: install
 	$(VENV)/bin/pytest -q tests -m "not slow"
 
+# TRL and OpenRLHF into ~/.cache/turborlhf/peers (PyPI), then the table of turborlhf.algo against
+# their code; `make test` installs them too (tests/algo/test_vs_peers.py).
+.PHONY: peers
+peers: install
+	$(PY) benchmarks/peers/compare_algo.py --install
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
