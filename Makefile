@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray,trackers]'
 	touch $(STAMP)
 
 install: $(STAMP)
