@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.checkpoint import _fsync_dir, _fsync_tree, _write_hf
 
 __all__ = ["setup_run", "plan_steps", "export_model", "print_batch_table", "RunInterrupted"]
 
@@ -74,9 +74,11 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
     staged = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
     try:
         _write_hf(model, tokenizer, staged, extra_config)
+        _fsync_tree(staged)
         files = sorted(staged.iterdir(), key=lambda p: p.suffix == ".safetensors")
         for f in files:
             os.replace(f, out / f.name)
+        _fsync_dir(out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return out
