@@ -105,7 +105,7 @@ def test_sft_run_stops_at_the_nan_step_and_keeps_the_last_good_checkpoint(tiny_m
             f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}",
             "train.save_every=1", "train.keep_checkpoints=1", "log.tensorboard=false"]
     with pytest.raises(NonFiniteError, match=r"^policy: gradient norm nan at this step, first offending gradient: "):
-        run_cli(*args)
+        run_cli(*args, "--debug")       # --debug: the CLI re-raises instead of printing one line (exit 1)
     ckpt = latest_checkpoint(out)
     assert ckpt.name == "step-000002" and load_trainer_state(ckpt)["step"] == 2
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")) == \
