@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray,trackers]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +30,12 @@ test: model
 
 test-fast: install
 	$(VENV)/bin/pytest -q tests -m "not slow"
+
+# TRL and OpenRLHF into ~/.cache/turborlhf/peers (PyPI), then the table of turborlhf.algo against
+# their code; `make test` installs them too (tests/algo/test_vs_peers.py).
+.PHONY: peers
+peers: install
+	$(PY) benchmarks/peers/compare_algo.py --install
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -17,23 +17,19 @@ with ``deepspeed``, ``ray`` and ``openrlhf.trainer.ray.launcher`` stubbed (impor
 level but not used by the functions compared); its ``@torch.compile``'d ``compute_entropy`` is
 called through ``__wrapped__`` (the same Python code, run eagerly).
 
-Install the peers (each into its own folder; never into the project's environment). The folder
-names end in ``-py<major><minor>/site-packages`` of the interpreter that runs this script::
-
-    PY=/work/main/.venv/bin/python          # the interpreter you run this script with
-    P=~/.cache/turborlhf/peers              # or $TURBORLHF_CACHE/peers
-    # TRL 1.16.0 and 1.12.0 (1.12 is the last with PPO, trl.experimental.ppo), with the
-    # dependencies the environment lacks, exactly as `turborlhf bench` installs them:
-    PYTHONPATH=src $PY -c "from turborlhf.bench.peers import ensure_package as e
-    e('trl', '1.16.0'); e('trl', '1.12.0')"
-    # OpenRLHF: only its own files (torch and transformers come from the environment)
-    $PY -m pip install --no-deps --target $P/openrlhf-0.11.2-py311/site-packages openrlhf==0.11.2
-    # 0.9.0 still has KTOLoss (0.9.10, 0.10.0 and 0.11.x do not: KTO was removed in 2026-03)
-    $PY -m pip install --no-deps --target $P/openrlhf-0.9.0-py311/site-packages openrlhf==0.9.0
+Install the peers (each into its own folder ``<cache>/peers/<pkg>-<ver>-py<XY>/site-packages``,
+cache = ``$TURBORLHF_CACHE`` or ``~/.cache/turborlhf``; never into the project's environment) with
+``--install`` (or ``make peers``; the tests install them too, see tests/algo/test_vs_peers.py).
+It calls `compare_core.install_peer`, i.e. `turborlhf.bench.peers.ensure_package`: TRL 1.16.0 and
+1.12.0 (1.12 is the last with PPO, trl.experimental.ppo) with the packages the environment lacks,
+as `turborlhf bench` installs them; OpenRLHF 0.11.2 and 0.9.0 (0.9.0 still has KTOLoss; 0.9.10,
+0.10.0 and 0.11.x do not: KTO was removed in 2026-03) as their own files only, ``pip install
+--no-deps``: deepspeed, vLLM, flash-attn, Ray, bitsandbytes are not installed (see above). PyPI
+only, ~20 s and ~20 MB for the four.
 
 Usage (1 thread, small tensors, < 1 min; no model is loaded)::
 
-    PYTHONPATH=src python benchmarks/peers/compare_algo.py [--peer trl-1.16.0 ...] [--json]
+    PYTHONPATH=src python benchmarks/peers/compare_algo.py [--install] [--peer trl-1.16.0 ...] [--json]
 
 Layout: this file is the driver (one child process per peer, the table, the JSON);
 ``compare_core.py`` holds the registries, seeded inputs, accumulators and `load_peer`;
@@ -41,7 +37,7 @@ Layout: this file is the driver (one child process per peer, the table, the JSON
 
 A peer whose folder is missing is reported as "not installed". Results and the explanation of
 every intended difference: docs/algorithms/README.md. The same comparisons run as tests in
-tests/algo/test_vs_peers.py (skipped when a peer folder is absent).
+tests/algo/test_vs_peers.py.
 """
 from __future__ import annotations
 
@@ -60,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling modules
 import compare_openrlhf  # noqa: E402,F401  (registers its cases)
 import compare_trl  # noqa: E402,F401  (registers its cases)
 from compare_core import (CASES, DIFFER_MIN, NOT_COMPARABLE, PEERS, REPO, RESULT_TAG, TOL, Diff,  # noqa: E402
-                          _g, load_peer, peer_path)
+                          _g, install_peer, load_peer, peer_path)
 
-__all__ = ["CASES", "PEERS", "Diff", "peer_path", "run_peer", "status", "markdown_table", "main"]
+__all__ = ["CASES", "PEERS", "Diff", "peer_path", "install_peer", "run_peer", "status", "markdown_table", "main"]
 
 
 # ------------------------------------------------------------------------------ worker / driver
@@ -154,13 +150,23 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", action="append", choices=sorted(PEERS), help="only these peers (repeatable)")
     ap.add_argument("--seeds", type=int, default=3, help="random draws per case and dtype (default 3)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--install", action="store_true",
+                    help="first install the peers whose folder is missing (PyPI; see the module docstring)")
     ap.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(RESULT_TAG + json.dumps(worker(args.worker, args.seeds)), flush=True)
         return 0
-    results = []
+    from turborlhf.bench.peers import PeerUnavailable
+
+    results, install_failed = [], False
     for peer in args.peer or list(PEERS):
+        if args.install:
+            try:
+                install_peer(peer)
+            except PeerUnavailable as e:   # reported; the peer's rows say "not installed"
+                print(f"[compare] {peer} could not be installed: {e}", file=sys.stderr, flush=True)
+                install_failed = True
         print(f"[compare] {peer} ...", file=sys.stderr, flush=True)
         results.append(run_peer(peer, args.seeds))
     print(f"turborlhf.algo vs peers, {time.strftime('%Y-%m-%d')}; tolerance {TOL:g} (max |ours - peer| over "
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"date": time.strftime("%Y-%m-%d"), "tolerance": TOL, "differ_min": DIFFER_MIN,
                           "results": results, "not_comparable": NOT_COMPARABLE}))
-    return 1 if bad else 0
+    return 1 if bad or install_failed else 0
 
 
 if __name__ == "__main__":

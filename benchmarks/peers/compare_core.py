@@ -30,6 +30,30 @@ def peer_path(peer: str) -> Path:
     return root / f"{package}-{version}-py{sys.version_info.major}{sys.version_info.minor}" / "site-packages"
 
 
+# Peers installed without their declared dependencies (deepspeed, vLLM, flash-attn, Ray, bitsandbytes...
+# for OpenRLHF): the files compared need only torch and numpy; `load_peer` puts empty modules in
+# place of the two imported at module level (deepspeed, ray) and of the package __init__ files.
+OWN_FILES_ONLY = {"openrlhf"}
+
+
+def install_peer(peer: str, timeout_s: float = 600.0):
+    """Install `peer` into `peer_path(peer)` unless that folder exists, with
+    `turborlhf.bench.peers.ensure_package`: TRL with the packages the environment lacks, OpenRLHF
+    alone (`OWN_FILES_ONLY`). Needs PyPI; 2-6 s and 2-8 MB per peer.
+
+    Returns the folder. Raises `turborlhf.bench.peers.PeerUnavailable` (the message carries pip's
+    last lines) if pip fails or one pip call runs past `timeout_s` seconds.
+    """
+    from turborlhf.bench.peers import ensure_package
+
+    folder = peer_path(peer)
+    if folder.is_dir():
+        return folder
+    package, version = PEERS[peer]
+    return ensure_package(package, version, root=folder.parents[1], timeout_s=timeout_s,
+                          deps=package not in OWN_FILES_ONLY).path
+
+
 # ------------------------------------------------------------------------------ case registry
 
 

@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    from turborlhf.errors import UserError
+    from turborlhf.errors import RunError, UserError
 
     try:
         return _dispatch(argv)
@@ -182,6 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:         # a step that would be wrong (NaN, failed sync, drift): the last checkpoint is good
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:     # a second SIGINT/SIGTERM, or one outside a training loop
         if debug:
             raise

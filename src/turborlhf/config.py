@@ -172,6 +172,11 @@ class TrainLoopCfg(Cfg):
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
 
 
+# `rollout.sync_tolerance` by engine dtype (nats): the canary statistic of a correct push, measured on
+# SmolLM2-135M with FastEngine, times a margin (benchmarks/sync_tolerance.py, docs/rollout.md)
+SYNC_TOLERANCE = {"fp32": 1e-3, "bf16": 0.025}
+
+
 class RolloutCfg(Cfg):
     engine: Literal["auto", "hf", "fast", "vllm"] = Field(
         "auto", description="rollout engine: auto = vllm if installed on GPU, else the embedded fast engine")
@@ -187,9 +192,19 @@ class RolloutCfg(Cfg):
                             "natively (README: Hardware), else fp32")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
-    sync_tolerance: float = Field(0.05, gt=0, description="max |difference| of the mean per-token log-prob (nats) "
-                                                          "between engine and trainer, averaged over the canary rows; "
-                                                          "a bf16 engine measures ~0.01 (rollout/sync.py)")
+    sync_tolerance: Optional[float] = Field(
+        None, gt=0, description="max |difference| of the mean per-token log-prob (nats) between engine and trainer, "
+                                "averaged over the canary rows; default (None) = by rollout.dtype, measured noise x "
+                                "margin: " + ", ".join(f"{k} {v:g}" for k, v in SYNC_TOLERANCE.items())
+                                + " (docs/rollout.md)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_sync_tolerance(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("sync_tolerance") is None:
+            # dtype auto: filled by turborlhf.engine.run.resolve_hardware once the dtype is chosen
+            data = {**data, "sync_tolerance": SYNC_TOLERANCE.get(str(data.get("dtype", "auto")))}
+        return data
 
 
 class DataFormatCfg(Cfg):

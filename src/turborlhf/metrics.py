@@ -13,8 +13,10 @@ import contextlib
 import contextvars
 import json
 import math
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -143,6 +145,26 @@ def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
             fn(*args)
 
 
+def _read_rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, parsed row) of a metrics.jsonl. A torn final line (the process was killed while
+    writing it) is dropped with a warning; a bad line elsewhere raises ValueError naming it."""
+    lines = [(i, l) for i, l in enumerate(path.read_text().splitlines(), 1) if l.strip()]
+    rows = []
+    for k, (i, l) in enumerate(lines):
+        try:
+            row = json.loads(l)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                warnings.warn(f"{path}:{i}: dropped a torn last line (the run was killed while writing it): "
+                              f"{l[:60]!r}", RuntimeWarning, stacklevel=3)
+                break
+            raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}): {l[:60]!r}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        rows.append((l, row))
+    return rows
+
+
 class MetricsLogger:
     """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and stdout.
 
@@ -169,8 +191,10 @@ class MetricsLogger:
         self.name, self.total, self.show, self.progress = name, total_steps, show, progress
         path = self.dir / "metrics.jsonl"
         if resume and path.exists():  # drop rows past the checkpoint we resume from
-            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= start_step]
-            path.write_text("".join(l + "\n" for l in keep))
+            keep = [l for l, row in _read_rows(path) if row.get("step", 0) <= start_step]
+            tmp = path.with_name(f".{path.name}.resume-tmp")
+            tmp.write_text("".join(l + "\n" for l in keep))
+            os.replace(tmp, path)
         names = list(report_to) if report_to is not None else (["tensorboard"] if tensorboard else [])
         self._trackers = []
         if "tensorboard" in names:

@@ -10,14 +10,24 @@ there in its own child process with only its folder and our ``src`` on PYTHONPAT
 * ``test_default_differs_as_documented``: where our default differs by design, our default really
   gives a different result (> 1e-4) and the doc that explains it exists.
 
-A peer whose folder (``~/.cache/turborlhf/peers/<pkg>-<ver>-py<XY>/site-packages``) is absent is
-skipped with that reason; CI has none, which is expected. Install commands: the docstring of
-benchmarks/peers/compare_algo.py. The last tests (no peer needed) check the harness itself.
+A peer whose folder (``<cache>/peers/<pkg>-<ver>-py<XY>/site-packages``, cache = ``$TURBORLHF_CACHE``
+or ``~/.cache/turborlhf``) is absent is installed there first, once per session
+(`compare_core.install_peer`: PyPI only, 2-6 s per peer, at most ``INSTALL_TIMEOUT_S`` per pip
+call). If that fails, ``TURBORLHF_PEERS`` decides:
+
+* ``require`` (the default when ``CI`` is set and not ``0``/``false``; ``.ci/run`` sets it): the
+  peer's tests FAIL with pip's message, so CI cannot pass without comparing;
+* ``auto`` (the default otherwise, e.g. a developer offline): they are skipped with that message;
+* ``off``: nothing is installed; a missing peer is skipped.
+
+After one failed install the remaining peers are not tried again (offline, each attempt costs
+pip's retries). The last tests (no peer needed) check the harness itself.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +36,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 DIFFER_MIN = 1e-4
+INSTALL_TIMEOUT_S = 300
+MODES = ("require", "auto", "off")
 
 _spec = importlib.util.spec_from_file_location("turborlhf_compare_algo",
                                                REPO / "benchmarks" / "peers" / "compare_algo.py")
@@ -40,27 +52,75 @@ def _rows(peer: str) -> dict:
     return {r["key"]: r for r in ca.run_peer(peer)["rows"]}
 
 
-def _param(c):
-    path = ca.peer_path(c.peer)
-    reason = (f"peer {c.peer} not installed at {path} (install commands: docstring of "
-              "benchmarks/peers/compare_algo.py)")
-    return pytest.param(c.key, c.peer, id=c.key, marks=pytest.mark.skipif(not path.is_dir(), reason=reason))
+def peers_mode() -> str:
+    """``TURBORLHF_PEERS`` (require / auto / off); unset: require under CI, else auto (module docstring)."""
+    mode = os.environ.get("TURBORLHF_PEERS", "").strip().lower()
+    if not mode:
+        ci = os.environ.get("CI", "").strip().lower()
+        return "require" if ci not in ("", "0", "false", "no") else "auto"
+    if mode not in MODES:
+        raise ValueError(f"TURBORLHF_PEERS={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+_FAILED: list[str] = []   # the first failed install of this session
+
+
+@functools.lru_cache(maxsize=None)
+def _install(peer: str):
+    """None once `peer` is installed, else why not (pip's message)."""
+    from turborlhf.bench.peers import PeerUnavailable
+
+    if _FAILED:
+        return f"not tried: {_FAILED[0]}"
+    try:
+        ca.install_peer(peer, timeout_s=INSTALL_TIMEOUT_S)
+    except PeerUnavailable as e:
+        _FAILED.append(f"installing {peer} failed earlier in this session ({str(e).splitlines()[-1]})")
+        return str(e)
+    return None
+
+
+def require_peer(peer: str, mode: str) -> None:
+    """Install `peer` if its folder is missing; fail or skip as `mode` says if that is impossible."""
+    path = ca.peer_path(peer)
+    if path.is_dir():
+        return
+    if mode == "off":
+        pytest.skip(f"peer {peer} not installed at {path} and TURBORLHF_PEERS=off")
+    why = _install(peer)
+    if why is not None:
+        msg = f"peer {peer} could not be installed at {path} (TURBORLHF_PEERS={mode}): {why}"
+        if mode == "require":
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture
+def peer_ready():
+    try:
+        mode = peers_mode()
+    except ValueError as e:
+        pytest.fail(str(e), pytrace=False)
+    return lambda peer: require_peer(peer, mode)
 
 
 def _describe(row: dict) -> str:
     return f"{row['function']} vs {row['peer']} {row['peer_code']} [{row['options']}]"
 
 
-@pytest.mark.parametrize("key,peer", [_param(c) for c in ca.CASES])
-def test_matches_peer(key, peer):
+@pytest.mark.parametrize("key,peer", [pytest.param(c.key, c.peer, id=c.key) for c in ca.CASES])
+def test_matches_peer(key, peer, peer_ready):
+    peer_ready(peer)
     row = _rows(peer)[key]
     assert row["error"] is None, f"{_describe(row)} raised:\n{row['error']}"
     assert row["n"] > 0, f"{_describe(row)} compared nothing"
     assert row["max_diff"] <= TOL, f"{_describe(row)}: max |ours - peer| = {row['max_diff']:.3g} > {TOL}"
 
 
-@pytest.mark.parametrize("key,peer", [_param(c) for c in ca.CASES if c.doc])
-def test_default_differs_as_documented(key, peer):
+@pytest.mark.parametrize("key,peer", [pytest.param(c.key, c.peer, id=c.key) for c in ca.CASES if c.doc])
+def test_default_differs_as_documented(key, peer, peer_ready):
+    peer_ready(peer)
     row = _rows(peer)[key]
     assert row["error"] is None, f"{_describe(row)} raised:\n{row['error']}"
     assert (REPO / row["doc"]).is_file(), f"{row['doc']} (cited for {key}) does not exist"
@@ -117,3 +177,79 @@ def test_status_flags_a_default_that_does_not_differ():
     assert ca.status({**base, "max_diff": 2e-5}) == "MISMATCH"
     assert ca.status({**base, "doc": None}) == "match"
     assert ca.status({**base, "error": "boom"}) == "ERROR"
+
+
+def test_peers_mode_follows_ci_and_turborlhf_peers(monkeypatch):
+    monkeypatch.delenv("TURBORLHF_PEERS", raising=False)
+    for ci, mode in [(None, "auto"), ("", "auto"), ("false", "auto"), ("0", "auto"), ("true", "require"),
+                     ("1", "require")]:
+        if ci is None:
+            monkeypatch.delenv("CI", raising=False)
+        else:
+            monkeypatch.setenv("CI", ci)
+        assert peers_mode() == mode, ci
+    monkeypatch.setenv("TURBORLHF_PEERS", "Off")
+    assert peers_mode() == "off"
+    monkeypatch.setenv("TURBORLHF_PEERS", "sometimes")
+    with pytest.raises(ValueError, match="TURBORLHF_PEERS='sometimes'"):
+        peers_mode()
+
+
+def test_failed_install_fails_under_require_skips_otherwise(tmp_path, monkeypatch):
+    from turborlhf.bench.peers import PeerUnavailable
+
+    calls = []
+
+    def no_network(peer, timeout_s):
+        calls.append(peer)
+        raise PeerUnavailable("pip could not resolve trl==1.16.0: no network")
+
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path))          # no peer folder there
+    monkeypatch.setattr(ca, "install_peer", no_network)
+    monkeypatch.setattr(sys.modules[__name__], "_FAILED", [])
+    _install.cache_clear()
+    try:
+        with pytest.raises(pytest.fail.Exception, match="no network"):
+            require_peer("trl-1.16.0", "require")
+        with pytest.raises(pytest.skip.Exception, match="no network"):
+            require_peer("trl-1.16.0", "auto")
+        with pytest.raises(pytest.fail.Exception, match="trl-1.16.0 failed earlier"):
+            require_peer("openrlhf-0.9.0", "require")                 # not tried again: offline is slow
+        with pytest.raises(pytest.skip.Exception, match="TURBORLHF_PEERS=off"):
+            require_peer("trl-1.12.0", "off")
+        assert calls == ["trl-1.16.0"]
+    finally:
+        _install.cache_clear()
+
+
+def test_install_peer_installs_openrlhf_alone_and_trl_with_missing_deps(tmp_path, monkeypatch):
+    import json
+
+    import turborlhf.bench.peers as bp
+
+    log = tmp_path / "pip_calls.jsonl"
+    fake = tmp_path / "fakepython"       # a stand-in interpreter: logs its pip arguments, fills --target
+    fake.write_text(f"#!{sys.executable}\nimport json, pathlib, sys\na = sys.argv[1:]\n"
+                    f"open({str(log)!r}, 'a').write(json.dumps(a) + '\\n')\n"
+                    "pathlib.Path(a[a.index('--target') + 1], 'openrlhf').mkdir(parents=True)\n")
+    fake.chmod(0o755)
+    got = bp.ensure_package("openrlhf", "0.9.0", root=tmp_path / "peers", python=str(fake), deps=False,
+                            log=lambda s: None)
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(calls) == 1 and "--dry-run" not in calls[0] and "--no-deps" in calls[0], calls
+    assert [x for x in calls[0] if "==" in x] == ["openrlhf==0.9.0"]
+    assert got.installed == [("openrlhf", "0.9.0")] and (got.path / "openrlhf").is_dir()
+
+    seen = {}
+
+    def record(package, version, root, timeout_s, deps):
+        seen[f"{package}-{version}"] = (root, deps)
+        return bp.PeerInstall(bp.peer_dir(package, version, root), package, version)
+
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bp, "ensure_package", record)
+    for peer in ca.PEERS:
+        assert ca.install_peer(peer) == ca.peer_path(peer)
+    root = tmp_path / "cache" / "peers"
+    assert seen == {"trl-1.16.0": (root, True), "trl-1.12.0": (root, True),
+                    "openrlhf-0.11.2": (root, False), "openrlhf-0.9.0": (root, False)}

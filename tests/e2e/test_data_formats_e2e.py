@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from tests.e2e.helpers import REPO, metrics, run_cli
-from turborlhf.data import DataError
+from turborlhf.data import DataError, load_sft
+from turborlhf.models.load import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,8 @@ def test_base_model_plain_text_and_chat_template(base_model, tmp_path):
                                                        {"role": "assistant", "content": "Hello"}]}) + "\n"
                              for i in range(8)))
     with pytest.raises(DataError, match=r"chats\.jsonl: line 1: .*data\.chat_template"):
+        load_sft(chats, load_tokenizer(str(base_model)))
+    with pytest.raises(AssertionError, match="exited with 2"):     # the CLI: one line, exit code 2
         _sft(base_model, chats, tmp_path / "refused")
     _sft(base_model, chats, tmp_path / "chatml", "data.chat_template=chatml")
     saved = AutoTokenizer.from_pretrained(tmp_path / "chatml")   # the template travels with the model

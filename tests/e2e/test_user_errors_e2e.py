@@ -106,3 +106,13 @@ def test_prepare_data_fails_when_nothing_valid_or_strict(lines, strict, tiny_mod
     res = _cli("prepare-data", "hh-rlhf", "--input", src, "--output-dir", tmp_path / "out", "--tokenizer", tiny_model,
                *(["--strict"] if strict else []))
     _one_line_error(res, str(src), "bad line" if lines else "no valid pair")
+
+
+def test_a_non_finite_step_is_one_line_with_exit_code_1(tiny_model, tiny_data, tmp_path):
+    """A run that would go on silently wrong (here: weights blown to inf by lr 1e38) stops with one
+    line naming the role and tensor, exit code 1, no traceback (`turborlhf.errors.RunError`)."""
+    res = _sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "optim.lr=1e38", "optim.max_grad_norm=0",
+               "train.max_steps=4", "log.progress=false")
+    err = [l for l in res.stderr.splitlines() if l.startswith("error: ")]
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert len(err) == 1 and "policy:" in err[0] and "Traceback" not in res.stderr, res.stderr[-3000:]

@@ -1,9 +1,86 @@
-"""Checkpoints survive crashes: a failed save keeps the previous checkpoint, and what an earlier
-crash left half-written is removed by the next complete save."""
+"""Checkpoints survive crashes. The crashes here are real: a child process is killed with SIGKILL
+in the middle of a save (no `except`/`finally` of ours runs), and the run directory must still
+hold the previous checkpoint, loadable, with --resume working; what the kill left behind is
+removed on resume or by the next complete save."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
+import turborlhf.engine.checkpoint as C
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+# the child: one complete checkpoint (step 1), then a save of step 2 that stops at `phase` and
+# waits to be killed. The pauses wrap the real functions; they only mark where the kill lands.
+_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import turborlhf.engine.checkpoint as C
+
+    out, phase = Path(sys.argv[1]), sys.argv[2]
+
+    def pause():
+        print("KILL ME", flush=True)
+        time.sleep(600)
+
+    def writer(text, stop=False):
+        def write(d):
+            d.mkdir(parents=True)
+            (d / "weights.txt").write_text(text)
+            if stop:
+                pause()
+        return write
+
+    C.save_checkpoint(out, 1, {"actor": writer("one")}, None, {"step": 1})
+    if phase == "latest":           # the checkpoint is in place, `latest` half written
+        real_fsync = os.fsync
+        def fsync(fd):
+            real_fsync(fd)
+            if ".latest." in os.readlink(f"/proc/self/fd/{fd}"):
+                pause()
+        os.fsync = fsync
+    if phase == "delete":           # step 2 complete and `latest`, step 1 half deleted (keep=1)
+        real_rmtree = C.shutil.rmtree
+        def rmtree(path, *a, **kw):
+            (Path(path) / "trainer_state.pt").unlink()
+            pause()
+        C.shutil.rmtree = rmtree
+    C.save_checkpoint(out, 2, {"actor": writer("two", stop=phase == "write")}, None, {"step": 2})
+    print("SAVED", flush=True)
+""")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", "TURBORLHF_THREADS": "1",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _kill_when_told(cmd: list[str], timeout: float = 300) -> None:
+    """Run `cmd`, wait for its 'KILL ME' line, SIGKILL it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        for line in proc.stdout:
+            if line.strip() == "KILL ME":
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        else:
+            raise AssertionError(f"the child ended without reaching the kill point:\n{proc.stderr.read()[-3000:]}")
+        assert proc.wait(timeout=timeout) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _contents(ckpt: Path) -> tuple[int, str]:
+    return load_trainer_state(ckpt)["step"], (ckpt / "actor" / "weights.txt").read_text()
 
 
 def _writer(text):
@@ -13,36 +90,70 @@ def _writer(text):
     return write
 
 
-def _crashing_writer(d):
-    d.mkdir(parents=True)
-    (d / "weights.txt").write_text("half")
-    raise RuntimeError("worker died")
+def _age(path: Path, seconds: float) -> None:
+    st = path.stat()
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
-    save_checkpoint(tmp_path, 1, {"actor": _writer("one")}, None, {"step": 1})
-    with pytest.raises(RuntimeError, match="worker died"):
-        save_checkpoint(tmp_path, 2, {"actor": _crashing_writer}, None, {"step": 2})
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.name == "step-000001" and load_trainer_state(ckpt)["step"] == 1
-    assert (ckpt / "actor" / "weights.txt").read_text() == "one"
-    assert not list((tmp_path / "checkpoints").glob(".*tmp*"))
-
-
-def test_next_save_removes_what_a_killed_save_left(tmp_path):
+# killed while `latest` is written, step 2 is in place but the save did not finish: `latest` (step 1) rules
+@pytest.mark.parametrize("phase, survivor", [("write", (1, "one")), ("latest", (1, "one")), ("delete", (2, "two"))])
+def test_sigkill_mid_save_keeps_a_complete_checkpoint_and_the_leftovers_go(tmp_path, phase, survivor):
+    _kill_when_told([sys.executable, "-c", _CHILD, str(tmp_path), phase])
     root = tmp_path / "checkpoints"
+    leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    assert leftovers, "the kill left nothing behind: the test did not kill mid-save"
+    for p in root.glob(".latest.*"):
+        _age(p, 120)                    # a crash's temp file, not a live writer's
+    ckpt = latest_checkpoint(tmp_path)  # what --resume does first
+    assert _contents(ckpt) == survivor
+    assert not [p for p in root.iterdir() if ".old-" in p.name or p.name.startswith(".latest.")]
+    assert all((p / "trainer_state.pt").exists() for p in root.glob("step-*"))
+    save_checkpoint(tmp_path, 3, {"actor": _writer("three")}, None, {"step": 3})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003"]
+    assert _contents(latest_checkpoint(tmp_path)) == (3, "three")
+
+
+def test_resume_leaves_a_young_latest_temp_file_alone(tmp_path):
+    """`latest_checkpoint` may run beside a live save (an evaluation reading a training run):
+    it removes only `.latest.*` files old enough to be a crash's."""
     save_checkpoint(tmp_path, 1, {"actor": _writer("one")}, None, {"step": 1})
-    # a process killed mid-save (or a remote writer still writing after the driver's clean-up)
-    stale = root / ".step-000002.tmp-abc123" / "actor"
-    stale.mkdir(parents=True)
-    (stale / "weights.txt").write_text("half")
-    (root / ".step-000001.old-4242").mkdir()
-    (root / "notes").mkdir()                                  # not ours: left alone
-    assert latest_checkpoint(tmp_path).name == "step-000001"  # the half-written one is never picked
-    save_checkpoint(tmp_path, 2, {"actor": _writer("two")}, None, {"step": 2}, keep=2)
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".step-")]
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["notes", "step-000001", "step-000002"]
-    assert (latest_checkpoint(tmp_path) / "actor" / "weights.txt").read_text() == "two"
+    young = tmp_path / "checkpoints" / ".latest.abc123"
+    young.write_text("step-0000")
+    assert _contents(latest_checkpoint(tmp_path)) == (1, "one") and young.exists()
+    _age(young, 120)
+    latest_checkpoint(tmp_path)
+    assert not young.exists()
+
+
+def test_a_step_dir_left_mid_deletion_is_skipped_and_removed(tmp_path):
+    """A ``step-N`` that lost files to an in-place deletion cut short (what earlier versions
+    left) is never picked, and is removed on resume."""
+    root = tmp_path / "checkpoints"
+    save_checkpoint(tmp_path, 2, {"actor": _writer("two")}, None, {"step": 2})
+    half = root / "step-000001" / "actor"
+    half.mkdir(parents=True)
+    (half / "weights.txt").write_text("half")
+    (root / "notes").mkdir()                                   # not ours: left alone
+    assert _contents(latest_checkpoint(tmp_path)) == (2, "two")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "notes", "step-000002"]
+
+
+def test_files_and_directories_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(C.os, "fsync", record)
+    save_checkpoint(tmp_path, 1, {"actor": _writer("one")}, None, {"step": 1})
+    staged = [s for s in synced if "/.step-000001.tmp-" in s]
+    names = {Path(s).name for s in staged}
+    assert {"weights.txt", "trainer_state.pt", "actor"} <= names         # files, then their directory
+    root = str(tmp_path / "checkpoints")
+    assert synced.index(root) > max(synced.index(s) for s in staged)   # the rename made durable
+    assert synced.count(root) >= 2                                      # ... and the rename of `latest`
 
 
 def test_keep_prunes_oldest(tmp_path):
@@ -51,3 +162,42 @@ def test_keep_prunes_oldest(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-000003", "step-000004"]
     assert load_trainer_state(latest_checkpoint(tmp_path))["step"] == 4
+
+
+# a real SFT run killed while it writes the checkpoint of step 3 (model files written, no
+# trainer_state.pt yet); --resume must continue from step 2 and end where an unbroken run ends
+_SFT_CHILD = textwrap.dedent("""
+    import sys, time
+    import turborlhf.engine.checkpoint as C
+    from turborlhf.cli import main
+
+    real = C._write_hf
+    def write_hf(model, tok, out, *a, **kw):
+        real(model, tok, out, *a, **kw)
+        if ".step-000003.tmp-" in str(out):
+            print("KILL ME", flush=True)
+            time.sleep(600)
+    C._write_hf = write_hf
+    main(sys.argv[1:])
+""")
+
+
+def test_sft_killed_mid_checkpoint_resumes_to_the_same_weights(tiny_model, tiny_data, tmp_path):
+    from tests.e2e.helpers import max_weight_diff, metrics, run_cli, weights
+
+    def args(out):
+        return ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"model.name_or_path={tiny_model}",
+                f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}",
+                "train.save_every=1", "log.tensorboard=false", "log.progress=false"]
+
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    _kill_when_told([sys.executable, "-c", _SFT_CHILD, *args(killed)])
+    assert [p.name for p in (killed / "checkpoints").glob(".step-000003.tmp-*")]   # the kill's leftover
+    ckpt = latest_checkpoint(killed)
+    assert ckpt.name == "step-000002" and load_trainer_state(ckpt)["step"] == 2
+    assert all(torch.isfinite(t).all() for t in weights(ckpt / "policy").values())
+    run_cli(*args(killed), "--resume")
+    run_cli(*args(whole))
+    assert max_weight_diff(weights(killed), weights(whole)) < 1e-6
+    assert [r["step"] for r in metrics(killed) if "train/loss" in r] == [1, 2, 3, 4]
+    assert not [p for p in (killed / "checkpoints").iterdir() if p.name.startswith(".")]

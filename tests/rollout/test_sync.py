@@ -149,3 +149,84 @@ def test_canary_keeps_only_the_end_of_long_prompts(model):
     long = [list(range(3, 3 + 70)), list(range(5, 25))]
     canary = make_canary(FastEngine(model, dtype="fp32"), long, n=2, response_tokens=4, prompt_tokens=32)
     assert canary.prompts == (tuple(long[0][-32:]), tuple(long[1]))
+
+
+# ------------------------------------------------------------ realistic faults at the default tolerance
+from turborlhf.config import RolloutCfg  # noqa: E402
+from turborlhf.engine.hardware import BF16_FEATURES, cpu_features  # noqa: E402
+from turborlhf.rollout.sync import default_tolerance  # noqa: E402
+
+NATIVE_BF16 = bool(BF16_FEATURES & cpu_features())
+DTYPES = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not NATIVE_BF16, reason="no native bf16 on this CPU"))]
+
+
+def test_default_tolerance_follows_the_engine_dtype():
+    assert RolloutCfg().sync_tolerance == default_tolerance("bf16")               # the default engine is bf16
+    assert RolloutCfg(dtype="fp32").sync_tolerance == default_tolerance("fp32") <= 1e-3
+    assert default_tolerance(torch.float32) < default_tolerance("bf16") < 0.05
+    assert RolloutCfg(dtype="fp32", sync_tolerance=0.2).sync_tolerance == 0.2     # an explicit value wins
+
+
+def _stepped(model, steps, lr=1e-3, seed=0):
+    """The trainer `steps` AdamW steps ahead (a next-token loss on random tokens)."""
+    from turborlhf.config import OptimCfg
+    from turborlhf.engine.train import make_optimizer
+
+    model.train()
+    opt = make_optimizer(model, OptimCfg(lr=lr))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(3, 512, (4, 24), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def _silence_heads(model, layer=1, heads=(0,)):
+    hd = model.config.hidden_size // model.config.num_attention_heads
+    name = f"model.layers.{layer}.self_attn.o_proj.weight"
+    w = dict(model.named_parameters())[name].detach().clone()
+    for h in heads:
+        w[:, h * hd:(h + 1) * hd] = 0
+    return [(name, w)]
+
+
+def _zero_down_proj_columns(model, layer=0, every=10):
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    w = dict(model.named_parameters())[name].detach().clone()
+    w[:, ::every] = 0
+    return [(name, w)]
+
+
+def test_an_fp32_engine_catches_one_unpushed_optimizer_step(prompts):
+    """fp32 engines agree with the trainer to ~1e-6 nats, so their default tolerance is tight: one
+    AdamW step that never reached the engine (0.013 here) passed the old one-size 0.05."""
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype="fp32")
+    canary = make_canary(eng, prompts, n=5, response_tokens=8)
+    assert verify_sync(eng, model, canary).mean_diff < 1e-5
+    _stepped(model, 1)
+    assert verify_sync(eng, model, canary, tol=0.05).verified        # what the old default let through
+    with pytest.raises(WeightSyncError):
+        verify_sync(eng, model, canary)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fault", ["1 of 4 heads silenced", "10% of down_proj columns zeroed",
+                                   "5 optimizer steps not pushed"])
+def test_realistic_faults_are_caught_at_the_default_tolerance(dtype, fault, prompts):
+    """Faults far smaller than 'every weight perturbed': what a partial push, a misplaced slice
+    or a skipped refresh does. The default tolerance of the engine's dtype passes a correct push
+    and stops each of these (the faults SmolLM2 gives under bf16 noise: docs/rollout.md)."""
+    model = tiny_llama(0)
+    eng = FastEngine(model, dtype=dtype)
+    canary = make_canary(eng, prompts, n=5, response_tokens=8)
+    assert verify_sync(eng, model, canary).verified                 # tol=None: the default for the dtype
+    if fault.endswith("not pushed"):
+        _stepped(model, 5)
+    else:
+        eng.load_weights(_silence_heads(model) if "heads" in fault else _zero_down_proj_columns(model))
+    with pytest.raises(WeightSyncError, match=f"sync_tolerance {default_tolerance(dtype):g}"):
+        verify_sync(eng, model, canary)
+    assert push_weights(eng, model, canary).verified                 # the correct push passes again

@@ -15,6 +15,10 @@ peer's child process gets it first on ``PYTHONPATH``. Recipe:
 A listed package that the environment already holds at another version (say ``transformers``)
 would shadow it for the peer only; `PeerInstall.shadowed` names such packages so the report can
 say so.
+
+``deps=False`` skips step 1 and installs the package's own files only: for a peer whose declared
+dependencies must not be installed (OpenRLHF's deepspeed, vLLM, flash-attn, Ray...) and whose
+compared modules need only what the environment holds.
 """
 from __future__ import annotations
 
@@ -113,9 +117,30 @@ def _tail(text: str, n: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+def _missing_packages(package: str, version: str, python: str, tmp: Path, timeout_s: float) -> list[tuple[str, str]]:
+    """Step 1 of the module docstring: ``(name, version)`` of what pip would add to `python`'s environment."""
+    report_path = tmp / "report.json"
+    cmd = [python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report_path),
+           f"{package}=={version}"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PeerUnavailable(f"pip could not be run to resolve {package}=={version}: {e}") from e
+    if res.returncode != 0 or not report_path.exists():
+        raise PeerUnavailable(f"pip could not resolve {package}=={version} (exit {res.returncode}): "
+                              f"{_tail(res.stderr or res.stdout)}")
+    try:
+        items = parse_pip_report(json.loads(report_path.read_text()))
+    except ValueError as e:
+        raise PeerUnavailable(f"unreadable pip report for {package}=={version}: {e}") from e
+    if not any(n.lower() == package.lower() for n, _ in items):
+        items.append((package, version))   # already in the environment: pip listed nothing for it
+    return items
+
+
 def ensure_package(package: str, version: str, root: Optional[Path] = None, python: str = sys.executable,
                    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-                   timeout_s: float = 1800) -> PeerInstall:
+                   timeout_s: float = 1800, deps: bool = True) -> PeerInstall:
     """Make ``package==version`` importable from its own folder (see the module docstring).
 
     Args:
@@ -125,6 +150,8 @@ def ensure_package(package: str, version: str, root: Optional[Path] = None, pyth
         python: interpreter whose environment the peer runs on top of (its pip is used).
         log: receives one-line progress messages.
         timeout_s: limit for each pip call.
+        deps: also install the dependencies the environment lacks (step 1 of the module docstring);
+            False installs ``package==version`` alone.
 
     Returns:
         The `PeerInstall` (existing folders are reused as they are).
@@ -138,24 +165,10 @@ def ensure_package(package: str, version: str, root: Optional[Path] = None, pyth
     if found is not None:
         return found
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[bench] installing {package}=={version} and its missing dependencies into {target}")
+    log(f"[bench] installing {package}=={version}" + (" and its missing dependencies" if deps else " alone")
+        + f" into {target}")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{package}-{version}-") as tmp:
-        report_path = Path(tmp) / "report.json"
-        cmd = [python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report_path),
-               f"{package}=={version}"]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise PeerUnavailable(f"pip could not be run to resolve {package}=={version}: {e}") from e
-        if res.returncode != 0 or not report_path.exists():
-            raise PeerUnavailable(f"pip could not resolve {package}=={version} (exit {res.returncode}): "
-                                  f"{_tail(res.stderr or res.stdout)}")
-        try:
-            items = parse_pip_report(json.loads(report_path.read_text()))
-        except ValueError as e:
-            raise PeerUnavailable(f"unreadable pip report for {package}=={version}: {e}") from e
-        if not any(n.lower() == package.lower() for n, _ in items):
-            items.append((package, version))   # already in the environment: pip listed nothing for it
+        items = _missing_packages(package, version, python, Path(tmp), timeout_s) if deps else [(package, version)]
         staging = Path(tmp) / "target"
         cmd = [python, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(staging),
                *[f"{n}=={v}" for n, v in items]]

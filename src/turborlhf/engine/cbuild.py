@@ -11,6 +11,11 @@ Threading: the libraries link `libgomp.so.1`, which resolves to the copy torch h
 (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`. Compile and
 link are separate steps so `-ffast-math` (needed for glibc's vectorised `expf`) never links
 `crtfastmath.o`, which would switch the whole process to flush-denormals-to-zero.
+
+`fast_math=False` builds a library without `-ffast-math` (with `-fno-math-errno`, so `sqrtf` still
+vectorises): for code whose inputs may be denormal, infinite or zero. The AdamW kernel needs it:
+under `-ffast-math` gcc computes `sqrtf(v)` as `v * rsqrt(v)` with a Newton step, which is NaN
+for denormal `v` on 256-bit lanes (`vrsqrtps` treats them as zero: `v * inf`) and for `v = inf`.
 """
 from __future__ import annotations
 
@@ -61,11 +66,18 @@ def compiler() -> Optional[str]:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def build_shared_library(src: Path, cc: str) -> Path:
-    """Compile `src` into the cache (once); returns the library's path. Raises RuntimeError with
-    the compiler's message on failure."""
+def _cflags(fast_math: bool) -> list[str]:
+    """CFLAGS, or without `-ffast-math` (plus `-fno-math-errno`) when `fast_math` is False."""
+    return list(CFLAGS) if fast_math else [f for f in CFLAGS if f != "-ffast-math"] + ["-fno-math-errno"]
+
+
+def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
+    """Compile `src` into the cache (once); returns the library's path. `fast_math=False` drops
+    `-ffast-math` (IEEE semantics for denormals, inf and NaN). Raises RuntimeError with the
+    compiler's message on failure."""
+    cflags = _cflags(fast_math)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(CFLAGS + LDFLAGS + LIBS),
+    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(cflags + LDFLAGS + LIBS),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
@@ -73,7 +85,7 @@ def build_shared_library(src: Path, cc: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = os.path.join(tmp, f"{src.stem}.o"), os.path.join(tmp, f"{src.stem}.so")
-        for cmd in ([cc, *CFLAGS, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
+        for cmd in ([cc, *cflags, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -81,19 +93,19 @@ def build_shared_library(src: Path, cc: str) -> Path:
     return out
 
 
-def load_library(src: Path, what: str, warn: bool = True) -> Optional[ctypes.CDLL]:
-    """`src` built (`build_shared_library`) and loaded, once per process; None where kernels are
+def load_library(src: Path, what: str, warn: bool = True, fast_math: bool = True) -> Optional[ctypes.CDLL]:
+    """`src` built (`build_shared_library`, `fast_math` as there) and loaded, once per process; None where kernels are
     not supported (`compiler`) or the build or load failed. A failure warns once ("<what>
     unavailable (...); using torch ops", if `warn`) and is not retried in this process."""
     cc = compiler()
     if cc is None:
         return None
     with _lock:
-        key = str(src)
+        key = f"{src}|fast_math={fast_math}"
         if key not in _loaded:
             lib = None
             try:
-                lib = ctypes.CDLL(str(build_shared_library(src, cc)))
+                lib = ctypes.CDLL(str(build_shared_library(src, cc, fast_math)))
             except Exception as e:  # noqa: BLE001 - any build/load failure → the caller's torch path
                 if warn:
                     warnings.warn(f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops")

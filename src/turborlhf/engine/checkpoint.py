@@ -1,5 +1,12 @@
-"""Checkpoints that survive crashes: every directory is written to a temporary sibling and then
-renamed into place, so a crash mid-save leaves the previous checkpoint intact.
+"""Checkpoints that survive crashes: every directory is written to a temporary sibling, its files
+and directories fsynced, and then renamed into place (and the parent directory fsynced), so a
+crash or power loss mid-save leaves the previous checkpoint intact. Old checkpoints are renamed
+out of ``step-*`` before they are deleted, so a kill mid-deletion never leaves a partial
+``step-N``. What a killed process leaves behind (``.step-*.tmp-*`` staging directories,
+``.step-*.old-*`` directories being deleted, ``.latest.*`` temp files, a ``step-N`` without its
+``trainer_state.pt``) is removed by the next complete save; the dead leftovers that no live
+writer can still be using (all but the staging directories) also by `latest_checkpoint`, i.e. on
+``--resume``.
 
 Layout of a run directory::
 
@@ -26,8 +33,37 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
            "trainer_state", "restore"]
 
+# a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
+# younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run
+_STALE_TEMP_S = 60.0
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first."""
+    dirs = []
+    for d, _, files in os.walk(root):
+        dirs.append(Path(d))
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed(dirs):
+        _fsync_dir(d)
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a fsynced temp file (``.<name>.*``) renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -36,10 +72,23 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory so that a kill mid-way leaves no partial `path`: rename it to a hidden
+    ``.<name>.old-<pid>`` sibling first (atomic), then delete that."""
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(path, old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _replace_dir(staged: Path, final: Path) -> None:
-    """Move `staged` to `final`; an existing `final` is renamed aside first and removed after."""
+    """fsync `staged`, move it to `final` and fsync the parent; an existing `final` is renamed
+    aside first and removed after."""
+    _fsync_tree(staged)
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -47,6 +96,7 @@ def _replace_dir(staged: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(staged, final)
+    _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -111,26 +161,56 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
         shutil.rmtree(staged, ignore_errors=True)
         raise
     atomic_write_text(root / "latest", name)
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
+                  and (p / "trainer_state.pt").exists())
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_dir(old)
     _remove_stale_staging(root)
+    _remove_dead_leftovers(root, keep=root / name, min_age_s=0.0)
     return root / name
 
 
 def _remove_stale_staging(root: Path) -> None:
-    """Remove half-written ``.step-*.tmp-*`` / ``.step-*.old-*`` directories left by an earlier
-    crash. A save's own clean-up can miss them: a process killed mid-save never runs it, and a
-    remote worker that outlives the driver's error may still be writing into the directory while
-    the driver removes it. Called only after a complete save, by the run that owns `root`."""
-    for p in root.glob(".step-*"):
-        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
+    """Remove half-written ``.step-*.tmp-*`` directories left by an earlier crash. A save's own
+    clean-up can miss them: a process killed mid-save never runs it, and a remote worker that
+    outlives the driver's error may still be writing into the directory while the driver removes
+    it. Called only after a complete save, by the run that owns `root`."""
+    for p in root.glob(".step-*.tmp-*"):
+        if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _remove_dead_leftovers(root: Path, keep: Optional[Path], min_age_s: float) -> None:
+    """Remove what only a killed process leaves and no live writer uses: ``.step-*.old-*``
+    directories (a deletion cut short), ``step-*`` directories without ``trainer_state.pt``
+    (one caught mid-deletion by an older version, which deleted in place), and ``.latest.*`` temp
+    files older than `min_age_s` seconds. `keep` is never touched."""
+    import time
+
+    for p in root.glob(".step-*.old-*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("step-*"):
+        if p.is_dir() and p != keep and not (p / "trainer_state.pt").exists():
+            shutil.rmtree(p, ignore_errors=True)
+    now = time.time()
+    for p in root.glob(".latest.*"):
+        try:
+            if p.is_file() and now - p.stat().st_mtime >= min_age_s:
+                p.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint directory, or None."""
+    """The newest complete checkpoint directory (one with ``trainer_state.pt``), or None.
+
+    Also removes the dead leftovers of killed saves (`_remove_dead_leftovers`: ``.step-*.old-*``
+    directories, incomplete ``step-*`` directories, ``.latest.*`` temp files older than a minute);
+    half-written staging directories are left to the next complete save."""
     root = Path(output_dir) / "checkpoints"
+    if root.is_dir():
+        _remove_dead_leftovers(root, keep=None, min_age_s=_STALE_TEMP_S)
     marker = root / "latest"
     if marker.exists():
         p = root / marker.read_text().strip()

@@ -37,7 +37,8 @@ def load_kernel(warn: bool = True):
     compiler, not x86-64 Linux, `TURBORLHF_KERNELS=0`, or a failed build, which warns once)."""
     from turborlhf.engine.cbuild import load_library
 
-    lib = load_library(_SRC, "BF16StateAdamW: C kernel", warn)
+    # IEEE maths, not -ffast-math: its sqrt approximation is NaN for denormal or infinite exp_avg_sq
+    lib = load_library(_SRC, "BF16StateAdamW: C kernel", warn, fast_math=False)
     if lib is None:
         return None
     fn = lib.adamw_bf16_step

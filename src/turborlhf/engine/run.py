@@ -13,7 +13,7 @@ from typing import TypeVar
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.checkpoint import _fsync_dir, _fsync_tree, _write_hf
 from turborlhf.engine.lifecycle import RunInterrupted  # noqa: F401  (re-exported: its old home)
 
 C = TypeVar("C", bound=Cfg)
@@ -53,7 +53,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     choices once as a start-up table (`name` labels it; not with `show=False`); `setup_run` saves them in
     ``hardware.json``. Explicit values are kept (`choose_precision` warns once where an explicit
     bf16 is emulated). Raises `HardwareError` for a device this host lacks."""
-    from turborlhf.config import ModelCfg, OptimCfg, RolloutCfg
+    from turborlhf.config import SYNC_TOLERANCE, ModelCfg, OptimCfg, RolloutCfg
     from turborlhf.engine.hardware import choose_precision, resolve_device
 
     choices: dict[str, dict] = {}
@@ -91,8 +91,11 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                 dev = "cuda" if value.engine == "vllm" else "cpu"
                 prec = choose_precision(value.dtype, dev)
                 choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
-                if value.dtype != prec.dtype:
-                    updates[field] = value.model_copy(update={"dtype": prec.dtype})
+                upd = {} if value.dtype == prec.dtype else {"dtype": prec.dtype}
+                if value.sync_tolerance is None:            # the weight-sync check's tolerance for that dtype
+                    upd["sync_tolerance"] = SYNC_TOLERANCE[prec.dtype]
+                if upd:
+                    updates[field] = value.model_copy(update=upd)
             elif isinstance(value, Cfg) and not isinstance(value, OptimCfg):
                 new = walk(value, f"{where}.")
                 if new is not value:
@@ -172,9 +175,11 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
     staged = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
     try:
         _write_hf(model, tokenizer, staged, extra_config)
+        _fsync_tree(staged)
         files = sorted(staged.iterdir(), key=lambda p: p.suffix == ".safetensors")
         for f in files:
             os.replace(f, out / f.name)
+        _fsync_dir(out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return out

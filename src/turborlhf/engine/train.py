@@ -15,8 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from turborlhf.errors import RunError
+
 __all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "CPUOffloadAdamW", "make_scheduler",
-           "clip_and_step", "trainable_parameters", "rng_state", "set_rng_state", "count_parameters"]
+           "clip_and_step", "NonFiniteError", "trainable_parameters", "rng_state", "set_rng_state",
+           "count_parameters"]
 
 
 def autocast(dtype: str, device: torch.device | str | None = None):
@@ -179,20 +182,84 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float) -> float:
+class NonFiniteError(RunError):
+    """A loss, gradient or parameter of a training step is NaN or infinite. Raised by
+    `clip_and_step` at the step that produced it, before anything of that step is saved, so the
+    last checkpoint stays the last good state. The message is one line naming the role and the
+    first offending tensor."""
+
+
+def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen, out = set(), []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _first_non_finite(named: list[tuple[str, torch.Tensor]], overflow_ok: bool = False) -> str | None:
+    """'<name> (<count> of <numel> values non-finite, e.g. nan)' for the first tensor holding a
+    NaN/inf. When none does (a norm that overflowed fp32): None if `overflow_ok`, else the tensor
+    of largest magnitude."""
+    biggest, big_name = -1.0, "?"
+    for name, t in named:
+        t = _local(t.detach())
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            return f"{name} ({int(bad.sum())} of {t.numel()} values non-finite, e.g. {float(t[bad].flatten()[0])})"
+        m = float(t.abs().max()) if t.numel() else 0.0
+        if m > biggest:
+            biggest, big_name = m, name
+    if overflow_ok:
+        return None
+    return f"{big_name} (all values finite, largest magnitude {biggest:.3g}: the norm overflows fp32)"
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float,
+                  role: str = "policy", loss: torch.Tensor | float | None = None) -> float:
     """Clip gradients by global norm (if > 0), step optimizer and schedule, zero grads.
 
-    Returns the pre-clip gradient norm. A non-finite norm skips the update (and says so by
-    returning nan) rather than corrupting the weights.
+    Args:
+        role: the trained model's role (``policy``, ``actor``, ``critic``, ``reward_model``...),
+            named in errors.
+        loss: this step's loss, checked for NaN/inf when given (a non-finite loss also shows up
+            as non-finite gradients, which are always checked).
+
+    Returns the pre-clip gradient norm.
+
+    Raises:
+        NonFiniteError: the loss or a gradient is NaN/inf (the optimizer has not stepped, the
+            weights are unchanged), or a parameter is NaN/inf after the optimizer step. One line
+            naming `role` and the first offending tensor by parameter name. The run stops at the
+            step that made the value, before it is logged as a good step or saved.
     """
-    params = trainable_parameters(model)
+    if loss is not None and not math.isfinite(float(loss)):
+        raise NonFiniteError(f"{role}: the loss is {float(loss)} at this step; no update was applied")
+    named = _named_trainable(model)
+    params = [p for _, p in named]
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    norm = float(total)
+    if not math.isfinite(norm):      # checked before clipping, which would spread the NaN to every gradient
+        what = _first_non_finite([(n, p.grad) for n, p in named if p.grad is not None])
+        raise NonFiniteError(f"{role}: gradient norm {norm} at this step, first offending gradient: {what}; "
+                             "no update was applied")
     if max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
-    norm = float(norm)
-    if math.isfinite(norm):
-        optimizer.step()
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, total)
+    optimizer.step()
+    # one fused pass over the new weights (torch's foreach 2-norm: ~0.06 s for 161M fp32 parameters
+    # on 2 threads, Zen 4); a NaN/inf anywhere makes the sum non-finite. Only then are the tensors
+    # searched one by one (a sum that merely overflows, with every value finite, is let through)
+    if params and not math.isfinite(float(torch.stack(torch._foreach_norm([_local(p.detach()) for p in params])).sum())):
+        what = _first_non_finite(named, overflow_ok=True)
+        if what is not None:
+            raise NonFiniteError(f"{role}: non-finite parameter after the optimizer step (gradient norm {norm:.4g}): "
+                                 f"{what}")
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -17,9 +17,11 @@ every row; so the test statistic is the mean over the canary rows (the worst row
 beside it). Measured on SmolLM2-135M, SFT policy, 16 HH canary rows with 32-token prompts, bf16
 FastEngine: fp32 trainer mean 0.016 / worst row 0.034; bf16-autocast trainer mean 0.008 / worst
 0.026. The worst row grows as the policy drifts: with an fp32 trainer and the worst row as the
-statistic, a demo PPO run at KL ~7 was stopped at 0.051 > 0.05. Default tolerance 0.05 on the
-mean. What the check cannot see: a corruption smaller than bf16 rounding (e.g. a
-single skipped update of lr·grad size); it catches wrong, missing or misplaced tensors.
+statistic, a demo PPO run at KL ~7 was stopped at 0.051 > 0.05. The tolerance follows the
+engine's precision (`default_tolerance`, `turborlhf.config.SYNC_TOLERANCE`: the measured noise
+times a margin; fp32 engines measure 0.0000, so a tiny tolerance catches any fault there).
+What a bf16 check cannot see: a corruption smaller than bf16 rounding (e.g. a few skipped
+updates of lr·grad size); the faults measured below and beside it are in docs/rollout.md.
 
 Typical use (what the trainers do):
 
@@ -36,15 +38,32 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from turborlhf.errors import RunError
 from turborlhf.metrics import M
 
 from .base import SamplingParams
 
 __all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "trainer_logprobs", "policy_weights",
-           "verify_sync", "push_weights", "start_sync_check"]
+           "verify_sync", "push_weights", "start_sync_check", "default_tolerance"]
 
 
-class WeightSyncError(RuntimeError):
+def default_tolerance(dtype) -> float:
+    """`rollout.sync_tolerance` for an engine of `dtype` ("bf16", "fp32", a torch.dtype...):
+    `turborlhf.config.SYNC_TOLERANCE` (measured noise x margin); fp16, finer than bf16, gets
+    bf16's. Raises ValueError for an unknown dtype."""
+    from turborlhf.config import SYNC_TOLERANCE
+
+    from ._util import resolve_dtype
+
+    dt = resolve_dtype(dtype)
+    return SYNC_TOLERANCE["fp32"] if dt == torch.float32 else SYNC_TOLERANCE["bf16"]
+
+
+def _tol(tol: Optional[float], engine) -> float:
+    return float(tol) if tol is not None else default_tolerance(getattr(engine, "dtype", "bf16"))
+
+
+class WeightSyncError(RunError):
     """The engine's log-probs on the canary batch disagree with the trainer's after a push."""
 
 
@@ -149,21 +168,23 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
     return out
 
 
-def verify_sync(engine, model: torch.nn.Module, canary: Canary, tol: float = 0.05,
+def verify_sync(engine, model: torch.nn.Module, canary: Canary, tol: Optional[float] = None,
                 report: Optional[SyncReport] = None) -> SyncReport:
     """Compare `engine.score_logprobs` with `trainer_logprobs` on `canary`.
 
+    tol: None = `default_tolerance(engine.dtype)`.
     Returns the filled SyncReport. Raises WeightSyncError (naming the engine class, the mean and
     worst row differences, both mean log-probs of the worst row and the tolerance) if
     mean_i |Δ mean_i| > tol or the engine returns the wrong number of log-probs."""
     return check_engine(engine, trainer_logprobs(model, canary, getattr(engine, "dtype", None)), canary, tol, report)
 
 
-def check_engine(engine, ref: list[list[float]], canary: Canary, tol: float = 0.05,
+def check_engine(engine, ref: list[list[float]], canary: Canary, tol: Optional[float] = None,
                  report: Optional[SyncReport] = None) -> SyncReport:
     """`verify_sync` when the trainer's canary log-probs `ref` (`trainer_logprobs`) were computed
     elsewhere, e.g. in the actor's worker process while the engine lives in a rollout worker.
     Same report and the same WeightSyncError."""
+    tol = _tol(tol, engine)
     rep = report or SyncReport(engine=type(engine).__name__)
     rep.tol = tol
     t0 = time.perf_counter()
@@ -195,13 +216,14 @@ def check_engine(engine, ref: list[list[float]], canary: Canary, tol: float = 0.
     return rep
 
 
-def push_weights(engine, model: torch.nn.Module, canary: Optional[Canary] = None, tol: float = 0.05,
+def push_weights(engine, model: torch.nn.Module, canary: Optional[Canary] = None, tol: Optional[float] = None,
                  verify: bool = True) -> SyncReport:
     """Push the trainer's weights into `engine` (`load_weights(policy_weights(model))`) and, if
     `verify` and a canary is given, check them with `verify_sync`.
 
     Returns a SyncReport (push and verify seconds, differences). Raises WeightSyncError on a
     failed check; KeyError/ValueError from the engine on unknown names or bad shapes."""
+    tol = _tol(tol, engine)
     rep = SyncReport(engine=type(engine).__name__, tol=tol)
     t0 = time.perf_counter()
     engine.load_weights(policy_weights(model))
@@ -212,13 +234,14 @@ def push_weights(engine, model: torch.nn.Module, canary: Optional[Canary] = None
 
 
 def start_sync_check(engine, model: torch.nn.Module, prompts: Sequence[Sequence[int]], verify: bool,
-                     tol: float = 0.05, n: int = 8, response_tokens: int = 16) -> Optional[Canary]:
+                     tol: Optional[float] = None, n: int = 8, response_tokens: int = 16) -> Optional[Canary]:
     """A trainer's start-up step: if `verify`, build the canary from the first `n` prompts and
     check the freshly built engine against the trainer (WeightSyncError if it was built wrong);
     returns the canary to pass to every later `push_weights`, or None when not verifying."""
     if not verify:
         return None
     canary = make_canary(engine, prompts, n=n, response_tokens=response_tokens)
+    tol = _tol(tol, engine)
     rep = verify_sync(engine, model, canary, tol)
     print(f"[sync] {rep.engine} matches the trainer on {len(canary.prompts)} canary rows: mean |Δ mean log-prob| "
           f"{rep.mean_diff:.4f} <= {tol:g} (worst row {rep.max_mean_diff:.4f})", flush=True)

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from turborlhf.errors import RunError
 from turborlhf.algo import (cispo_policy_loss, gspo_policy_loss, kept_groups_mask, overlong_penalty, ppo_policy_loss,
                             rollout_is_weights, rollout_mismatch_stats)
 
@@ -199,7 +200,7 @@ def attach_rollout_fields(exp, A, rollout_logp_BR: Optional[torch.Tensor]) -> No
 # Metrics and the mismatch alarm
 # ----------------------------------------------------------------------------------------------
 
-class RolloutMismatchError(RuntimeError):
+class RolloutMismatchError(RunError):
     """The engine's and the trainer's log-probs disagree beyond ``algo.mismatch_kl_alarm``."""
 
 

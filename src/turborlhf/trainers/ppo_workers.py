@@ -82,7 +82,8 @@ class _Trainable:
 
     def _step(self, opt, sched) -> float:
         allreduce_gradients(self.model)
-        return clip_and_step(self.model, opt, sched, self.cfg.optim.max_grad_norm)
+        return clip_and_step(self.model, opt, sched, self.cfg.optim.max_grad_norm,
+                             role=type(self).__name__.removesuffix("Worker").lower())   # actor / critic
 
     def _savable(self) -> torch.nn.Module:
         return _plain_copy(self.model) if is_fsdp(self.model) else self.model

@@ -1,0 +1,133 @@
+"""clip_and_step stops the run at the step that made a NaN/inf: a non-finite loss, gradient or
+parameter raises NonFiniteError naming the role and the tensor, and nothing of that step is saved."""
+import math
+
+import pytest
+import torch
+
+from turborlhf.engine.train import NonFiniteError, clip_and_step
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def _backward(model, x=None):
+    x = torch.randn(8, 4) if x is None else x
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_finite_step_updates_and_returns_the_norm(max_grad_norm):
+    m = _model()
+    before = [p.detach().clone() for p in m.parameters()]
+    _backward(m)
+    expected = float(torch.norm(torch.stack([p.grad.norm() for p in m.parameters()])))
+    norm = clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.1), None, max_grad_norm)
+    assert math.isclose(norm, expected, rel_tol=1e-5)
+    assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_raises_before_the_update(max_grad_norm, bad):
+    m = _model()
+    _backward(m)
+    m[2].bias.grad[0] = bad
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError, match=r"^critic: gradient norm .*first offending gradient: 2\.bias \(1 of 1") as e:
+        clip_and_step(m, opt, None, max_grad_norm, role="critic")
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))   # no update applied
+    assert not opt.state                                                      # AdamW never stepped
+
+
+def test_nan_loss_names_the_first_parameter_its_gradient_reaches():
+    m = _model()
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    loss = _backward(m, x)
+    assert loss.isnan()
+    with pytest.raises(NonFiniteError, match=r"^policy: gradient norm nan.*: 0\.weight \("):
+        clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.1), None, 1.0)
+    # the loss itself, when the caller passes it, is named before anything else
+    with pytest.raises(NonFiniteError, match=r"^actor: the loss is inf"):
+        clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.1), None, 1.0, role="actor", loss=torch.tensor(math.inf))
+
+
+def test_non_finite_parameter_after_the_step_raises():
+    m = _model()
+    _backward(m)
+    for p in m.parameters():
+        p.grad.fill_(0.0)
+    m[0].weight.grad[1, 2] = 1e10
+    # a finite gradient, an optimizer whose update overflows fp32 in one weight
+    opt = torch.optim.SGD(m.parameters(), lr=1e38)
+    with pytest.raises(NonFiniteError, match=r"^reward_model: non-finite parameter after the optimizer step "
+                                             r".*: 0\.weight \(1 of 12 values non-finite, e\.g\. -inf\)"):
+        clip_and_step(m, opt, None, 0.0, role="reward_model")
+
+
+def test_sft_run_stops_at_the_nan_step_and_keeps_the_last_good_checkpoint(tiny_model, tiny_data, tmp_path,
+                                                                          monkeypatch):
+    """A real SFT run whose forward turns NaN right after checkpoint step-2: step 3 raises, no
+    checkpoint or metrics row of step 3 is written, step-2 loads with finite weights, and
+    --resume finishes the run from it."""
+    from safetensors.torch import load_file
+
+    import turborlhf.trainers.sft as sft
+    from tests.e2e.helpers import REPO, metrics, run_cli
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    poisoned = {"on": False}
+    real_save, real_load = sft.save_checkpoint, sft.load_trainable
+
+    def save_then_poison(out, step, *a, **kw):
+        path = real_save(out, step, *a, **kw)
+        poisoned["on"] = step == 2
+        return path
+
+    def load_with_nan_hook(*a, **kw):
+        model = real_load(*a, **kw)
+        model.get_output_embeddings().register_forward_hook(
+            lambda mod, inp, out: out * float("nan") if poisoned["on"] else out)
+        return model
+
+    monkeypatch.setattr(sft, "save_checkpoint", save_then_poison)
+    monkeypatch.setattr(sft, "load_trainable", load_with_nan_hook)
+    out = tmp_path / "sft"
+    args = ["sft", "--config", REPO / "configs/tiny/sft.yaml", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}",
+            "train.save_every=1", "train.keep_checkpoints=1", "log.tensorboard=false"]
+    with pytest.raises(NonFiniteError, match=r"^policy: gradient norm nan at this step, first offending gradient: "):
+        run_cli(*args, "--debug")       # --debug: the CLI re-raises instead of printing one line (exit 1)
+    ckpt = latest_checkpoint(out)
+    assert ckpt.name == "step-000002" and load_trainer_state(ckpt)["step"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")) == \
+        ["latest", "step-000002"]
+    w = load_file(str(ckpt / "policy" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in w.values())
+    assert max(r["step"] for r in metrics(out)) == 2
+    poisoned["on"] = False
+    monkeypatch.setattr(sft, "save_checkpoint", real_save)
+    run_cli(*args, "--resume")
+    assert latest_checkpoint(out).name == "step-000004"
+    assert [r["step"] for r in metrics(out) if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_gradient_norm_that_overflows_fp32_raises_and_huge_finite_weights_do_not():
+    m = _model()
+    _backward(m)
+    m[0].bias.grad[1] = 3e38                      # finite, but the global norm is inf
+    with pytest.raises(NonFiniteError, match=r"0\.bias \(all values finite, largest magnitude 3e\+38"):
+        clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.0), None, 1.0)
+    m.zero_grad()
+    with torch.no_grad():
+        m[0].weight[0] = 3e38                     # finite weights whose norm overflows: let through
+    _backward(m, torch.zeros(8, 4))
+    clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.0), None, 1.0)

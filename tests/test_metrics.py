@@ -1,0 +1,40 @@
+"""MetricsLogger on --resume: rows past the checkpoint go, a torn last line (a killed writer)
+is dropped with one warning, any other bad line is an error naming it."""
+import json
+import warnings
+
+import pytest
+
+from turborlhf.metrics import MetricsLogger
+
+
+def _rows(path):
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def _write(path, steps, tail=""):
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps) + tail)
+
+
+def test_resume_drops_a_torn_last_line_with_one_warning(tmp_path):
+    _write(tmp_path / "metrics.jsonl", [1, 2, 3], tail='{"step": 4, "train/lo')    # killed mid-write
+    with pytest.warns(RuntimeWarning, match=r"metrics\.jsonl:4: dropped a torn last line") as w:
+        log = MetricsLogger(tmp_path, "t", 6, tensorboard=False, progress=False, resume=True, start_step=2)
+    assert len(w) == 1
+    log.log(3, {"train/loss": 0.5})
+    log.close()
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_without_a_torn_line_does_not_warn(tmp_path):
+    _write(tmp_path / "metrics.jsonl", [1, 2, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MetricsLogger(tmp_path, "t", 6, tensorboard=False, progress=False, resume=True, start_step=3).close()
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
+    _write(tmp_path / "metrics.jsonl", [1], tail="not json\n" + json.dumps({"step": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
+        MetricsLogger(tmp_path, "t", 6, tensorboard=False, progress=False, resume=True, start_step=2)
