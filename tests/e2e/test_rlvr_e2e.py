@@ -62,14 +62,16 @@ def test_defaults_keep_the_old_behaviour():
 # ----------------------------------------------------------------------------------------------
 
 def test_gspo_and_cispo_run_and_differ_from_ppo(tiny_model, tiny_rm, tiny_data, tmp_path):
-    rm = f"reward_model={tiny_rm}"
-    _run(tiny_model, tiny_data, tmp_path / "ppo", rm)
+    # a clip range small enough that the second mini-batch's ratios leave it: inside it CISPO's
+    # gradient sg(r)·A·∇log π equals the PPO clip's r·A·∇log π exactly
+    rm, clip = f"reward_model={tiny_rm}", "algo.eps_clip=0.0001"
+    _run(tiny_model, tiny_data, tmp_path / "ppo", rm, clip)
     base = weights(tmp_path / "ppo")
     for loss in ("gspo", "cispo"):
-        rows = _run(tiny_model, tiny_data, tmp_path / loss, rm, f"algo.policy_loss={loss}")
+        rows = _run(tiny_model, tiny_data, tmp_path / loss, rm, clip, f"algo.policy_loss={loss}")
         assert len(rows) == 2
         for r in rows:
-            for k in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "actor_grad_norm", "rollout/mismatch_kl"):
+            for k in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/grad_norm", "rollout/mismatch_kl"):
                 assert math.isfinite(r[k]), (loss, k, r)
         # the first of the two mini-batches is on-policy (same gradient for all three); the second is not
         assert max_weight_diff(base, weights(tmp_path / loss)) > 1e-7, loss
@@ -104,8 +106,11 @@ def test_mismatch_alarm_warns_or_stops(tiny_model, tiny_rm, tiny_data, tmp_path)
         _run(tiny_model, tiny_data, tmp_path / "warn", *common)
     with pytest.raises(RolloutMismatchError, match=r"rollout/mismatch_kl = .* > algo.mismatch_kl_alarm"):
         main(["ppo", "--config", str(GRPO_YAML), *_args(tiny_model, tiny_data, tmp_path / "err", *common,
-                                                         "algo.mismatch_kl_action=error")])
+                                                         "algo.mismatch_kl_action=error"), "--debug"])
     assert not (tmp_path / "err" / "checkpoints").exists() or not any((tmp_path / "err" / "checkpoints").iterdir())
+    # without --debug the CLI says it in one line with exit code 1 (a RunError)
+    assert main(["ppo", "--config", str(GRPO_YAML), *_args(tiny_model, tiny_data, tmp_path / "err1", *common,
+                                                           "algo.mismatch_kl_action=error")]) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,7 +189,7 @@ def test_overlong_filter_masks_truncated_responses(tiny_model, tiny_rm, tiny_dat
     rows = _run(tiny_model, tiny_data, out, f"reward_model={tiny_rm}", "algo.overlong_filter=true",
                 "rollout.min_new_tokens=8")
     for r in rows:
-        assert r["rollout/overlong_filtered_frac"] == 1.0 and r["policy/loss"] == 0.0 and r["actor_grad_norm"] == 0.0
+        assert r["rollout/overlong_filtered_frac"] == 1.0 and r["policy/loss"] == 0.0 and r["policy/grad_norm"] == 0.0
     assert max_weight_diff(weights(tiny_model), weights(out)) == 0.0
     # without the filter the same rollouts do train
     plain = tmp_path / "plain"

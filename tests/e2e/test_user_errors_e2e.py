@@ -22,7 +22,8 @@ def _cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> str:
-    err = [l for l in res.stderr.splitlines() if l.strip() and "it/s]" not in l]   # progress bars aside
+    err = [l for l in res.stderr.splitlines()
+           if l.strip() and "it/s]" not in l and "examples/s]" not in l]   # progress bars aside
     assert res.returncode == 2, res.stderr[-3000:]
     assert len(err) == 1 and err[0].startswith("error: "), res.stderr[-3000:]
     assert "Traceback" not in res.stderr
@@ -42,7 +43,8 @@ def test_data_errors_are_one_line_before_any_model_loads(tiny_model, tmp_path):
                        + '{"prompt": "caf\xe9", "response": "r"}\n'.encode("latin-1"))
     _one_line_error(_sft(tiny_model, latin1, tmp_path), str(latin1), "line 2 is not UTF-8")
     _one_line_error(_sft(tiny_model, tmp_path / "missing.jsonl", tmp_path), "missing.jsonl", "no such file")
-    _one_line_error(_sft(tiny_model, tmp_path, tmp_path), "is a directory")
+    # a directory is read as a save_to_disk directory or a folder of data files (datasets): this one is neither
+    _one_line_error(_sft(tiny_model, tmp_path, tmp_path), "neither a save_to_disk directory nor a directory of data files")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
     res = _sft(tiny_model, bad, tmp_path)

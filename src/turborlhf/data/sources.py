@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from turborlhf.data.errors import DataError
+from turborlhf.data.errors import DataError, DataFileError
 from turborlhf.data.jsonl import JsonLineError, read_jsonl
 
 __all__ = ["open_rows", "Rows", "DATASETS_SUFFIXES"]
@@ -73,7 +73,7 @@ def open_rows(spec: "str | os.PathLike | Rows") -> tuple[str, Iterator[tuple[int
     """``spec`` -> ``(unit, rows)``: unit is ``"line"`` or ``"row"``; rows yields ``(n, obj)``.
 
     ``obj`` is a dict for good rows, a ``JsonLineError`` for unreadable JSON lines, or whatever
-    JSON value a line held. Raises ``FileNotFoundError`` for a missing path with a data-file
+    JSON value a line held. Raises ``DataFileError`` (a ``FileNotFoundError``) for a missing path with a data-file
     suffix, ``DataError`` (one line, naming ``spec``) for an unreadable file, directory or id.
     """
     if isinstance(spec, Rows):
@@ -89,18 +89,18 @@ def open_rows(spec: "str | os.PathLike | Rows") -> tuple[str, Iterator[tuple[int
         return "row", _dataset_rows(_load_dir(p, split, text), text)
     if any(name.endswith(s) for s in DATASETS_SUFFIXES):
         if not p.exists():
-            raise FileNotFoundError(f"{text}: no such file")
+            raise DataFileError(f"{text}: no such file")
         return "row", _dataset_rows(_load_file(p, split, text), text)
     if any(name.endswith(s) for s in _JSON_SUFFIXES):
         if not p.exists():
-            raise FileNotFoundError(f"{text}: no such file")
+            raise DataFileError(f"{text}: no such file")
         whole = _json_document(p)
         if whole is not None:
             return "row", enumerate(whole, start=1)
         return "line", read_jsonl(p)
     if p.exists() or any(name.endswith(s) for s in _FILE_SUFFIXES) or p.is_absolute() or base.startswith("."):
         if not p.exists():
-            raise FileNotFoundError(f"{text}: no such file")
+            raise DataFileError(f"{text}: no such file")
         return "line", read_jsonl(p)
     return "row", _dataset_rows(_load_hub(text), text)
 
@@ -174,7 +174,7 @@ def _load_hub(spec: str):
 
     hub = parse_hub_spec(spec)
     if hub is None:
-        raise FileNotFoundError(f"{spec}: no such file or directory (and not a hub id like 'org/name[:split]')")
+        raise DataFileError(f"{spec}: no such file or directory (and not a hub id like 'org/name[:split]')")
     repo_id, data_dir, split = hub
     try:
         ds = datasets.load_dataset(repo_id, data_dir=data_dir, split=split)
