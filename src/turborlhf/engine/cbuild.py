@@ -5,7 +5,10 @@ Used by FastEngine's decode kernels (`turborlhf.rollout.kernels`) and the bf16-m
 `~/.cache/turborlhf/kernels`), keyed by a hash of the source, the compiler version, the flags and
 the CPU's model name and flags (so a cache shared between different CPUs rebuilds), and is written
 atomically (temp file, then rename): concurrent first uses never load a half-written library.
-`-march=native` is safe because the library is built on the machine that runs it.
+`-march=native` is safe because the library is built on the machine that runs it; it is narrowed
+to the instruction sets this process may use (`isa_flags`: `-mno-avx512f` where
+`turborlhf.engine.hardware.cpu_features` reports no AVX-512, e.g. under
+`ATEN_CPU_CAPABILITY=avx2`), and those flags are part of the cache key.
 
 Threading: the libraries link `libgomp.so.1`, which resolves to the copy torch has already loaded
 (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`. Compile and
@@ -26,12 +29,12 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CFLAGS", "cache_dir", "compiler", "build_shared_library", "load_library"]
+__all__ = ["CFLAGS", "isa_flags", "cache_dir", "compiler", "build_shared_library", "load_library"]
 
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}     # source path → library (None: the build failed)
 
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]     # + isa_flags()
 LDFLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]
 
@@ -51,6 +54,23 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def isa_flags() -> list[str]:
+    """`-march=native`, less what `cpu_features()` says this process may not use: no AVX-512 at
+    all (an AVX2-only CPU, or ``ATEN_CPU_CAPABILITY=avx2`` / ``ONEDNN_MAX_CPU_ISA=AVX2`` on an
+    AVX-512 one) → ``-mno-avx512f`` (GCC then drops every AVX-512 subset); AVX-512 without
+    AVX-512-BF16 → ``-mno-avx512bf16``. So the C sources' ``#ifdef __AVX512F__`` /
+    ``__AVX512BF16__`` paths are compiled exactly where they may run."""
+    from turborlhf.engine.hardware import cpu_features
+
+    feats = cpu_features()
+    flags = ["-march=native"]
+    if "avx512f" not in feats:
+        flags.append("-mno-avx512f")
+    elif "avx512_bf16" not in feats:
+        flags.append("-mno-avx512bf16")
+    return flags
+
+
 def compiler() -> Optional[str]:
     """The C compiler to use ($CC, gcc or cc), or None where the kernels are not supported (no
     compiler, not x86-64 Linux, or `TURBORLHF_KERNELS=0` in the environment)."""
@@ -65,7 +85,8 @@ def build_shared_library(src: Path, cc: str) -> Path:
     """Compile `src` into the cache (once); returns the library's path. Raises RuntimeError with
     the compiler's message on failure."""
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(CFLAGS + LDFLAGS + LIBS),
+    cflags = CFLAGS + isa_flags()
+    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(cflags + LDFLAGS + LIBS),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
@@ -73,7 +94,7 @@ def build_shared_library(src: Path, cc: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = os.path.join(tmp, f"{src.stem}.o"), os.path.join(tmp, f"{src.stem}.so")
-        for cmd in ([cc, *CFLAGS, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
+        for cmd in ([cc, *cflags, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
