@@ -230,11 +230,12 @@ def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype)
     assert one.response_ids == per_layer.response_ids and one.logprobs == per_layer.logprobs
 
 
-@needs_linear
+@needs_kernels
 def test_sampler_matches_inverse_cdf_sampling():
-    """The three-pass C sampler against sampling.inverse_cdf_sample on the same uniforms: the
-    same ids except at float-rounding CDF boundaries, the log-prob of the drawn id, never a -inf
-    token, and the right frequencies."""
+    """The three-pass C sampler (AVX-512, or the plain loops built without it: the emulated-AVX2
+    test runs those) against sampling.inverse_cdf_sample on the same uniforms: the same ids
+    except at float-rounding CDF boundaries, the log-prob of the drawn id, never a -inf token,
+    and the right frequencies."""
     from turborlhf.rollout.sampling import inverse_cdf_sample
     g = torch.Generator().manual_seed(0)
     B, V = 64, 1000
@@ -259,11 +260,11 @@ def test_sampler_matches_inverse_cdf_sampling():
         KERN.sample(logits, 0.0, torch.rand(20000))
 
 
-@needs_linear
-def test_engine_sampler_path_and_suppression(model, prompts):
+@LINEAR_DTYPES
+def test_engine_sampler_path_and_suppression(model, prompts, dtype):
     """FastEngine samples plain temperature sampling with the C sampler; min_new_tokens still
     keeps the stop id out, and top-p goes through the torch sampler."""
-    eng = FastEngine(model, dtype="bf16", linear_backend="kernel")
+    eng = FastEngine(model, dtype=dtype, linear_backend="kernel")
     used = []
     real = eng._k.sample
     eng._k.sample = lambda *a: used.append(1) or real(*a)

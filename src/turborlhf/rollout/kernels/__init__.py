@@ -8,8 +8,9 @@ torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
 
 What is built depends on the instruction sets this process may use (`cbuild.isa_flags`, from
 `turborlhf.engine.hardware.cpu_features`): attention and RMSNorm always (portable C, with an
-AVX-512-BF16 inner loop for bf16 attention where available); the bf16 linears and the C sampler
-only with AVX-512-BF16; the fp32 linears with AVX2 + FMA. `linear_dtypes` says which linears
+AVX-512-BF16 inner loop for bf16 attention where available); the bf16 linears only with
+AVX-512-BF16; the fp32 linears with AVX2 + FMA; the sampler everywhere (AVX-512
+intrinsics, else plain loops). `linear_dtypes` says which linears
 exist; FastEngine uses nothing else to decide.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ class DecodeKernels:
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
     has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
     linear_dtypes: the dtypes with packed linears and `decode_layers` (bf16: AVX-512-BF16;
-        float32: AVX2 + FMA). has_sampler: `sample` was built (AVX-512).
+        float32: AVX2 + FMA). has_sampler: `sample` exists (always; AVX-512 intrinsics or
+        vectorised plain loops).
     new_packed / pack_rows → a packed weight; linear(x_MK, packed, N, ...) → y (see decode.c).
     """
 
@@ -58,10 +60,12 @@ class DecodeKernels:
         self.has_linear = bool(lib.bf16_linear_available())
         self.linear_dtypes: frozenset = frozenset(
             ([torch.bfloat16] if self.has_linear else []) + ([torch.float32] if lib.f32_linear_available() else []))
-        self.has_sampler = self.has_linear
+        self.has_sampler = True            # (AVX-512 intrinsics, or loops GCC vectorises for AVX2)
         layers_args = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P, I, I, I, I, I, I, I,
                        F, F, P]
         self._pack, self._lin, self._layers = {}, {}, {}
+        lib.sample_rows_f32.argtypes = [P, I, I, F, P, P, P]
+        lib.sample_rows_f32.restype = None
         if self.has_linear:
             lib.bf16_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
             lib.bf16_linear_pack_rows.restype = None
@@ -69,8 +73,6 @@ class DecodeKernels:
             lib.bf16_linear.restype = None
             lib.decode_layers_bf16.argtypes = layers_args
             lib.decode_layers_bf16.restype = None
-            lib.sample_rows_f32.argtypes = [P, I, I, F, P, P, P]
-            lib.sample_rows_f32.restype = None
         if torch.float32 in self.linear_dtypes:
             lib.f32_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
             lib.f32_linear_pack_rows.restype = None
@@ -214,8 +216,6 @@ class DecodeKernels:
         logits_BV: contiguous float32 (-inf = probability 0, at least one finite per row); u_B:
         float32 uniforms in [0, 1). Returns (ids_B int64, logp_B float32). Raises ValueError on a
         bad dtype, layout or temperature."""
-        if not self.has_sampler:
-            raise ValueError("sample: the C sampler needs AVX-512 (not built on this CPU)")
         B, V = logits_BV.shape
         if logits_BV.dtype != torch.float32 or not logits_BV.is_contiguous() or temperature <= 0:
             raise ValueError("sample: logits must be contiguous float32 and temperature > 0")

@@ -423,8 +423,59 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         logp[b] = xb[id] / temperature - m - logf(total);
     }
 }
+int sampler_vectorised(void) { return 1; }
 #else
 int bf16_linear_available(void) { return 0; }
+int sampler_vectorised(void) { return 0; }
+
+/* sample_rows_f32 without AVX-512: the same three passes and the same walk, in plain loops that
+ * GCC vectorises (blocks of 16, expf from libmvec under -ffast-math). -inf logits are tested on
+ * the integer bits, which -ffast-math cannot fold away. */
+static inline int is_neg_inf(float f) { union { float f; uint32_t u; } v = { f }; return v.u == 0xff800000u; }
+
+static inline float block_exps(const float *xb, int j, int V, float T, float m, float *ev) {
+    const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int k = 0; k < n; ++k) {
+        const float y = xb[16 * j + k] / T;
+        ev[k] = is_neg_inf(xb[16 * j + k]) ? 0.f : expf(y - m);
+        s += ev[k];
+    }
+    return s;
+}
+
+void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
+                     float *logp) {
+    const int nb = (V + 15) / 16;
+    #pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; ++b) {
+        const float *xb = x + (size_t)b * V;
+        float bsum[nb], ev[16];
+        float m = -INFINITY;                             /* (at least one finite logit per row) */
+        #pragma omp simd reduction(max:m)
+        for (int v = 0; v < V; ++v) { const float y = xb[v] / temperature; m = y > m ? y : m; }
+        float total = 0.f;
+        for (int j = 0; j < nb; ++j) { bsum[j] = block_exps(xb, j, V, temperature, m, ev); total += bsum[j]; }
+        float target = u[b] * total;
+        if (target >= total) target = nextafterf(total, 0.f);
+        int id = -1;
+        float acc = 0.f;
+        for (int j = 0; j < nb && id < 0; ++j) {
+            if (j < nb - 1 && acc + bsum[j] <= target) { acc += bsum[j]; continue; }
+            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+            block_exps(xb, j, V, temperature, m, ev);
+            for (int k = 0; k < n; ++k) {
+                acc += ev[k];
+                if (ev[k] > 0.f && acc > target) { id = 16 * j + k; break; }
+            }
+        }
+        if (id < 0)                                      /* rounding: the last column of positive probability */
+            for (int k = V - 1; k >= 0 && id < 0; --k) if (!is_neg_inf(xb[k])) id = k;
+        ids[b] = id;
+        logp[b] = xb[id] / temperature - m - logf(total);
+    }
+}
 #endif
 
 /* ---- fp32 linears for decode steps (CPUs without native bf16: AVX2 + FMA suffice) -----------
