@@ -40,6 +40,20 @@ def setup_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def resolve_dtype(name: str) -> str:
+    """'auto' → 'bf16' where the CPU computes bf16 natively (AVX-512-BF16 or AMX, as
+    `turborlhf.engine.hardware.cpu_features` reports them, ATEN_CPU_CAPABILITY honoured), else
+    'fp32' (bf16 matmuls are emulated there, ~10-100x slower); 'bf16' / 'fp32' as given. Both
+    sides of `turborlhf bench generate` resolve it alike."""
+    if name != "auto":
+        return name
+    try:
+        from turborlhf.engine.hardware import BF16_FEATURES, cpu_features
+    except ImportError:                  # a peer's environment without turborlhf: the old default
+        return "bf16"
+    return "bf16" if cpu_features() & BF16_FEATURES else "fp32"
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
