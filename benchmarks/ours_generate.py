@@ -3,7 +3,8 @@
 peers/hf_generate.py (whose options it shares); prompts go in as unpadded token ids.
 
 Also reports the model's parameter count, from which the harness derives the roofline
-(2 FLOP per parameter per generated token; weights of 2 (bf16) or 4 (fp32) bytes per parameter).
+(2 FLOP per parameter per generated token; weights of 2 (bf16) or 4 (fp32) bytes per parameter). `--dtype auto`
+(default) is bf16 where the CPU has native bf16, else fp32, as on the HF side.
 
 usage: PYTHONPATH=src python benchmarks/ours_generate.py --model DIR --data prompts.jsonl --batch-sizes 1,8,32
 """
@@ -29,14 +30,16 @@ if __name__ == "__main__":
     model = load_causal_lm(a.model, tok)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
-    eng = make_engine(a.engine, model, dtype=a.dtype, max_batch_size=max(int(x) for x in a.batch_sizes.split(",")))
+    dtype = C.resolve_dtype(a.dtype)
+    eng = make_engine(a.engine, model, dtype=dtype, max_batch_size=max(int(x) for x in a.batch_sizes.split(",")))
     t_build = time.perf_counter() - t0
     del model
     rows = C.read_jsonl(a.data)
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]
     res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}, "n_params": n_params,
-           "engine": type(eng).__name__, "build_s": t_build, "dtype": a.dtype}
+           "engine": type(eng).__name__, "build_s": t_build, "dtype": dtype,
+           "linear_backend": getattr(eng, "linear_backend", None)}
     for bs in [int(x) for x in a.batch_sizes.split(",")]:
         if bs > len(ids):
             raise SystemExit(f"batch size {bs} needs {bs} prompts; {a.data} has {len(ids)}")

@@ -1,13 +1,17 @@
 """Rollout speed: FastEngine vs HF `generate`, alternating, in one process (issue 4, part 2).
 
 usage: python benchmarks/rollout_speed.py MODEL_DIR [--bs 1,8,32] [--new 64] [--repeats 3]
-           [--threads 2] [--compile] [--int8 N] [--mkldnn] [--json out.json]
+           [--threads 2] [--dtype bf16|fp32] [--compile] [--int8 N] [--mkldnn] [--also dense,...]
+           [--json out.json]
 
 Setting (same as shared/peers/hf_generate.py): SmolLM2 chat-templated questions (8, cycled), left
-padding, exactly `--new` sampled tokens (min_new_tokens = max_new_tokens), temperature 1, bf16,
+padding, exactly `--new` sampled tokens (min_new_tokens = max_new_tokens), temperature 1, `--dtype`
+(bf16 by default; both engines use it),
 prompt de-duplication off (the 8 questions repeat, which would flatter prefill). Per batch size:
 one warm-up call per engine, then `--repeats` rounds of (HF call, FastEngine call); each engine's
-best round is reported as whole-call tokens/s (prefill included). Also measured: a weight update
+best round is reported as whole-call tokens/s (prefill included). The CPU's instruction sets as
+this process may use them (`turborlhf.engine.hardware.host_summary`, which honours
+ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) are printed first. Also measured: a weight update
 (`load_weights` from the trainer's fp32 model: cast + pack), and with `--compile` the
 compiled engine's cold start per (batch, cache) bucket. The 1-minute load average is printed
 before and after: on a shared machine, compare ratios from one run, not absolute figures.
@@ -44,6 +48,9 @@ def main():
     ap.add_argument("--int8", type=int, default=0, help="also run FastEngine(int8_max_batch=N)")
     ap.add_argument("--mkldnn", action="store_true",
                     help="also run FastEngine(linear_backend='mkldnn') (oneDNN linears; 'fast' is the default backend)")
+    ap.add_argument("--also", default="",
+                    help="comma-separated linear backends to also run as FastEngine(linear_backend=...)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -54,7 +61,10 @@ def main():
     from turborlhf.rollout.fast import FastEngine
     from turborlhf.rollout.hf import HFEngine
 
+    from turborlhf.engine.hardware import host_summary
+
     torch.set_num_threads(a.threads)
+    print(f"host: {host_summary()}", flush=True)
     print(f"load average before: {os.getloadavg()[0]:.2f}; threads {a.threads}", flush=True)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     bss = [int(x) for x in a.bs.split(",")]
@@ -62,20 +72,23 @@ def main():
                         stop_token_ids=(tok.eos_token_id,))
     engines = {}
     if not a.no_hf:
-        engines["hf"] = HFEngine(a.model_dir, dtype="bf16")
+        engines["hf"] = HFEngine(a.model_dir, dtype=a.dtype)
     t0 = time.perf_counter()
-    engines["fast"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss))
+    engines["fast"] = FastEngine(a.model_dir, dtype=a.dtype, dedupe_prompts=False, max_batch_size=max(bss))
     res = {"build_fast_s": time.perf_counter() - t0, "tok_s": {}, "load_before": os.getloadavg()[0],
            "fast_linear_backend": engines["fast"].linear_backend}
     print(f"FastEngine linear backend: {engines['fast'].linear_backend}", flush=True)
+    for be in filter(None, a.also.split(",")):
+        engines[f"fast-{be}"] = FastEngine(a.model_dir, dtype=a.dtype, dedupe_prompts=False, max_batch_size=max(bss),
+                                           linear_backend=be)
     if a.int8:
-        engines["fast-int8"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss),
+        engines["fast-int8"] = FastEngine(a.model_dir, dtype=a.dtype, dedupe_prompts=False, max_batch_size=max(bss),
                                           int8_max_batch=a.int8)
     if a.mkldnn:
-        engines["fast-mkldnn"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False, max_batch_size=max(bss),
+        engines["fast-mkldnn"] = FastEngine(a.model_dir, dtype=a.dtype, dedupe_prompts=False, max_batch_size=max(bss),
                                             linear_backend="mkldnn")
     if a.compile:
-        engines["fast-compile"] = FastEngine(a.model_dir, dtype="bf16", dedupe_prompts=False,
+        engines["fast-compile"] = FastEngine(a.model_dir, dtype=a.dtype, dedupe_prompts=False,
                                              max_batch_size=max(bss), compile=True, compact=False)
     for bs in bss:
         prompts = [tok.apply_chat_template([{"role": "user", "content": QS[i % len(QS)]}],
@@ -110,7 +123,7 @@ def main():
         upd.append((time.perf_counter() - t0, engines["fast"].last_weight_update))
     total, parts = min(upd, key=lambda x: x[0])
     res["weight_update"] = {"total_s": total, **parts}
-    print(f"weight update (fp32 trainer → bf16 engine): {total * 1e3:.0f} ms "
+    print(f"weight update (fp32 trainer → {a.dtype} engine): {total * 1e3:.0f} ms "
           f"(copy {parts['copy_s'] * 1e3:.0f} ms, re-pack {parts['repack_s'] * 1e3:.0f} ms)", flush=True)
     res["load_after"] = os.getloadavg()[0]
     print(f"load average after: {res['load_after']:.2f}")

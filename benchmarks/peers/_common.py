@@ -28,8 +28,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="optimizer steps (warm-up included)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="compute precision (the harness passes the host's best: bf16 only where it is native)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute precision (the harness passes the host's best: bf16 only where it is native; "
+                        "auto: the same rule)")
     p.add_argument("--out", required=True, help="scratch output directory")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="TRL's default; off unless asked, to match turborlhf's default")
@@ -40,6 +41,20 @@ def setup_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def resolve_dtype(name: str) -> str:
+    """'auto' → 'bf16' where the CPU computes bf16 natively (AVX-512-BF16 or AMX, as
+    `turborlhf.engine.hardware.cpu_features` reports them, ATEN_CPU_CAPABILITY honoured), else
+    'fp32' (bf16 matmuls are emulated there, ~10-100x slower); 'bf16' / 'fp32' as given. Both
+    sides of `turborlhf bench generate` resolve it alike."""
+    if name != "auto":
+        return name
+    try:
+        from turborlhf.engine.hardware import compute_dtype
+    except ImportError:                  # a peer's environment without turborlhf: the old default
+        return "bf16"
+    return compute_dtype("auto", "cpu")  # the trainers' rule: native bf16 confirmed by the cached probe
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""HF `generate` throughput (the peer of `turborlhf bench generate`): weights in --dtype, sampling.
+"""HF `generate` throughput (the peer of `turborlhf bench generate`): bf16 weights (`--dtype`: auto
+picks fp32 on CPUs without native bf16), sampling.
 
 Adapted from shared/peers/hf_generate.py: the prompts are the harness's (first HH user turn, chat
 template, the first B of them for batch size B, left-padded, last `--max-prompt-len` tokens);
@@ -27,7 +28,8 @@ def parser(description):
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights precision")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="weights and compute; auto: bf16 where the CPU has AVX-512-BF16/AMX, else fp32")
     return p
 
 
@@ -40,13 +42,15 @@ if __name__ == "__main__":
     torch.manual_seed(a.seed)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[a.dtype])).eval()
+    dtype = C.resolve_dtype(a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        a.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
     rows = C.read_jsonl(a.data)
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
               use_cache=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}}
+    res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}, "dtype": dtype}
     for bs in [int(x) for x in a.batch_sizes.split(",")]:
         if bs > len(ids):
             raise SystemExit(f"batch size {bs} needs {bs} prompts; {a.data} has {len(ids)}")

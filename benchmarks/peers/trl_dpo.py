@@ -30,7 +30,7 @@ ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], 
 timer = C.step_timer()
 cfg = DPOConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
                 learning_rate=a.lr, beta=a.beta, max_length=a.max_length, logging_steps=1, save_strategy="no",
-                report_to="none", use_cpu=True, bf16=a.dtype == "bf16", dataloader_num_workers=0, seed=a.seed, disable_tqdm=True,
+                report_to="none", use_cpu=True, bf16=C.resolve_dtype(a.dtype) == "bf16", dataloader_num_workers=0, seed=a.seed, disable_tqdm=True,
                 gradient_checkpointing=a.gradient_checkpointing)
 t0 = time.perf_counter()
 trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer])

@@ -37,7 +37,7 @@ timer = C.step_timer()
 gen_kwargs = {"min_new_tokens": a.new_tokens} if a.force_length else None
 cfg = trl.GRPOConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.prompts * a.group,
                      num_generations=a.group, max_completion_length=a.new_tokens, learning_rate=a.lr, logging_steps=1,
-                     save_strategy="no", report_to="none", use_cpu=True, bf16=a.dtype == "bf16", seed=a.seed, disable_tqdm=True,
+                     save_strategy="no", report_to="none", use_cpu=True, bf16=C.resolve_dtype(a.dtype) == "bf16", seed=a.seed, disable_tqdm=True,
                      gradient_checkpointing=a.gradient_checkpointing, generation_kwargs=gen_kwargs)
 model = AutoModelForCausalLM.from_pretrained(a.model)
 t0 = time.perf_counter()

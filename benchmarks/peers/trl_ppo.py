@@ -106,7 +106,7 @@ cfg = PPOConfig(output_dir=a.out, per_device_train_batch_size=a.batch, gradient_
                 num_ppo_epochs=1, total_episodes=a.steps * a.batch, response_length=a.resp_len,
                 local_rollout_forward_batch_size=a.batch, temperature=a.temperature, stop_token="eos",
                 missing_eos_penalty=1.0, num_sample_generations=0, learning_rate=a.lr,
-                gradient_checkpointing=a.gradient_checkpointing, use_cpu=True, bf16=a.dtype == "bf16", report_to="none",
+                gradient_checkpointing=a.gradient_checkpointing, use_cpu=True, bf16=C.resolve_dtype(a.dtype) == "bf16", report_to="none",
                 save_strategy="no", logging_steps=1, seed=a.seed)
 t0 = time.perf_counter()
 trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=rm, value_model=vm,

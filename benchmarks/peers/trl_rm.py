@@ -31,7 +31,7 @@ ds = datasets.Dataset.from_list([{"chosen": r["prompt"] + r["chosen"], "rejected
 timer = C.step_timer()
 cfg = trl.RewardConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.batch, learning_rate=a.lr,
                        max_length=a.max_length, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                       bf16=a.dtype == "bf16", seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
+                       bf16=C.resolve_dtype(a.dtype) == "bf16", seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
                        gradient_checkpointing=a.gradient_checkpointing)
 t0 = time.perf_counter()
 trainer = trl.RewardTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer])

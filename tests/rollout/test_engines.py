@@ -224,11 +224,16 @@ def test_fast_engine_from_directory(model, prompts, tmp_path):
 
 
 # ---------------------------------------------------------------- oneDNN pre-packed backend (bf16)
+from turborlhf.engine.hardware import cpu_features  # noqa: E402
+from turborlhf.rollout.backends import MKLDNN_BF16_FEATURES  # noqa: E402
 from turborlhf.rollout.fast import mkldnn_packing_available  # noqa: E402
 
-needs_mkldnn = pytest.mark.skipif(not mkldnn_packing_available(), reason="torch built without oneDNN")
+MKLDNN_BF16 = mkldnn_packing_available() and set(MKLDNN_BF16_FEATURES) <= cpu_features()
+needs_mkldnn = pytest.mark.skipif(not MKLDNN_BF16, reason="torch without oneDNN, or a CPU without avx512bw/vl/dq "
+                                                          "(oneDNN cannot pack bf16 weights there)")
 _KERN = __import__("turborlhf.rollout.kernels", fromlist=["load"]).load(warn=False)
 HAS_KERNEL_LINEAR = _KERN is not None and _KERN.has_linear
+HAS_F32_KERNEL = _KERN is not None and torch.float32 in _KERN.linear_dtypes
 # the two packed bf16 backends: oneDNN's blocked layout, and our AVX-512-BF16 kernels
 PACKED = pytest.mark.parametrize("backend", [
     pytest.param("mkldnn", marks=needs_mkldnn),
@@ -244,10 +249,6 @@ def test_packed_backend_matches_dense_bf16(model, prompts, backend):
     dense = FastEngine(model, dtype="bf16", linear_backend="dense")
     packed = FastEngine(model, dtype="bf16", linear_backend=backend)
     assert packed.linear_backend == backend and dense.linear_backend == "dense"
-    default = "kernel" if HAS_KERNEL_LINEAR else "mkldnn"
-    assert FastEngine(model, dtype="bf16").linear_backend == default    # the bf16 default
-    assert FastEngine(model, dtype="bf16", int8_max_batch=4).linear_backend != "kernel"
-    assert FastEngine(model, dtype="fp32").linear_backend == "dense"    # fp32 stays exact
     resps = dense.generate(prompts, GREEDY).response_ids
     # fused post-ops round once instead of twice: bf16-level differences only
     assert _max_diff(dense.score_logprobs(prompts, resps), packed.score_logprobs(prompts, resps)) < 0.1
@@ -291,11 +292,23 @@ def test_packed_backend_sees_weight_updates(model, prompts, backend):
         eng.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 5))])
 
 
+def test_default_linear_backends(model):
+    """'auto' takes the fastest backend this CPU can run (decided by cpu_features(), see
+    turborlhf.rollout.backends): never one that needs an instruction set it lacks."""
+    bf16 = "kernel" if HAS_KERNEL_LINEAR else "mkldnn" if MKLDNN_BF16 else "dense"
+    assert FastEngine(model, dtype="bf16").linear_backend == bf16
+    assert FastEngine(model, dtype="bf16", int8_max_batch=4).linear_backend == ("mkldnn" if MKLDNN_BF16 else "dense")
+    assert FastEngine(model, dtype="fp32").linear_backend == ("kernel" if HAS_F32_KERNEL else "dense")
+    assert FastEngine(model, dtype="fp32", kernels=False).linear_backend == "dense"
+
+
 def test_linear_backend_errors(model):
     with pytest.raises(ValueError, match="linear_backend"):
         FastEngine(model, linear_backend="nope")
     with pytest.raises(ValueError, match="linear_backend='kernel'"):
-        FastEngine(model, dtype="fp32", linear_backend="kernel")             # bf16 only
+        FastEngine(model, dtype="fp16", linear_backend="kernel")             # bf16 and fp32 only
+    with pytest.raises(ValueError, match="linear_backend='kernel'"):
+        FastEngine(model, dtype="fp32", linear_backend="kernel", compile=True)
 
 
 def test_compile_failure_falls_back_to_eager(model, prompts):

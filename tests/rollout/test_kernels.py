@@ -127,35 +127,42 @@ def test_disabled_or_unbuildable_falls_back(model, prompts, monkeypatch, tmp_pat
     assert not list(tmp_path.rglob("*.so"))                               # nothing half-written left
 
 
-# ---------------------------------------------------------------- bf16 decode linears
+# ---------------------------------------------------------------- decode linears (bf16, fp32)
+# each dtype's linears run where this process's instruction sets allow them (cpu_features(), the
+# flags the kernels were compiled with): bf16 needs AVX-512-BF16, fp32 AVX2 + FMA
 needs_linear = pytest.mark.skipif(KERN is None or not KERN.has_linear,
-                                  reason="kernels without AVX-512-BF16 linears here")
+                                  reason="kernels without AVX-512-BF16 linears here (cpu_features lacks avx512_bf16)")
+needs_f32_linear = pytest.mark.skipif(KERN is None or torch.float32 not in KERN.linear_dtypes,
+                                      reason="kernels without fp32 linears here (cpu_features lacks avx2/fma)")
+LINEAR_DTYPES = pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_linear),
+                                                  pytest.param(torch.float32, marks=needs_f32_linear)])
 
 
 def _packed(W, swiglu=False):
-    p = KERN.new_packed(*W.shape, swiglu)
+    p = KERN.new_packed(*W.shape, swiglu, W.dtype)
     KERN.pack_rows(W, p, 0, W.shape[0], swiglu)
     return p
 
 
-@needs_linear
-@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (8, 576, 960), (13, 64, 40), (33, 130, 70)])
-def test_linear_ops_match_fp32_reference(M, K, N):
-    """x·Wᵀ+b, + residual, and silu(gate)·up against fp32 maths on the same bf16 inputs (odd
-    row counts cover the 8-row tiles, N not a multiple of 32 the masked tail)."""
+@LINEAR_DTYPES
+@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (8, 576, 960), (13, 64, 40), (33, 130, 70), (200, 64, 48)])
+def test_linear_ops_match_fp32_reference(M, K, N, dtype):
+    """x·Wᵀ+b, + residual, and silu(gate)·up against fp32 maths on the same inputs (odd row
+    counts cover the 8-row (bf16) / 6-row (fp32) tiles, N not a multiple of the block the tail)."""
     g = torch.Generator().manual_seed(M * 1000 + N)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    W = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
-    b = torch.randn(N, generator=g).bfloat16()
-    other = torch.randn(M, N, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).to(dtype)
+    W = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    other = torch.randn(M, N, generator=g).to(dtype)
     ref = x.float() @ W.float().T + b.float()
     p = _packed(W)
     y = KERN.linear(x, p, N, b, out_f32=True)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4)
     y = KERN.linear(x, p, N, None, other, KERN.ADD)
-    assert y.dtype == torch.bfloat16
-    assert torch.allclose(y.float(), ref - b.float() + other.float(), atol=0.05, rtol=1e-2)
+    assert y.dtype == dtype
+    tol = (0.05, 1e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
+    assert torch.allclose(y.float(), ref - b.float() + other.float(), atol=tol[0], rtol=tol[1])
     if N % 2 == 0:
         I = N // 2
         y = KERN.linear(x, _packed(W, True), N, b, op=KERN.SWIGLU, out_f32=True)
@@ -163,16 +170,25 @@ def test_linear_ops_match_fp32_reference(M, K, N):
         assert y.shape == (M, I) and torch.allclose(y, want, atol=1e-4, rtol=1e-4)
 
 
-@needs_linear
-def test_pack_rows_in_pieces_equals_whole_and_errors():
+@LINEAR_DTYPES
+def test_pack_rows_in_pieces_equals_whole(dtype):
     g = torch.Generator().manual_seed(3)
-    W = torch.randn(96, 64, generator=g).bfloat16()
+    W = torch.randn(96, 64, generator=g).to(dtype)
     for swiglu in (False, True):
         whole = _packed(W, swiglu)
-        parts = KERN.new_packed(96, 64, swiglu)
+        parts = KERN.new_packed(96, 64, swiglu, dtype)
         for r0, r1 in ((0, 40), (40, 48), (48, 96)):                  # q/k/v-like and gate/up-like cuts
             KERN.pack_rows(W[r0:r1], parts, r0, 96, swiglu)
         assert torch.equal(whole, parts)
+    with pytest.raises(ValueError, match="x must be contiguous"):   # x in another dtype than W
+        KERN.linear(torch.zeros(2, 64, dtype=torch.float16), whole, 96)
+
+
+@needs_linear
+def test_pack_rows_errors():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(96, 64, generator=g).bfloat16()
+    whole = _packed(W)
     with pytest.raises(ValueError, match="do not fit"):
         KERN.pack_rows(W, KERN.new_packed(96, 64), 10, 96)
     with pytest.raises(ValueError, match="does not match"):
@@ -197,11 +213,11 @@ def test_kernel_backend_with_biases_and_untied_head(prompts):
     assert max(abs(x - y) for ra, rb in zip(out.logprobs, a) for x, y in zip(ra, rb)) < 0.1
 
 
-@needs_linear
-def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts):
+@LINEAR_DTYPES
+def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype):
     """decode_layers (all layers of a step in one C call) runs the same kernels in the same
     order as the per-layer calls: identical tokens and log-probs, bit for bit."""
-    eng = FastEngine(model, dtype="bf16", linear_backend="kernel")
+    eng = FastEngine(model, dtype=dtype, linear_backend="kernel")
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=4, return_logprobs=True)
     calls = []
     real = eng._k.decode_layers
@@ -214,11 +230,12 @@ def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts):
     assert one.response_ids == per_layer.response_ids and one.logprobs == per_layer.logprobs
 
 
-@needs_linear
+@needs_kernels
 def test_sampler_matches_inverse_cdf_sampling():
-    """The three-pass C sampler against sampling.inverse_cdf_sample on the same uniforms: the
-    same ids except at float-rounding CDF boundaries, the log-prob of the drawn id, never a -inf
-    token, and the right frequencies."""
+    """The three-pass C sampler (AVX-512, or the plain loops built without it: the emulated-AVX2
+    test runs those) against sampling.inverse_cdf_sample on the same uniforms: the same ids
+    except at float-rounding CDF boundaries, the log-prob of the drawn id, never a -inf token,
+    and the right frequencies."""
     from turborlhf.rollout.sampling import inverse_cdf_sample
     g = torch.Generator().manual_seed(0)
     B, V = 64, 1000
@@ -243,11 +260,11 @@ def test_sampler_matches_inverse_cdf_sampling():
         KERN.sample(logits, 0.0, torch.rand(20000))
 
 
-@needs_linear
-def test_engine_sampler_path_and_suppression(model, prompts):
+@LINEAR_DTYPES
+def test_engine_sampler_path_and_suppression(model, prompts, dtype):
     """FastEngine samples plain temperature sampling with the C sampler; min_new_tokens still
     keeps the stop id out, and top-p goes through the torch sampler."""
-    eng = FastEngine(model, dtype="bf16", linear_backend="kernel")
+    eng = FastEngine(model, dtype=dtype, linear_backend="kernel")
     used = []
     real = eng._k.sample
     eng._k.sample = lambda *a: used.append(1) or real(*a)

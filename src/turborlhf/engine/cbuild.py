@@ -5,7 +5,10 @@ Used by FastEngine's decode kernels (`turborlhf.rollout.kernels`) and the bf16-m
 `~/.cache/turborlhf/kernels`), keyed by a hash of the source, the compiler version, the flags and
 the CPU's model name and flags (so a cache shared between different CPUs rebuilds), and is written
 atomically (temp file, then rename): concurrent first uses never load a half-written library.
-`-march=native` is safe because the library is built on the machine that runs it.
+`-march=native` is safe because the library is built on the machine that runs it; it is narrowed
+to the instruction sets this process may use (`isa_flags`: `-mno-avx512f` where
+`turborlhf.engine.hardware.cpu_features` reports no AVX-512, e.g. under
+`ATEN_CPU_CAPABILITY=avx2`), and those flags are part of the cache key.
 
 Threading: the libraries link `libgomp.so.1`, which resolves to the copy torch has already loaded
 (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`. Compile and
@@ -31,12 +34,12 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CFLAGS", "cache_dir", "compiler", "build_shared_library", "load_library"]
+__all__ = ["CFLAGS", "isa_flags", "cache_dir", "compiler", "build_shared_library", "load_library"]
 
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}     # source path → library (None: the build failed)
 
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]     # + isa_flags()
 LDFLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]
 
@@ -54,6 +57,23 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def isa_flags() -> list[str]:
+    """`-march=native`, less what `cpu_features()` says this process may not use: no AVX-512 at
+    all (an AVX2-only CPU, or ``ATEN_CPU_CAPABILITY=avx2`` / ``ONEDNN_MAX_CPU_ISA=AVX2`` on an
+    AVX-512 one) → ``-mno-avx512f`` (GCC then drops every AVX-512 subset); AVX-512 without
+    AVX-512-BF16 → ``-mno-avx512bf16``. So the C sources' ``#ifdef __AVX512F__`` /
+    ``__AVX512BF16__`` paths are compiled exactly where they may run."""
+    from turborlhf.engine.hardware import cpu_features
+
+    feats = cpu_features()
+    flags = ["-march=native"]
+    if "avx512f" not in feats:
+        flags.append("-mno-avx512f")
+    elif "avx512_bf16" not in feats:
+        flags.append("-mno-avx512bf16")
+    return flags
 
 
 def compiler() -> Optional[str]:
@@ -75,7 +95,7 @@ def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
     """Compile `src` into the cache (once); returns the library's path. `fast_math=False` drops
     `-ffast-math` (IEEE semantics for denormals, inf and NaN). Raises RuntimeError with the
     compiler's message on failure."""
-    cflags = _cflags(fast_math)
+    cflags = _cflags(fast_math) + isa_flags()
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(cflags + LDFLAGS + LIBS),
                                     _cpu_model()]).encode()).hexdigest()[:16]

@@ -16,7 +16,9 @@ measures both in one process):
   its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's freezing
   uses), about 2× faster than `F.linear` for the 1-32 rows of a decode step, post-ops fused,
   re-packed by `load_weights` (~0.1 s for all of SmolLM2-135M). A policy update never needs a
-  recompile;
+  recompile. In fp32 the kernel linears are AVX2/FMA ones on 16-output blocks (the fast path of
+  CPUs without native bf16). Which backend can run is decided from the CPU's instruction sets
+  (`turborlhf.rollout.backends`);
 - prefill and scoring run the linears on the non-padding tokens only;
 - RoPE, the KV-cache write and decode attention in one C call per layer, RMSNorm in another
   (`turborlhf.rollout.kernels`, built on first use; the torch ops below are the fallback); with
@@ -59,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
+from .backends import choose_linear_backend
 from .base import RolloutOutput, SamplingParams
 from .llama_ops import (_load_state_dict, _pack, _quantize_int8, _rms, _rope_inv_freq, _rope_signed,  # noqa: F401
                         is_supported, mkldnn_packing_available)
@@ -103,11 +106,14 @@ class FastEngine:
     kv_bucket: cache length is rounded up to a multiple of this (compiled shapes repeat).
     compact: drop finished rows (gather the cache) once half of the rows are done.
     dedupe_prompts: prefill identical prompts once (always exact up to float rounding).
-    linear_backend: 'auto' (in bf16: 'kernel' where it is available, else 'mkldnn'; else dense),
-        'kernel' (the AVX-512-BF16 linears of `turborlhf.rollout.kernels`, weights packed straight
-        from `load_weights` with no dense copy of the layer matrices: the fastest at 1-32 rows and
-        as fast as oneDNN for prefill; needs compile=False and int8_max_batch=0),
-        'mkldnn' (oneDNN pre-packed weights) or 'dense' (`F.linear`; what the fp32 exactness tests use).
+    linear_backend: 'auto' ('kernel' where it can run, else in bf16 'mkldnn' where oneDNN can pack
+        bf16 (avx512bw/vl/dq), else 'dense'; a fallback forced by a missing instruction set warns
+        once, see `turborlhf.rollout.backends`),
+        'kernel' (the linears of `turborlhf.rollout.kernels`: AVX-512-BF16 in bf16, AVX2/FMA in
+        fp32; weights packed straight from `load_weights` with no dense copy of the layer
+        matrices: the fastest at 1-32 rows; needs compile=False and int8_max_batch=0),
+        'mkldnn' (oneDNN pre-packed weights) or 'dense' (`F.linear`; bit-exact with transformers
+        in fp32, what the exactness tests use).
     int8_max_batch: decode steps with at most this many rows use int8 weight-only linears
         (symmetric per-output-row scales, re-quantized by every `load_weights`; half the weight
         bytes of bf16, for memory-bound small batches). 0 = off (default). This samples from an
@@ -118,7 +124,7 @@ class FastEngine:
     Raises ValueError for an unsupported architecture or an unknown/unavailable backend.
     """
 
-    def __init__(self, model_or_path, dtype: str | torch.dtype = "bf16", max_batch_size: int = 32,
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 32,
                  compile: bool = False, kv_bucket: int = 64, compact: bool = True,
                  dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  linear_backend: str = "auto", int8_max_batch: int = 0, kernels: bool | str = "auto"):
@@ -137,19 +143,9 @@ class FastEngine:
         self.int8_max_batch = int(int8_max_batch)
         if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
             raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
-        if linear_backend not in ("auto", "kernel", "mkldnn", "dense"):
-            raise ValueError(f"linear_backend must be 'auto', 'kernel', 'mkldnn' or 'dense', got {linear_backend!r}")
-        if linear_backend == "mkldnn" and not mkldnn_packing_available():
-            raise ValueError("linear_backend='mkldnn' but this torch build lacks oneDNN linear packing")
-        kernel_ok = (self._k is not None and self._k.has_linear and self.dtype == torch.bfloat16
-                     and not compile and not self.int8_max_batch)
-        if linear_backend == "kernel" and not kernel_ok:
-            raise ValueError("linear_backend='kernel' needs bf16, the fused kernels with AVX-512-BF16 linears "
-                             "(kernels not False, a CPU with avx512_bf16), compile=False and int8_max_batch=0")
-        self._kl = linear_backend == "kernel" or (linear_backend == "auto" and kernel_ok)
-        self._mkl = not self._kl and (linear_backend == "mkldnn" or (
-            linear_backend == "auto" and self.dtype == torch.bfloat16 and mkldnn_packing_available()))
-        self.linear_backend = "kernel" if self._kl else "mkldnn" if self._mkl else "dense"
+        self.linear_backend = choose_linear_backend(linear_backend, self.dtype, self._k, compile,
+                                                    bool(self.int8_max_batch))
+        self._kl, self._mkl = self.linear_backend == "kernel", self.linear_backend == "mkldnn"
         if isinstance(model_or_path, torch.nn.Module):
             config = copy.deepcopy(model_or_path.config)
             state = model_or_path.state_dict()
@@ -236,7 +232,7 @@ class FastEngine:
         # (name → (slot, first row, its rows, rows of the whole matrix, gate/up fused))
         self._kslots: dict[str, tuple[int, int, int, int, bool]] = {}
         if self._kl:
-            kz = self._k.new_packed
+            kz = lambda n, k, swiglu=False: self._k.new_packed(n, k, swiglu, self.dtype)  # noqa: E731
             self._kp: list[Optional[torch.Tensor]] = [None] * (5 * L + 1)
             self._kp[5 * L] = kz(self.vocab_size, E)
             self._out_features[5 * L] = self.vocab_size
@@ -324,7 +320,7 @@ class FastEngine:
                 if name in self._kslots:                      # kernel backend: pack the rows in place
                     slot, row0, rows, N, swiglu = self._kslots[name]
                     if t.dim() != 2 or t.shape[0] != rows or \
-                            self._k.packed_numel(N, t.shape[1], swiglu) != self._kp[slot].numel():
+                            self._k.packed_numel(N, t.shape[1], swiglu, self.dtype) != self._kp[slot].numel():
                         raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit the engine's "
                                          f"{rows}-row slice of a {N}-row packed matrix")
                     self._k.pack_rows(t, self._kp[slot], row0, N, swiglu)
@@ -535,7 +531,7 @@ class FastEngine:
             I = self.config.intermediate_size
             need = B * (2 * self.hidden + (H + 2 * KV) * D + H * D + I)
             if self._kscratch is None or self._kscratch.numel() < need:
-                self._kscratch = torch.empty(need, dtype=torch.bfloat16)
+                self._kscratch = torch.empty(need, dtype=self.dtype)
             self._k.decode_layers(self._ktable, x, cos_BD, sins_BD, K_LBKTD, V_LBKTD, start_B, col, H, I, scale,
                                   self.eps, self._kscratch)
             return self._head(self._norm(x, self.norm_E))
@@ -648,7 +644,7 @@ class FastEngine:
         library's three-pass sampler when the kernel linears are loaded (the same uniforms from
         `gen`, so the same draws up to float rounding at a CDF boundary)."""
         V = logits_BV.shape[-1]
-        if (self._kl and params.temperature > 0 and not 0 < params.top_k < V and params.top_p >= 1.0
+        if (self._kl and self._k.has_sampler and params.temperature > 0 and not 0 < params.top_k < V and params.top_p >= 1.0
                 and logits_BV.dtype == torch.float32):
             x = logits_BV.contiguous()
             if suppress is not None and suppress.numel():

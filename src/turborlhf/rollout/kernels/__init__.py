@@ -5,6 +5,13 @@ atomically), called through ctypes on raw data pointers.
 `load()` returns a `DecodeKernels` or None. None means "use the torch path": no C compiler, a
 failed build, a non-x86/Linux host, or `TURBORLHF_KERNELS=0` in the environment. The kernels use
 torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
+
+What is built depends on the instruction sets this process may use (`cbuild.isa_flags`, from
+`turborlhf.engine.hardware.cpu_features`): attention and RMSNorm always (portable C, with an
+AVX-512-BF16 inner loop for bf16 attention where available); the bf16 linears only with
+AVX-512-BF16; the fp32 linears with AVX2 + FMA; the sampler everywhere (AVX-512
+intrinsics, else plain loops). `linear_dtypes` says which linears
+exist; FastEngine uses nothing else to decide.
 """
 from __future__ import annotations
 
@@ -31,6 +38,9 @@ class DecodeKernels:
         (float32 or bfloat16). Raises ValueError on a dtype/layout mismatch.
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
     has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
+    linear_dtypes: the dtypes with packed linears and `decode_layers` (bf16: AVX-512-BF16;
+        float32: AVX2 + FMA). has_sampler: `sample` exists (always; AVX-512 intrinsics or
+        vectorised plain loops).
     new_packed / pack_rows → a packed weight; linear(x_MK, packed, N, ...) → y (see decode.c).
     """
 
@@ -48,16 +58,32 @@ class DecodeKernels:
             g.restype = None
             self._rms[dt] = g
         self.has_linear = bool(lib.bf16_linear_available())
+        self.linear_dtypes: frozenset = frozenset(
+            ([torch.bfloat16] if self.has_linear else []) + ([torch.float32] if lib.f32_linear_available() else []))
+        self.has_sampler = True            # (AVX-512 intrinsics, or loops GCC vectorises for AVX2)
+        layers_args = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P, I, I, I, I, I, I, I,
+                       F, F, P]
+        self._pack, self._lin, self._layers = {}, {}, {}
+        lib.sample_rows_f32.argtypes = [P, I, I, F, P, P, P]
+        lib.sample_rows_f32.restype = None
         if self.has_linear:
             lib.bf16_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
             lib.bf16_linear_pack_rows.restype = None
             lib.bf16_linear.argtypes = [P, P, P, P, P, I, I, I, I, I]
             lib.bf16_linear.restype = None
-            lib.decode_layers_bf16.argtypes = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P,
-                                               I, I, I, I, I, I, I, F, F, P]
+            lib.decode_layers_bf16.argtypes = layers_args
             lib.decode_layers_bf16.restype = None
-            lib.sample_rows_f32.argtypes = [P, I, I, F, P, P, P]
-            lib.sample_rows_f32.restype = None
+        if torch.float32 in self.linear_dtypes:
+            lib.f32_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
+            lib.f32_linear_pack_rows.restype = None
+            lib.f32_linear.argtypes = [P, P, P, P, P, I, I, I, I]
+            lib.f32_linear.restype = None
+            lib.decode_layers_f32.argtypes = layers_args
+            lib.decode_layers_f32.restype = None
+        for dt, suf in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            if dt in self.linear_dtypes:
+                self._pack[dt] = getattr(lib, f"{suf}_linear_pack_rows")
+                self._layers[dt] = getattr(lib, f"decode_layers_{suf}")
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn
@@ -86,50 +112,63 @@ class DecodeKernels:
         return out_BE
 
 
-    # ---- bf16 decode linears (has_linear)
+    # ---- decode linears (bf16: has_linear; fp32: float32 in linear_dtypes)
     ADD, SWIGLU = 1, 2
 
     @staticmethod
-    def packed_numel(N: int, K: int, swiglu: bool = False) -> int:
-        """Elements of the packed layout of an N × K weight (32-output blocks of K/2 bf16 pairs)."""
+    def packed_numel(N: int, K: int, swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Elements of the packed layout of an N × K weight: bf16, 32-output blocks of K/2 bf16
+        pairs; float32, 16-output blocks of K floats."""
+        if dtype == torch.float32:
+            return ((N // 2 + 7) // 8 if swiglu else (N + 15) // 16) * K * 16
         return ((N // 2 + 15) // 16 if swiglu else (N + 31) // 32) * ((K + 1) // 2) * 64
 
-    def new_packed(self, N: int, K: int, swiglu: bool = False) -> torch.Tensor:
-        """A zero packed weight for N × K (fill it with `pack_rows`)."""
-        return torch.zeros(self.packed_numel(N, K, swiglu), dtype=torch.bfloat16)
+    def new_packed(self, N: int, K: int, swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A zero packed weight for N × K in `dtype` (fill it with `pack_rows`). Raises ValueError
+        for a dtype without linears on this CPU (`linear_dtypes`)."""
+        if dtype not in self.linear_dtypes:
+            raise ValueError(f"no {dtype} decode linears on this CPU (built: {sorted(map(str, self.linear_dtypes))})")
+        return torch.zeros(self.packed_numel(N, K, swiglu, dtype), dtype=dtype)
 
     def pack_rows(self, rows_nK: torch.Tensor, packed: torch.Tensor, row0: int, N: int, swiglu: bool = False) -> None:
         """Write rows [row0, row0 + n) of an N × K weight into `packed` (from `new_packed`).
         swiglu: the weight is the fused [gate; up] (N = 2I; rows < I are gate rows), packed so
-        `linear(..., op=SWIGLU)` yields silu(gate)·up. Casts to bf16. Raises ValueError on a
-        row range outside the weight or a mismatched packed size."""
+        `linear(..., op=SWIGLU)` yields silu(gate)·up. Casts to the packed tensor's dtype. Raises
+        ValueError on a row range outside the weight or a mismatched packed size."""
         n, K = rows_nK.shape
         if not 0 <= row0 <= row0 + n <= N or (swiglu and N % 2):
             raise ValueError(f"pack_rows: rows [{row0}, {row0 + n}) do not fit a {'fused gate/up ' if swiglu else ''}"
                              f"weight of {N} rows")
-        if packed.numel() != self.packed_numel(N, K, swiglu) or packed.dtype != torch.bfloat16:
+        dt = packed.dtype
+        if dt not in self._pack or packed.numel() != self.packed_numel(N, K, swiglu, dt):
             raise ValueError(f"pack_rows: packed tensor does not match a {N}×{K} weight")
-        src = rows_nK.detach().to(torch.bfloat16).contiguous()
-        self.lib.bf16_linear_pack_rows(src.data_ptr(), packed.data_ptr(), n, row0, N, K, int(swiglu))
+        src = rows_nK.detach().to(dt).contiguous()
+        self._pack[dt](src.data_ptr(), packed.data_ptr(), n, row0, N, K, int(swiglu))
 
     def linear(self, x_MK: torch.Tensor, packed: torch.Tensor, N: int, bias_N: Optional[torch.Tensor] = None,
                other_MN: Optional[torch.Tensor] = None, op: int = 0, out_f32: bool = False) -> torch.Tensor:
         """y = x·Wᵀ (+ bias) of a `new_packed`/`pack_rows` weight with N output rows, then op 0: y;
         ADD: y + other_MN; SWIGLU: silu(gate)·up, N/2 columns (W packed with swiglu=True, bias of
-        the fused [gate; up]). x_MK: contiguous bf16, K even. Returns M × N (or N/2) bf16, or
-        fp32 with out_f32. Arithmetic: bf16 products summed in fp32 (vdpbf16ps)."""
+        the fused [gate; up]). x_MK: contiguous, the packed weight's dtype (bf16: K even). Returns
+        M × N (or N/2) in that dtype, or fp32 with out_f32. Arithmetic: bf16 products summed in
+        fp32 (vdpbf16ps); fp32 FMAs."""
         M, K = x_MK.shape
-        if x_MK.dtype != torch.bfloat16 or not x_MK.is_contiguous() or K % 2:
-            raise ValueError(f"linear: x must be contiguous bfloat16 with an even width, got {x_MK.dtype} "
-                             f"{tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
-        if packed.numel() != self.packed_numel(N, K, op == self.SWIGLU):
+        dt = packed.dtype
+        if dt not in self._pack or x_MK.dtype != dt or not x_MK.is_contiguous() or (dt == torch.bfloat16 and K % 2):
+            raise ValueError(f"linear: x must be contiguous {dt}{' with an even width' if dt == torch.bfloat16 else ''}"
+                             f", got {x_MK.dtype} {tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
+        if packed.numel() != self.packed_numel(N, K, op == self.SWIGLU, dt):
             raise ValueError(f"linear: packed weight does not match a {N}×{K} weight")
         n_out = N // 2 if op == self.SWIGLU else N
         if op == self.ADD:
-            if other_MN is None or other_MN.shape != (M, N) or other_MN.dtype != torch.bfloat16 \
+            if other_MN is None or other_MN.shape != (M, N) or other_MN.dtype != dt \
                     or not other_MN.is_contiguous():
-                raise ValueError("linear: op ADD needs a contiguous bf16 `other` of shape M×N")
-        out = torch.empty(M, n_out, dtype=torch.float32 if out_f32 else torch.bfloat16)
+                raise ValueError(f"linear: op ADD needs a contiguous {dt} `other` of shape M×N")
+        out = torch.empty(M, n_out, dtype=torch.float32 if out_f32 else dt)
+        if dt == torch.float32:
+            self.lib.f32_linear(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
+                                None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op)
+            return out
         self.lib.bf16_linear(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
                              None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op,
                              int(out_f32))
@@ -148,22 +187,25 @@ class DecodeKernels:
                       K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, start_B: torch.Tensor, col: int,
                       n_heads: int, intermediate: int, scale: float, eps: float,
                       scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Every decoder layer of one bf16 decode step in one call (see decode.c): x_BE, the
-        residual stream (contiguous bf16), is updated in place and returned. K/V: the whole cache
-        L×B×KV×Tmax×D (contiguous). Raises ValueError on a dtype/layout mismatch."""
+        """Every decoder layer of one decode step in one call (see decode.c): x_BE, the residual
+        stream (contiguous, a dtype of `linear_dtypes`), is updated in place and returned. K/V:
+        the whole cache L×B×KV×Tmax×D (contiguous). Raises ValueError on a dtype/layout mismatch."""
         L, B, KV, Tmax, D = K_LBKTD.shape
         E = x_BE.shape[1]
+        dt = x_BE.dtype
+        if dt not in self._layers:
+            raise ValueError(f"decode_layers: no {dt} decode linears on this CPU")
         for name, t in (("x", x_BE), ("cos", cos_BD), ("sins", sins_BD), ("K", K_LBKTD), ("V", V_LBKTD)):
-            if t.dtype != torch.bfloat16 or not t.is_contiguous():
-                raise ValueError(f"decode_layers: {name} must be contiguous bfloat16")
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"decode_layers: {name} must be contiguous {dt}")
         if start_B.dtype != torch.int64 or not start_B.is_contiguous() or len(table) != 10 * L:
             raise ValueError("decode_layers: start_B must be contiguous int64 and the table hold 10 pointers per layer")
         if not 0 <= col < Tmax:
             raise ValueError(f"decode_layers: column {col} outside the cache (0..{Tmax - 1})")
         need = B * (2 * E + (n_heads + 2 * KV) * D + n_heads * D + intermediate)
-        if scratch is None or scratch.numel() < need:
-            scratch = torch.empty(need, dtype=torch.bfloat16)
-        self.lib.decode_layers_bf16(x_BE.data_ptr(), B, L, table, cos_BD.data_ptr(), sins_BD.data_ptr(),
+        if scratch is None or scratch.numel() < need or scratch.dtype != dt:
+            scratch = torch.empty(need, dtype=dt)
+        self._layers[dt](x_BE.data_ptr(), B, L, table, cos_BD.data_ptr(), sins_BD.data_ptr(),
                                     K_LBKTD.data_ptr(), V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(),
                                     E, n_heads, KV, D, intermediate, Tmax, col, scale, eps, scratch.data_ptr())
         return x_BE

@@ -423,6 +423,173 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         logp[b] = xb[id] / temperature - m - logf(total);
     }
 }
+int sampler_vectorised(void) { return 1; }
 #else
 int bf16_linear_available(void) { return 0; }
+int sampler_vectorised(void) { return 0; }
+
+/* sample_rows_f32 without AVX-512: the same three passes and the same walk, in plain loops that
+ * GCC vectorises (blocks of 16, expf from libmvec under -ffast-math). -inf logits are tested on
+ * the integer bits, which -ffast-math cannot fold away. */
+static inline int is_neg_inf(float f) { union { float f; uint32_t u; } v = { f }; return v.u == 0xff800000u; }
+
+static inline float block_exps(const float *xb, int j, int V, float T, float m, float *ev) {
+    const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int k = 0; k < n; ++k) {
+        const float y = xb[16 * j + k] / T;
+        ev[k] = is_neg_inf(xb[16 * j + k]) ? 0.f : expf(y - m);
+        s += ev[k];
+    }
+    return s;
+}
+
+void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
+                     float *logp) {
+    const int nb = (V + 15) / 16;
+    #pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; ++b) {
+        const float *xb = x + (size_t)b * V;
+        float bsum[nb], ev[16];
+        float m = -INFINITY;                             /* (at least one finite logit per row) */
+        #pragma omp simd reduction(max:m)
+        for (int v = 0; v < V; ++v) { const float y = xb[v] / temperature; m = y > m ? y : m; }
+        float total = 0.f;
+        for (int j = 0; j < nb; ++j) { bsum[j] = block_exps(xb, j, V, temperature, m, ev); total += bsum[j]; }
+        float target = u[b] * total;
+        if (target >= total) target = nextafterf(total, 0.f);
+        int id = -1;
+        float acc = 0.f;
+        for (int j = 0; j < nb && id < 0; ++j) {
+            if (j < nb - 1 && acc + bsum[j] <= target) { acc += bsum[j]; continue; }
+            const int n = V - 16 * j < 16 ? V - 16 * j : 16;
+            block_exps(xb, j, V, temperature, m, ev);
+            for (int k = 0; k < n; ++k) {
+                acc += ev[k];
+                if (ev[k] > 0.f && acc > target) { id = 16 * j + k; break; }
+            }
+        }
+        if (id < 0)                                      /* rounding: the last column of positive probability */
+            for (int k = V - 1; k >= 0 && id < 0; --k) if (!is_neg_inf(xb[k])) id = k;
+        ids[b] = id;
+        logp[b] = xb[id] / temperature - m - logf(total);
+    }
+}
+#endif
+
+/* ---- fp32 linears for decode steps (CPUs without native bf16: AVX2 + FMA suffice) -----------
+ * f32_linear: y = x Wᵀ (+ b) for M rows with fp32 FMAs on weights packed into 16-output blocks
+ * (f32_linear_pack_rows), post-ops fused as in bf16_linear: + residual, or silu(gate)·up from
+ * the fused [gate; up] matrix. A tile is up to 6 rows × 16 outputs: 12 accumulators, 2 weight
+ * vectors and a broadcast, the 15 of AVX2's 16 registers. Why: an fp32 engine's F.linear and
+ * oneDNN calls at 1-32 rows cost ~1,000 dispatches per decode step; with these, all layers of a
+ * step are one C call (decode_layers_f32). f32_linear_available() says whether they were built. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+int f32_linear_available(void) { return 1; }
+
+/* f32_linear_pack_rows: rows [row0, row0 + n) of an N x K weight (src: those n rows, row-major
+ * fp32) into the packed layout (zero-filled by the caller): out[(nb*K + k)*16 + c] = W[row(nb, c)][k];
+ * plain: row(nb, c) = nb*16 + c; swiglu (W = [gate; up], N = 2I rows): block nb holds gate rows
+ * nb*8 + c (c < 8) and up rows I + nb*8 + c - 8 (c >= 8), so a block yields 8 outputs silu(g)*u. */
+void f32_linear_pack_rows(const float *src, float *out, int n, int row0, int N, int K, int swiglu) {
+    const int I = N / 2;
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; ++r) {
+        const int g = row0 + r;
+        int nb, c;
+        if (swiglu) { const int j = g < I ? g : g - I; nb = j / 8; c = j % 8 + (g < I ? 0 : 8); }
+        else { nb = g / 16; c = g % 16; }
+        float *o = out + (int64_t)nb * K * 16 + c;
+        const float *w = src + (int64_t)r * K;
+        for (int k = 0; k < K; ++k) o[k * 16] = w[k];
+    }
+}
+
+#define TILE_F32(MB)                                                                               \
+static inline void tilef##MB(const float *x, int64_t xs, const float *wp, int K, float *res) {     \
+    __m256 acc[2 * MB];                                                                            \
+    _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) acc[i] = _mm256_setzero_ps();        \
+    for (int k = 0; k < K; ++k) {                                                                  \
+        const __m256 w0 = _mm256_loadu_ps(wp + k * 16), w1 = _mm256_loadu_ps(wp + k * 16 + 8);     \
+        _Pragma("GCC unroll 6") for (int m = 0; m < MB; ++m) {                                     \
+            const __m256 xb = _mm256_broadcast_ss(x + m * xs + k);                                 \
+            acc[2 * m] = _mm256_fmadd_ps(xb, w0, acc[2 * m]);                                      \
+            acc[2 * m + 1] = _mm256_fmadd_ps(xb, w1, acc[2 * m + 1]);                              \
+        }                                                                                          \
+    }                                                                                              \
+    _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) _mm256_storeu_ps(res + 8 * i, acc[i]); \
+}
+TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4) TILE_F32(5) TILE_F32(6)
+
+/* y = x W^T (+ bias) then: op 0 → y; 1 → y + other; 2 (swiglu-packed W) → silu(g)*u.
+ * x: M x K fp32; other/out: M x N_out fp32; bias fp32 or NULL (swiglu: of the fused [gate; up]). */
+void f32_linear(const float *x, const float *wp, const float *bias, const float *other, float *out,
+                int M, int K, int N, int op) {
+    const int swiglu = op == 2;
+    const int NO = swiglu ? N / 2 : N;
+    const int NB = swiglu ? (NO + 7) / 8 : (N + 15) / 16;
+    const int MC = 192, n_chunks = (M + MC - 1) / MC;    /* rows of x kept in L2 while W streams */
+    #pragma omp parallel for schedule(static)
+    for (int64_t it = 0; it < (int64_t)n_chunks * NB; ++it) {
+        const int nb = (int)(it % NB), mc = (int)(it / NB);
+        const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+        const float *w = wp + (int64_t)nb * K * 16;
+        float res[6 * 16];
+        for (int m0 = mc * MC; m0 < m_end; m0 += 6) {
+            const int mb = m_end - m0 < 6 ? m_end - m0 : 6;
+            const float *xm = x + (int64_t)m0 * K;
+            switch (mb) {
+                case 1: tilef1(xm, K, w, K, res); break; case 2: tilef2(xm, K, w, K, res); break;
+                case 3: tilef3(xm, K, w, K, res); break; case 4: tilef4(xm, K, w, K, res); break;
+                case 5: tilef5(xm, K, w, K, res); break; default: tilef6(xm, K, w, K, res); break;
+            }
+            for (int m = 0; m < mb; ++m) {
+                const int64_t row = m0 + m;
+                const float *r = res + 16 * m;
+                if (swiglu) {
+                    const int c0 = nb * 8, n = NO - c0 < 8 ? NO - c0 : 8;
+                    for (int c = 0; c < n; ++c) {
+                        float g = r[c], u = r[8 + c];
+                        if (bias) { g += bias[c0 + c]; u += bias[NO + c0 + c]; }
+                        out[row * NO + c0 + c] = g / (1.f + expf(-g)) * u;
+                    }
+                } else {
+                    const int c0 = nb * 16, n = N - c0 < 16 ? N - c0 : 16;
+                    for (int c = 0; c < n; ++c) {
+                        float y = r[c];
+                        if (bias) y += bias[c0 + c];
+                        if (op == 1) y += other[row * N + c0 + c];
+                        out[row * N + c0 + c] = y;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* decode_layers_f32: decode_layers_bf16 for fp32 engines (same table layout, fp32 tensors, the
+ * 16-output packed weights of f32_linear_pack_rows). scratch: B * (2E + (H + 2KV) D + H D + I) floats. */
+void decode_layers_f32(float *x, int B, int L, const void *const *w, const float *cos_BD,
+                       const float *sins_BD, float *K, float *V, int64_t layer_stride, const int64_t *start,
+                       int E, int H, int KV, int D, int I, int Tmax, int col, float scale, float eps,
+                       float *scratch) {
+    const int W = (H + 2 * KV) * D, HD = H * D;
+    float *h = scratch, *qkv = h + (size_t)B * E, *a = qkv + (size_t)B * W, *m = a + (size_t)B * HD,
+          *x2 = m + (size_t)B * I;
+    for (int l = 0; l < L; ++l) {
+        const void *const *wl = w + 10 * l;
+        rms_norm_f32(x, (const float *)wl[0], h, B, E, eps);
+        f32_linear(h, (const float *)wl[1], (const float *)wl[2], 0, qkv, B, E, W, 0);
+        decode_attention_f32(qkv, cos_BD, sins_BD, K + l * layer_stride, V + l * layer_stride, start, a,
+                             B, H, KV, D, Tmax, col, scale);
+        f32_linear(a, (const float *)wl[3], (const float *)wl[4], x, x2, B, HD, E, 1);
+        rms_norm_f32(x2, (const float *)wl[5], h, B, E, eps);
+        f32_linear(h, (const float *)wl[6], (const float *)wl[7], 0, m, B, E, 2 * I, 2);
+        f32_linear(m, (const float *)wl[8], (const float *)wl[9], x2, x, B, I, E, 1);
+    }
+}
+#else
+int f32_linear_available(void) { return 0; }
 #endif

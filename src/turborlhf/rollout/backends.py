@@ -1,0 +1,101 @@
+"""Which linear backend FastEngine runs, decided from the instruction sets this process may use.
+
+Every choice reads `turborlhf.engine.hardware.cpu_features()` (which honours
+``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``), so an AVX-512 host told to act as an AVX2-only
+one chooses exactly what an AVX2-only host would. What each backend needs:
+
+| backend | bf16 engine | fp32 engine |
+| --- | --- | --- |
+| ``kernel`` (`turborlhf.rollout.kernels`) | avx512_bf16 (``vdpbf16ps``) | avx2 + fma |
+| ``mkldnn`` (oneDNN pre-packed weights) | avx512bw/vl/dq (oneDNN refuses bf16 packing without them) | any x86-64 |
+| ``dense`` (``F.linear``) | anywhere (bf16 is emulated, ~100× slower than fp32, without AVX-512) | anywhere |
+
+``linear_backend='auto'`` takes the first of kernel → mkldnn (bf16 only) → dense that can run,
+warning once per process when an instruction set it lacks pushed it down the list; an explicit
+backend that cannot run is a one-line ValueError.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from turborlhf.engine.hardware import cpu_features
+
+from .llama_ops import mkldnn_packing_available
+
+__all__ = ["choose_linear_backend", "warn_once", "MKLDNN_BF16_FEATURES"]
+
+# oneDNN's bf16 weight reorder refuses to run without these (or avx_ne_convert, which turborlhf
+# does not detect): "mkldnn_reorder_linear_weight: bf16 path needs ... avx512bw, avx512vl and avx512dq"
+MKLDNN_BF16_FEATURES = ("avx512bw", "avx512vl", "avx512dq")
+_KERNEL_FEATURES = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx2", "fma")}
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """`warnings.warn(msg)` the first time this process sees `msg`."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _missing(needed, feats) -> list[str]:
+    return [f for f in needed if f not in feats]
+
+
+def _has(feats) -> str:
+    best = ("avx512_bf16", "avx512f", "avx2")
+    return next((f"{f}{' only' if f == 'avx2' else ''}" for f in best if f in feats), "no avx2")
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: bool, int8: bool,
+                          feats: Optional[frozenset] = None) -> str:
+    """'kernel' | 'mkldnn' | 'dense' for FastEngine's `linear_backend=requested`.
+
+    kernels: the loaded `DecodeKernels` or None; compile / int8: the engine's options (the kernel
+    linears need neither). feats: the instruction sets (default `cpu_features()`).
+    Raises ValueError for an unknown backend or an explicit one this host or configuration cannot
+    run; 'auto' warns once when a missing instruction set makes it fall back."""
+    if requested not in ("auto", "kernel", "mkldnn", "dense"):
+        raise ValueError(f"linear_backend must be 'auto', 'kernel', 'mkldnn' or 'dense', got {requested!r}")
+    feats = cpu_features() if feats is None else feats
+    has = _has(feats)
+    k_isa = _missing(_KERNEL_FEATURES.get(dtype, ("<none>",)), feats)
+    kernel_ok = (kernels is not None and dtype in kernels.linear_dtypes and not compile and not int8)
+    if requested == "kernel" and not kernel_ok:
+        why = (f"the {_dt(dtype)} kernel linears need {'/'.join(k_isa)}, this CPU has {has}" if k_isa and
+               dtype in _KERNEL_FEATURES else "the kernels did not load" if kernels is None else
+               "they exist for bf16 and fp32 only" if dtype not in _KERNEL_FEATURES else
+               "they do not combine with compile=True or int8_max_batch" if compile or int8 else
+               "they were not built")
+        raise ValueError(f"linear_backend='kernel' is unavailable: {why}")
+    if requested == "kernel" or (requested == "auto" and kernel_ok):
+        return "kernel"
+    mk_isa = _missing(MKLDNN_BF16_FEATURES, feats) if dtype == torch.bfloat16 else []
+    if requested == "mkldnn":
+        if not mkldnn_packing_available():
+            raise ValueError("linear_backend='mkldnn' but this torch build lacks oneDNN linear packing")
+        if mk_isa:
+            raise ValueError(f"linear_backend='mkldnn' in bf16 needs {'/'.join(MKLDNN_BF16_FEATURES)} for oneDNN's "
+                             f"weight packing, this CPU has {has}; use dtype='fp32' or linear_backend='dense'")
+        return "mkldnn"
+    if requested == "dense":
+        return "dense"
+    # auto, the kernel linears ruled out
+    if dtype in _KERNEL_FEATURES and k_isa and kernels is not None and not compile and not int8:
+        nxt = "oneDNN" if dtype == torch.bfloat16 and not mk_isa and mkldnn_packing_available() else "dense"
+        warn_once(f"FastEngine: the {_dt(dtype)} kernel linears need {'/'.join(k_isa)}, this CPU has {has}; "
+                  f"using {nxt} linears")
+    if dtype != torch.bfloat16:
+        return "dense"
+    if mk_isa:
+        warn_once(f"FastEngine: bf16 oneDNN packing needs {'/'.join(MKLDNN_BF16_FEATURES)}, this CPU has {has}; "
+                  "using dense F.linear in bf16 (emulated, slow: dtype='fp32' is much faster on this CPU)")
+        return "dense"
+    return "mkldnn" if mkldnn_packing_available() else "dense"
