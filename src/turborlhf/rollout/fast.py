@@ -99,7 +99,7 @@ class FastEngine:
 
     model_or_path: a loaded `transformers` causal LM (weights are copied and cast, never shared)
         or an HF model directory.
-    dtype: engine precision, 'bf16' (default) | 'fp32' | 'fp16'.
+    dtype: engine precision, 'auto' (default: bf16 where the CPU computes it natively, else fp32) | 'bf16' | 'fp32' | 'fp16'.
     max_batch_size: rows decoded together; larger requests run in consecutive chunks.
     compile: `torch.compile` the decode step (shapes bucketed; each new (batch, cache-length)
         bucket costs a cold compile of tens of seconds, then is cached).
