@@ -17,6 +17,7 @@ backend that cannot run is a one-line ValueError.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -26,6 +27,23 @@ from turborlhf.engine.hardware import cpu_features
 from .llama_ops import mkldnn_packing_available
 
 __all__ = ["choose_linear_backend", "warn_once", "MKLDNN_BF16_FEATURES"]
+
+# ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
+# packed weights at run time (weights change after every policy update; no recompile). FastEngine
+# registers itself in `_ENGINES` under its id and provides ``_plin`` and ``_out_features``.
+_ENGINES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("turborlhf::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, other: Optional[torch.Tensor], engine: int, slot: int,
+                      attr: str) -> torch.Tensor:
+    """attr(x @ W[slot]ᵀ + b[slot], other) with W, b the packed weights of engine `engine`."""
+    return _ENGINES[engine]._plin(x, other, slot, attr)
+
+
+@_packed_linear_op.register_fake
+def _(x, other, engine, slot, attr):
+    return x.new_empty(*x.shape[:-1], _ENGINES[engine]._out_features[slot])
 
 # oneDNN's bf16 weight reorder refuses to run without these (or avx_ne_convert, which turborlhf
 # does not detect): "mkldnn_reorder_linear_weight: bf16 path needs ... avx512bw, avx512vl and avx512dq"

@@ -54,37 +54,19 @@ import copy
 import math
 import time
 import warnings
-import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
-from .backends import choose_linear_backend
+from .backends import _ENGINES, choose_linear_backend   # importing backends registers turborlhf::packed_linear
 from .base import RolloutOutput, SamplingParams
 from .llama_ops import (_load_state_dict, _pack, _quantize_int8, _rms, _rope_inv_freq, _rope_signed,  # noqa: F401
-                        is_supported, mkldnn_packing_available)
+                        decode_mask, is_supported, mkldnn_packing_available)
 from .sampling import sample
 
 __all__ = ["FastEngine", "is_supported"]
-
-# ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
-# packed weights at run time (weights change after every policy update; no recompile)
-_ENGINES: "weakref.WeakValueDictionary[int, FastEngine]" = weakref.WeakValueDictionary()
-
-
-@torch.library.custom_op("turborlhf::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, other: Optional[torch.Tensor], engine: int, slot: int,
-                      attr: str) -> torch.Tensor:
-    """attr(x @ W[slot]ᵀ + b[slot], other) with W, b the packed weights of engine `engine`."""
-    return _ENGINES[engine]._plin(x, other, slot, attr)
-
-
-@_packed_linear_op.register_fake
-def _(x, other, engine, slot, attr):
-    return x.new_empty(*x.shape[:-1], _ENGINES[engine]._out_features[slot])
-
 
 class _Layer:
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
@@ -660,14 +642,6 @@ class FastEngine:
             return n
         return next((b for b in self.batch_buckets if b >= n), n)
 
-    @staticmethod
-    def _attn_mask(start_B: torch.Tensor, col: int, T: int) -> torch.Tensor:
-        """Additive float32 mask B×T for the torch decode paths: 0 on each row's valid columns
-        [start_B, col], -inf elsewhere (left padding and columns not yet written)."""
-        ar_T = torch.arange(T)
-        valid_BT = (ar_T >= start_B[:, None]) & (ar_T <= col)
-        return torch.zeros(valid_BT.shape).masked_fill_(~valid_BT, float("-inf"))
-
     def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int):
         """Prefill the distinct prompts of `reqs` (left-padded to P), then copy their cache rows to
         every request (plus Bc - N filler rows). Returns (K_LBKTD, V_LBKTD, logits_BV float32 of
@@ -758,7 +732,7 @@ class FastEngine:
                 ids_B, rows_B, done_B = ids_B.index_select(0, keep), rows_B.index_select(0, keep), done_B.index_select(0, keep)
             col = P + t
             col_1.fill_(col)
-            maskadd_BT = self._attn_mask(start_B, col, T) if torch_attention else None
+            maskadd_BT = decode_mask(start_B, col, T) if torch_attention else None
             if self._compiled_step is not None:
                 logits_BV = self._compiled_call(ids_B, pos_B, col_1, K, V, maskadd_BT)
             else:

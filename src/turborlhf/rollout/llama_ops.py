@@ -108,3 +108,11 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(torch.load(f, map_location="cpu", weights_only=True))
     return state
+
+
+def decode_mask(start_B: torch.Tensor, col: int, T: int) -> torch.Tensor:
+    """Additive float32 mask B×T for the torch decode paths: 0 on each row's valid columns
+    [start_B, col], -inf elsewhere (left padding and columns not yet written)."""
+    ar_T = torch.arange(T)
+    valid_BT = (ar_T >= start_B[:, None]) & (ar_T <= col)
+    return torch.zeros(valid_BT.shape).masked_fill_(~valid_BT, float("-inf"))
