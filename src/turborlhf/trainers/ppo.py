@@ -57,7 +57,7 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             leave_one_out_advantages, masked_mean, masked_whiten, ppo_policy_loss, reduce_loss,
                             value_loss)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
-from turborlhf.data.loaders import load_prompts
+from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.engine.parallel import root_forward
@@ -353,10 +353,11 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
 
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
-                    fused: tuple[bool, bool] = (False, False)) -> Experience:
+                    fused: tuple[bool, bool] = (False, False), columns: Optional[list[dict]] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
     then rewards and advantages on the driver (`score_and_advantages`). ``fused`` = (actor,
-    critic) keep their forward's graph for the coming update (`use_fused_update`)."""
+    critic) keep their forward's graph for the coming update (`use_fused_update`). ``columns``: per row,
+    the prompts file's other fields, for reward functions (`turborlhf.rewards.functions`)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
@@ -370,7 +371,7 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
         ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
     val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, fused[1]) if cluster.get("critic") else None
     rew = _submit_rows(cluster["reward"], "score", B, mb,
-                       lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
+                       lambda s: (ids[s], attn[s], prompt_ids[s], responses[s], columns[s] if columns else None))
     raw_scores, per_source = rew()
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats)
@@ -645,22 +646,23 @@ def train(cfg: PPOConfig, resume: bool = False) -> Path:
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
     tok = load_tokenizer(cfg.actor.name_or_path)
-    prompts = load_prompts(cfg.data.prompts_file, tok)
+    records = load_prompt_records(cfg.data.prompts_file, tok)      # prompt + columns for reward functions
     if cfg.data.max_samples:
-        prompts = prompts[:cfg.data.max_samples]
-    prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
+        records = records[:cfg.data.max_samples]
+    prompt_ids = [encode_prompt(tok, r["prompt"], cfg.rollout.max_prompt_len) for r in records]
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches)
     try:
-        return _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt)
+        return _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt, [r["columns"] for r in records])
     finally:
         cluster.shutdown()
 
 
-def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path]) -> Path:
+def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path],
+         columns: Optional[list[dict]] = None) -> Path:
     A, D = cfg.algo, cfg.distributed
     info = cluster["actor"].run("info")[0]
     rollout_rows = A.prompts_per_step * A.n_samples_per_prompt
@@ -711,7 +713,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         with StopRequested() as stop:
             for step in range(start, len(plan)):
                 done = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log, samples_f,
-                             canary)
+                             canary, columns)
                 if stop.signal is not None and done < len(plan):
                     path = checkpoint(done)
                     raise RunInterrupted(f"{stop.signal} at step {done}/{len(plan)}: kept checkpoint {path}; "
@@ -734,7 +736,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f, canary=None) -> int:
+          samples_f, canary=None, columns: Optional[list[dict]] = None) -> int:
     """One PPO step (numbered as in the module docstring); returns the number of steps done."""
     A = cfg.algo
     t_step = time.perf_counter()
@@ -743,6 +745,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     t0 = time.perf_counter()
     responses, finished, per_engine = generate(cluster, cfg, tok, batch_prompts, step)
     rows_prompts = [p for p in batch_prompts for _ in range(A.n_samples_per_prompt)]
+    rows_columns = [columns[i] for i in plan[step] for _ in range(A.n_samples_per_prompt)] if columns else None
     t_gen = time.perf_counter() - t0
     cluster["rollout"].run_alive("sleep")
     # 2-4. experience, rewards, advantages
@@ -750,7 +753,8 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     train_actor = step >= A.critic_warmup_steps
     fused = (train_actor and use_fused_update(cfg, len(rows_prompts), cluster["actor"]),
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
-    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused)
+    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused,
+                          rows_columns)
     t_exp = time.perf_counter() - t0
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
     t0 = time.perf_counter()
