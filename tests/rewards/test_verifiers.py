@@ -111,3 +111,19 @@ def test_builtins_are_nameable_without_a_file():
         load_reward_function("turborlhf.no_such_module:f")
     with pytest.raises(RewardFunctionError, match="module turborlhf.rewards.verifiers has no attribute 'nope'"):
         load_reward_function("turborlhf.rewards.verifiers:nope")
+
+
+def test_math_accuracy_outside_the_main_thread():
+    """math-verify's timeout uses SIGALRM, which only the main thread may set: a reward worker
+    thread must still get real scores."""
+    pytest.importorskip("math_verify")
+    import threading
+
+    from turborlhf.rewards.verifiers import math_accuracy
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_accuracy([""] * 2, ["so \\boxed{0.5}", "$3$"],
+                                                                 answer=["\\frac{1}{2}", "4"])))
+    t.start()
+    t.join()
+    assert out == [[1.0, 0.0]]
