@@ -48,6 +48,7 @@ def test_gsm8k_accuracy_strict_and_flexible():
 @pytest.mark.parametrize("completion, ok", [
     ("reasoning\n#### 72", 1.0), ("reasoning\n#### 1,080\n", 1.0), ("#### -2.5.", 1.0), ("#### **12**", 1.0),
     ("#### 72\nand then more text", 0.0),        # not the last line
+    ("#### 3\n\n#### 3\n#### 3", 0.0),            # repeated until cut off: not the format
     ("The answer is 72", 0.0), ("#### seventy-two", 0.0), ("", 0.0), ("#### 72 apples", 0.0),
 ])
 def test_gsm8k_format(completion, ok):

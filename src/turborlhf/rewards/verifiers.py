@@ -16,7 +16,7 @@ prompt). Name one in a config without a file path, by its short name or its impo
 | --- | --- | --- |
 | ``gsm8k_accuracy`` | the final number (the last ``#### <number>``, else the last number of the response) equals ``answer`` | lm-evaluation-harness gsm8k "flexible-extract" |
 | ``gsm8k_strict_accuracy`` | the last ``#### <number>`` equals ``answer`` (no fallback) | lm-evaluation-harness gsm8k "strict-match" |
-| ``gsm8k_format`` | the response's last non-empty line is ``#### <number>`` | GSM8K's own solutions (Cobbe et al. 2021) |
+| ``gsm8k_format`` | the response's last non-empty line is ``#### <number>``, its only ``####`` | GSM8K's own solutions (Cobbe et al. 2021) |
 | ``math_accuracy`` | `math-verify` finds the response's answer mathematically equal to ``answer`` (LaTeX or plain; ``\\boxed{}`` preferred, else the last expression) | Hugging Face Math-Verify, as TRL/open-r1 ``accuracy_reward`` |
 | ``think_answer_format`` | the response is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`` | open-r1 ``format_reward`` (DeepSeek-R1-Zero template) |
 | ``reasoning_gym_score`` | the task's own ``score_answer`` on the ``<answer>...</answer>`` text (partial credit in [0, 1] for some tasks) | reasoning-gym (Stojanovski et al. 2025) |
@@ -127,11 +127,12 @@ def gsm8k_strict_accuracy(prompts: list[str], completions: list[str], answer: Op
 
 def gsm8k_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """1.0 where the response's last non-empty line is ``#### <number>`` (optionally bold or
-    followed by a period), as every GSM8K reference solution ends; else 0.0."""
+    followed by a period) and is its only ``####``, as every GSM8K reference solution ends; else
+    0.0. (A response that repeats ``#### 3`` until it is cut off is not formatted.)"""
     out = []
     for c in completions:
         lines = [ln for ln in c.strip().splitlines() if ln.strip()]
-        out.append(float(bool(lines) and _FORMAT_LINE_RE.match(lines[-1]) is not None))
+        out.append(float(bool(lines) and c.count("####") == 1 and _FORMAT_LINE_RE.match(lines[-1]) is not None))
     return out
 
 
