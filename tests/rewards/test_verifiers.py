@@ -55,6 +55,16 @@ def test_gsm8k_format(completion, ok):
     assert gsm8k_format([""], [completion]) == [ok]
 
 
+def test_gsm8k_soft_format_is_partial_credit_towards_the_format():
+    from turborlhf.rewards.verifiers import gsm8k_soft_format
+
+    completions = ["work\n#### 72", "#### 72\nThe final answer is 72.", "#### 3\n#### 3", "#### 3\nso 3\n#### 3",
+                   "The answer is 72.", "#### seventy"]
+    assert gsm8k_soft_format([""] * 6, completions) == [1.0, 0.75, 0.75, 0.75, 0.0, 0.0]
+    assert [s == 1.0 for s in gsm8k_soft_format([""] * 6, completions)] == \
+        [f == 1.0 for f in gsm8k_format([""] * 6, completions)]
+
+
 def test_think_answer_format():
     good = "<think>\nadd them\n</think>\n<answer>\n72\n</answer>"
     assert think_answer_format(["", "", ""], [good, "<answer>72</answer>", good + " extra"]) == [1.0, 0.0, 0.0]

@@ -17,6 +17,7 @@ prompt). Name one in a config without a file path, by its short name or its impo
 | ``gsm8k_accuracy`` | the final number (the last ``#### <number>``, else the last number of the response) equals ``answer`` | lm-evaluation-harness gsm8k "flexible-extract" |
 | ``gsm8k_strict_accuracy`` | the last ``#### <number>`` equals ``answer`` (no fallback) | lm-evaluation-harness gsm8k "strict-match" |
 | ``gsm8k_format`` | the response's last non-empty line is ``#### <number>``, its only ``####`` | GSM8K's own solutions (Cobbe et al. 2021) |
+| ``gsm8k_soft_format`` | partial credit towards ``gsm8k_format``: 0.5 for a ``#### <number>`` line, +0.25 if it is the only ``####``, +0.25 if it is the last line | shaped like open-r1's ``tag_count_reward`` |
 | ``math_accuracy`` | `math-verify` finds the response's answer mathematically equal to ``answer`` (LaTeX or plain; ``\\boxed{}`` preferred, else the last expression) | Hugging Face Math-Verify, as TRL/open-r1 ``accuracy_reward`` |
 | ``think_answer_format`` | the response is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`` | open-r1 ``format_reward`` (DeepSeek-R1-Zero template) |
 | ``reasoning_gym_score`` | the task's own ``score_answer`` on the ``<answer>...</answer>`` text (partial credit in [0, 1] for some tasks) | reasoning-gym (Stojanovski et al. 2025) |
@@ -37,7 +38,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "numbers_equal", "gsm8k_accuracy",
-           "gsm8k_strict_accuracy", "gsm8k_format", "math_accuracy", "think_answer_format",
+           "gsm8k_strict_accuracy", "gsm8k_format", "gsm8k_soft_format", "math_accuracy", "think_answer_format",
            "reasoning_gym_score"]
 
 # a number as people write it: optional sign and $, thousands separators or plain digits, decimals
@@ -133,6 +134,22 @@ def gsm8k_format(prompts: list[str], completions: list[str], **columns) -> list[
     for c in completions:
         lines = [ln for ln in c.strip().splitlines() if ln.strip()]
         out.append(float(bool(lines) and c.count("####") == 1 and _FORMAT_LINE_RE.match(lines[-1]) is not None))
+    return out
+
+
+def gsm8k_soft_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """Partial credit towards `gsm8k_format`, a denser signal while the policy rarely meets it:
+    0.5 if some line is ``#### <number>``, plus 0.25 if the response has no other ``####``, plus
+    0.25 if that line is the last non-empty one (1.0 exactly when `gsm8k_format` is 1). Shaped
+    like open-r1's ``tag_count_reward``."""
+    out = []
+    for c in completions:
+        lines = [ln for ln in c.strip().splitlines() if ln.strip()]
+        hits = [i for i, ln in enumerate(lines) if _FORMAT_LINE_RE.match(ln)]
+        if not hits:
+            out.append(0.0)
+            continue
+        out.append(0.5 + 0.25 * (c.count("####") == 1) + 0.25 * (hits[-1] == len(lines) - 1))
     return out
 
 
@@ -238,6 +255,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "gsm8k_accuracy": gsm8k_accuracy,
     "gsm8k_strict_accuracy": gsm8k_strict_accuracy,
     "gsm8k_format": gsm8k_format,
+    "gsm8k_soft_format": gsm8k_soft_format,
     "math_accuracy": math_accuracy,
     "think_answer_format": think_answer_format,
     "reasoning_gym_score": reasoning_gym_score,
