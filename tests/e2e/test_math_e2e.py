@@ -89,5 +89,5 @@ def test_demo_math_config_is_valid():
     cfg = load_config(PPOConfig, REPO / "configs/gsm8k_smollm2/grpo.yaml", [])
     A = cfg.algo
     assert (A.advantage_estimator, A.n_samples_per_prompt, A.loss_reduction) == ("grpo", 8, "token_mean")
-    assert A.eps_clip_high > A.eps_clip and not A.needs_reference and cfg.output_dir == "runs/gsm8k/policy"
+    assert A.eps_clip_high > A.eps_clip and A.kl_coef <= 0.01 and cfg.output_dir == "runs/gsm8k/policy"
     assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_soft_format]
