@@ -6,12 +6,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install model demo full test test-fast clean
+.PHONY: install model demo demo-math full test test-fast clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray,trackers]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,lora,ray,trackers,math]'
+	# reasoning-gym builds pycosat from source (needs a C compiler): optional, its tests skip without it
+	$(PIP) install --quiet -c constraints.txt -e '.[reasoning-gym]' || echo "warning: reasoning-gym not installed"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +23,16 @@ model: install
 
 demo: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/demo.yaml
+
+# RL with verifiable rewards: GRPO on GSM8K, evaluated on held-out test problems before and after
+MATH_EVAL := --data data/gsm8k/test-1000.jsonl.gz --n 200 --max-new-tokens 256 --json
+demo-math: model
+	$(VENV)/bin/turborlhf prepare-data gsm8k --input data/gsm8k/train.jsonl.gz --output-dir runs/gsm8k/data
+	$(VENV)/bin/turborlhf eval-math --policy smollm2-135m-instruct $(MATH_EVAL) > runs/gsm8k/eval_before.json
+	$(VENV)/bin/turborlhf ppo --config configs/gsm8k_smollm2/grpo.yaml
+	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/policy $(MATH_EVAL) > runs/gsm8k/eval_after.json
+	@echo "before: $$(cat runs/gsm8k/eval_before.json)"
+	@echo "after:  $$(cat runs/gsm8k/eval_after.json)"
 
 full: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/full.yaml

@@ -37,10 +37,11 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 OTHER_COMMANDS: dict[str, str] = {
     "fetch-model": "download and convert a named model into the cache",
-    "prepare-data": "convert a preference dataset (hh-rlhf) into train/test files",
+    "prepare-data": "convert a dataset (hh-rlhf, gsm8k, reasoning-gym) into training files",
     "eval-rm": "reward-model accuracy on preference pairs",
     "eval-policy": "generate for prompts and score with a reward model",
     "eval-dpo": "implicit-reward accuracy and margin of a DPO policy on preference pairs",
+    "eval-math": "GSM8K accuracy and #### format rate of a policy (greedy, fast rollout engine)",
     "serve-rm": "serve a reward model over HTTP with request batching",
     "plan": "estimate memory per role and device for a config before launch (reads no weights)",
     "bench": "time ppo/dpo/rm/grpo/generate against a peer (TRL, HF generate) side by side",
@@ -148,13 +149,34 @@ def _fetch_model(argv: list[str]) -> int:
 
 def _prepare_data(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="turborlhf prepare-data", description=OTHER_COMMANDS["prepare-data"])
-    p.add_argument("dataset", choices=["hh-rlhf"], help="dataset format")
-    p.add_argument("--input", required=True, help="raw .jsonl/.jsonl.gz file or hub id (Anthropic/hh-rlhf)")
+    p.add_argument("dataset", choices=["hh-rlhf", "gsm8k", "reasoning-gym"], help="dataset format")
+    p.add_argument("--input", help="raw .jsonl/.jsonl.gz file or hub id (Anthropic/hh-rlhf); hh-rlhf and gsm8k")
     p.add_argument("--output-dir", required=True, help="where the converted files go")
     p.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer whose chat template renders dialogues")
     p.add_argument("--test-fraction", type=float, default=0.1, help="share of prompts held out (stable hash split)")
     p.add_argument("--strict", action="store_true", help="any malformed line is an error")
+    p.add_argument("--task", help="reasoning-gym: task name (e.g. basic_arithmetic)")
+    p.add_argument("--n", type=int, default=1000, help="reasoning-gym: problems to generate")
+    p.add_argument("--seed", type=int, default=0, help="reasoning-gym: generator seed")
     a = p.parse_args(argv)
+    if a.dataset in ("gsm8k", "reasoning-gym"):
+        from turborlhf.data.gsm8k import prepare_gsm8k, summarize
+        from turborlhf.data.reasoning_gym import prepare_reasoning_gym
+
+        if a.dataset == "gsm8k" and not a.input:
+            p.error("gsm8k needs --input (e.g. data/gsm8k/train.jsonl.gz)")
+        if a.dataset == "reasoning-gym" and not a.task:
+            p.error("reasoning-gym needs --task NAME")
+        try:
+            report = (prepare_gsm8k(a.input, a.output_dir, a.strict) if a.dataset == "gsm8k"
+                      else prepare_reasoning_gym(a.task, a.n, a.seed, a.output_dir))
+        except (ValueError, OSError, ImportError) as e:      # DataError is a ValueError
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(summarize(report))
+        return 0
+    if not a.input:
+        p.error("hh-rlhf needs --input")
     from turborlhf.data.hh_rlhf import run_prepare_data
     from turborlhf.models.zoo import resolve_model_path
 
@@ -219,6 +241,10 @@ def _dispatch(argv: list[str]) -> int:
         return _prepare_data(rest)
     if cmd in ("eval-rm", "eval-policy"):
         return _eval(cmd, rest)
+    if cmd == "eval-math":
+        from turborlhf.eval_math import main as eval_math_main
+
+        return eval_math_main(rest)
     if cmd == "eval-dpo":
         from turborlhf.trainers.dpo import eval_dpo_main
 

@@ -85,3 +85,62 @@ def test_numpy_and_tensor_results_are_accepted(tmp_path):
                  "def t_fn(p, r):\n    return torch.ones(len(r))\n")
     assert call_reward_function(load_reward_function(f"{f}:np_fn"), ["a"] * 3, ["b"] * 3) == [0.0, 1.0, 2.0]
     assert all(math.isclose(x, 1.0) for x in call_reward_function(load_reward_function(f"{f}:t_fn"), ["a"], ["b"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The prompts file's other columns, passed by name (TRL's convention)
+# ----------------------------------------------------------------------------------------------
+
+COLUMNS = """
+def two_args(prompts, responses):
+    return [float(len(r)) for r in responses]
+
+def named(prompts, completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+def keyword_only(prompts, completions, *, answer, level=None):
+    return [float(c == a) * (level[i] if level else 1) for i, (c, a) in enumerate(zip(completions, answer))]
+
+def var_kw(prompts, completions, **kwargs):
+    return [float(kwargs["answer"][i] == c) + 10 * ("prompts" in kwargs) for i, c in enumerate(completions)]
+
+def positional_only(p, r, /, answer):
+    return [float(x == a) for x, a in zip(r, answer)]
+"""
+
+
+@pytest.fixture()
+def col_rules(tmp_path):
+    f = tmp_path / "col_rules.py"
+    f.write_text(COLUMNS)
+    return lambda name: load_reward_function(f"{f}:{name}")
+
+
+def test_columns_are_passed_by_name(col_rules):
+    cols = {"answer": ["ab", "x"], "level": [3, 3], "prompts": ["clash", "clash"]}
+    # old two-argument functions keep working and get no columns
+    assert call_reward_function(col_rules("two_args"), ["p", "q"], ["ab", "c"], columns=cols) == [2.0, 1.0]
+    assert call_reward_function(col_rules("named"), ["p", "q"], ["ab", "c"], columns=cols) == [1.0, 0.0]
+    # a column that matches a parameter with a default is passed too (level=3)
+    assert call_reward_function(col_rules("keyword_only"), ["p", "q"], ["ab", "x"], columns=cols) == [3.0, 3.0]
+    # **kwargs gets every column except the texts' own names
+    assert call_reward_function(col_rules("var_kw"), ["p", "q"], ["ab", "c"], columns=cols) == [1.0, 0.0]
+    assert call_reward_function(col_rules("positional_only"), ["p", "q"], ["ab", "c"], columns=cols) == [1.0, 0.0]
+
+
+def test_missing_or_misaligned_columns_are_named(col_rules):
+    with pytest.raises(RewardFunctionError, match=r"needs the column 'answer', which the prompts file does not have "
+                                                  r"\(its columns: solution\)"):
+        call_reward_function(col_rules("named"), ["p"], ["a"], name="reward function 'named'",
+                             columns={"solution": ["s"]})
+    with pytest.raises(RewardFunctionError, match="needs the column 'answer'"):
+        call_reward_function(col_rules("named"), ["p"], ["a"])
+    with pytest.raises(RewardFunctionError, match="column 'answer' has 1 values for 2 responses"):
+        call_reward_function(col_rules("named"), ["p", "q"], ["a", "b"], columns={"answer": ["a"]})
+
+
+def test_rows_to_columns():
+    from turborlhf.rewards.combine import rows_to_columns
+
+    assert rows_to_columns([{"answer": "1"}, {"answer": "2", "x": 0}]) == {"answer": ["1", "2"], "x": [None, 0]}
+    assert rows_to_columns(None) is None and rows_to_columns([{}, {}]) is None

@@ -28,7 +28,8 @@ pairs (``load_pairs``):
   ``{"prompt": str|messages, "chosen": str|[assistant msg], "rejected": ..., "margin"?: number}``;
   ``{"chosen": messages, "rejected": messages}`` (shared prefix = prompt, last = response);
   raw HH ``{"chosen": dialogue, "rejected": dialogue}``.
-prompts (``load_prompts``): ``{"prompt": str|messages}``, ``{"text": str}``,
+prompts (``load_prompts``; ``load_prompt_records`` keeps the other keys as columns):
+  ``{"prompt": str|messages}``, ``{"text": str}``,
   ``{"messages"|"chosen": messages}`` (a final assistant message is dropped), raw HH (prompt of
   chosen; an empty chosen response is fine here).
 SFT (``load_sft``): ``{"prompt", "response"|"completion"}``, ``{"messages": messages}``
@@ -247,34 +248,51 @@ def load_pairs(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys
     return _load(path, parse, strict, tokenizer, keys, chat_template)
 
 
-def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
-                 chat_template: str | None = None) -> Records:
-    """Prompts -> rendered prompt strings, de-duplicated keeping first occurrence order."""
+def load_prompt_records(path: str | os.PathLike, tokenizer, strict: bool = False, *,
+                        keys: Mapping[str, str] | None = None, chat_template: str | None = None) -> Records:
+    """Prompts with their other fields -> ``[{"prompt": rendered str, "columns": {key: value}}]``,
+    de-duplicated by prompt keeping the first occurrence (and its columns).
+
+    ``columns`` holds every key of the record except the one the prompt came from (``prompt``,
+    ``text``, ``messages`` or ``chosen``, after `keys` mapping): e.g. ``answer`` for verifiable
+    rewards, which PPO passes to reward functions by name (`turborlhf.rewards.functions`).
+    """
     seen: set[str] = set()
 
-    def parse(obj: dict) -> list[str]:
+    def parse(obj: dict) -> list[dict]:
         if "prompt" in obj:
-            prompt = _prompt(obj["prompt"], tokenizer)
+            key, prompt = "prompt", _prompt(obj["prompt"], tokenizer)
         elif "text" in obj:
             if not isinstance(obj["text"], str):
                 raise _Bad("bad_value", "'text' must be a string")
-            prompt = _prompt(obj["text"], tokenizer)
+            key, prompt = "text", _prompt(obj["text"], tokenizer)
         elif is_messages(obj.get("messages")) or is_messages(obj.get("chosen")):
-            msgs = obj["messages"] if is_messages(obj.get("messages")) else obj["chosen"]
+            key = "messages" if is_messages(obj.get("messages")) else "chosen"
+            msgs = obj[key]
             msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
             if not msgs:
                 raise _Bad("empty_prompt", "no message before the assistant response")
             prompt = _render(tokenizer, msgs, "a conversation (message list)")
         elif isinstance(obj.get("chosen"), str):
-            prompt = _hh_prompt_response(obj["chosen"], tokenizer, need_response=False)[0]
+            key, prompt = "chosen", _hh_prompt_response(obj["chosen"], tokenizer, need_response=False)[0]
         else:
             raise _Bad("missing_key", "need 'prompt', 'text', 'messages' or 'chosen'")
         if prompt in seen:
             return []
         seen.add(prompt)
-        return [prompt]
+        return [{"prompt": prompt, "columns": {k: v for k, v in obj.items() if k != key}}]
 
     return _load(path, parse, strict, tokenizer, keys, chat_template)
+
+
+def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
+                 chat_template: str | None = None) -> Records:
+    """Prompts -> rendered prompt strings, de-duplicated keeping first occurrence order
+    (`load_prompt_records` without the columns)."""
+    recs = load_prompt_records(path, tokenizer, strict, keys=keys, chat_template=chat_template)
+    out = Records(r["prompt"] for r in recs)
+    out.problems = recs.problems
+    return out
 
 
 def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,

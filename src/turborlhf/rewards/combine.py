@@ -6,8 +6,9 @@ directory as a ``model`` source named ``rm`` with weight 1):
 - ``model``: a reward-model directory loaded in-process; it scores the token ids the policy
   produced (prompt + response, head at the last response token), exactly as PPO always has. A
   reward model whose vocabulary differs from the policy's scores the decoded texts instead.
-- ``function``: ``path/to/module.py:function`` (`turborlhf.rewards.functions`), called with
-  texts.
+- ``function``: ``path/to/module.py:function``, ``package.module:function`` or a built-in
+  verifier's name (`turborlhf.rewards.functions`, `turborlhf.rewards.verifiers`), called with
+  texts and, by name, the prompts file's other columns (``answer``, ...) as TRL does.
 - ``remote``: the URL of a ``turborlhf serve-rm`` server (`turborlhf.rewards.remote`).
 - ``callable``: an in-process Python callable passed to the Python API (``reward_funcs=``,
   `turborlhf.rewards.callables`); ``path`` is the key it was given under.
@@ -23,19 +24,21 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["RewardInputs", "CombinedReward", "combine_scores", "build_reward"]
+__all__ = ["RewardInputs", "CombinedReward", "combine_scores", "build_reward", "rows_to_columns"]
 
 
 @dataclass
 class RewardInputs:
     """One batch to score. ``B`` rows; ``ids_BT``/``attn_BT`` are ``[prompt | response]`` rows as the
-    policy saw them (any padding), ``prompt_ids``/``response_ids`` the unpadded parts."""
+    policy saw them (any padding), ``prompt_ids``/``response_ids`` the unpadded parts; ``columns``
+    the prompts file's other fields, ``{name: B values}`` (see `rows_to_columns`)."""
 
     ids_BT: torch.Tensor
     attn_BT: torch.Tensor
     prompt_ids: Sequence[Sequence[int]]
     response_ids: Sequence[Sequence[int]]
     tokenizer: object
+    columns: Optional[dict[str, list]] = None
     _texts: Optional[tuple[list[str], list[str]]] = field(default=None, repr=False)
 
     def texts(self) -> tuple[list[str], list[str]]:
@@ -46,6 +49,15 @@ class RewardInputs:
             self._texts = ([tok.decode(p) for p in self.prompt_ids],
                            [tok.decode(r, skip_special_tokens=True) for r in self.response_ids])
         return self._texts
+
+
+def rows_to_columns(rows: Optional[Sequence[Optional[dict]]]) -> Optional[dict[str, list]]:
+    """Per-row column dicts → ``{name: [value per row]}`` over the union of the rows' keys (None
+    where a row lacks one); None for no rows or no columns at all."""
+    if not rows:
+        return None
+    names = list(dict.fromkeys(k for r in rows for k in (r or {})))
+    return {k: [(r or {}).get(k) for r in rows] for k in names} or None
 
 
 class _ModelSource:
@@ -86,7 +98,8 @@ class _FunctionSource:
     def __call__(self, inp: RewardInputs) -> torch.Tensor:
         from turborlhf.rewards.functions import call_reward_function
 
-        return torch.tensor(call_reward_function(self.fn, *inp.texts(), name=f"reward function {self.spec!r}"))
+        return torch.tensor(call_reward_function(self.fn, *inp.texts(), name=f"reward function {self.spec!r}",
+                                                 columns=inp.columns))
 
 
 class _RemoteSource:

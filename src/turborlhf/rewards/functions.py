@@ -1,36 +1,50 @@
-"""Rule-based reward functions loaded from a Python file: ``path/to/module.py:function``.
+"""Rule-based reward functions: a Python file (``path/to/module.py:function``), an importable
+module (``package.module:function``) or a built-in verifier by name (``gsm8k_accuracy``, see
+`turborlhf.rewards.verifiers`).
 
 The function is called once per rollout batch with texts and returns one number per response::
 
     def my_reward(prompts: list[str], responses: list[str]) -> list[float]:
         return [float(len(r) < 200) for r in responses]
 
+    def exact(prompts, completions, answer, **columns) -> list[float]:   # TRL's convention
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
 - ``prompts[i]`` is the prompt exactly as the policy saw it: the chat-template-rendered text
   (for SmolLM2 ``"<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"``);
 - ``responses[i]`` is the sampled response decoded without special tokens (no EOS);
+- the prompts file's other columns (e.g. ``answer``) are passed by name, each a list aligned
+  with the responses (a prompt's value repeated for each of its samples), as TRL's GRPO does:
+  all of them to a function with ``**kwargs``, else those it names as parameters (a named
+  parameter without a default that the file lacks is an error). A plain two-argument function
+  gets no columns;
 - the result is any sequence of ``len(responses)`` finite numbers (a list, tuple, numpy array or
   1-D tensor; bools count as 0/1), in the same order.
 
-The file is imported by path (``importlib``), so it need not be on ``sys.path`` nor be part of a
-package; it is imported once per `load_reward_function` call.
+A file is imported by path (``importlib``), so it need not be on ``sys.path`` nor be part of a
+package; it is imported once per `load_reward_function` call. A spec whose module part has no
+``/`` and does not end in ``.py`` is imported as a module.
 
 Errors are `RewardFunctionError` (a ``ValueError``) naming the spec: a spec without
-``:function``, a missing file, a file that fails to import, a missing or non-callable attribute,
-and, at call time, a result of the wrong length or with non-numeric / non-finite values.
+``:function`` that is not a built-in name, a missing file or module, a file that fails to
+import, a missing or non-callable attribute, and, at call time, a missing column, a result of
+the wrong length or with non-numeric / non-finite values.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from turborlhf.errors import UserError
 
-__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "RewardFn"]
+__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "column_kwargs", "RewardFn"]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -39,27 +53,38 @@ class RewardFunctionError(UserError, ValueError):
     """A reward function could not be loaded, or returned something other than one number per response."""
 
 
+_SPEC_FORMS = "'path/to/module.py:function', 'package.module:function' or a built-in name"
+
+
+def _builtins() -> dict[str, Callable]:
+    from turborlhf.rewards.verifiers import BUILTIN_REWARDS
+
+    return BUILTIN_REWARDS
+
+
 def _split_spec(spec: str) -> tuple[Path, str]:
     path, sep, func = spec.rpartition(":")
     if not sep or not path or not func or "/" in func or "\\" in func:
-        raise RewardFunctionError(f"reward function {spec!r}: expected 'path/to/module.py:function'")
+        raise RewardFunctionError(f"reward function {spec!r}: expected {_SPEC_FORMS} "
+                                  f"({', '.join(_builtins())})")
     return Path(path).expanduser(), func
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Import ``module.py`` from a file path and return its ``function``.
+def _is_module_name(path: Path, text: str) -> bool:
+    """``package.module`` (dotted identifiers, not a file here) rather than a file path."""
+    return (not path.exists() and not text.endswith(".py")
+            and all(part.isidentifier() for part in text.split(".")))
 
-    Args:
-        spec: ``"path/to/module.py:function"`` (the path may be relative to the working directory).
 
-    Returns:
-        The callable ``fn(prompts: list[str], responses: list[str]) -> list[float]``.
+def _import_module(spec: str, name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        raise RewardFunctionError(f"reward function {spec!r}: importing module {name!r} failed: "
+                                  f"{type(e).__name__}: {e}") from e
 
-    Raises:
-        RewardFunctionError: bad spec, missing file, import failure (the original error is
-            chained), missing attribute (the file's callables are listed), or not callable.
-    """
-    path, func = _split_spec(spec)
+
+def _import_file(spec: str, path: Path):
     if not path.is_file():
         raise RewardFunctionError(f"reward function {spec!r}: file {path} not found")
     resolved = path.resolve()
@@ -75,34 +100,94 @@ def load_reward_function(spec: str) -> RewardFn:
         sys.modules.pop(mod_name, None)
         raise RewardFunctionError(f"reward function {spec!r}: importing {path} failed: "
                                   f"{type(e).__name__}: {e}") from e
+    return module
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """Resolve a reward-function spec to its callable.
+
+    Args:
+        spec: a built-in name (``"gsm8k_accuracy"``, `turborlhf.rewards.verifiers.BUILTIN_REWARDS`),
+            ``"path/to/module.py:function"`` (the path may be relative to the working directory)
+            or ``"package.module:function"`` (imported with `importlib.import_module`).
+
+    Returns:
+        The callable ``fn(prompts, responses, **columns) -> list[float]``.
+
+    Raises:
+        RewardFunctionError: bad spec, missing file, import failure (the original error is
+            chained), missing attribute (the module's callables are listed), or not callable.
+    """
+    if ":" not in spec and spec in _builtins():
+        return _builtins()[spec]
+    path, func = _split_spec(spec)
+    module_text = spec.rpartition(":")[0]
+    if _is_module_name(path, module_text):
+        module = _import_module(spec, module_text)
+        where = f"module {module_text}"
+    else:
+        module = _import_file(spec, path)
+        where = str(path)
     fn = getattr(module, func, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                       and getattr(v, "__module__", None) == mod_name)
-        raise RewardFunctionError(f"reward function {spec!r}: {path} has no attribute {func!r} "
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise RewardFunctionError(f"reward function {spec!r}: {where} has no attribute {func!r} "
                                   f"(functions defined there: {', '.join(found) or 'none'})")
     if not callable(fn):
         raise RewardFunctionError(f"reward function {spec!r}: {func!r} is a {type(fn).__name__}, not callable")
     return fn
 
 
+def column_kwargs(fn: Callable, columns: Optional[Mapping[str, Sequence]], name: str = "reward function") -> dict:
+    """The columns `fn` receives by name: all of them if it takes ``**kwargs``, else those among
+    its parameters after the first two (prompts, responses).
+
+    Raises:
+        RewardFunctionError: a parameter without a default names a column that is not there.
+    """
+    columns = dict(columns or {})
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):          # builtins without a signature: texts only
+        return {}
+    P = inspect.Parameter
+    texts = {p.name for p in [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:2]}
+    wanted = [p for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name not in texts]
+    for p in wanted:
+        if p.name not in columns and p.default is P.empty:
+            raise RewardFunctionError(f"{name} needs the column {p.name!r}, which the prompts file does not have "
+                                      f"(its columns: {', '.join(sorted(columns)) or 'none'})")
+    if any(p.kind is P.VAR_KEYWORD for p in params):   # every column but the texts' names
+        return {k: v for k, v in columns.items() if k not in texts}
+    return {p.name: columns[p.name] for p in wanted if p.name in columns}
+
+
 def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
-                         name: str = "reward function") -> list[float]:
-    """Call ``fn(prompts, responses)`` and check its result.
+                         name: str = "reward function",
+                         columns: Optional[Mapping[str, Sequence]] = None) -> list[float]:
+    """Call ``fn(prompts, responses, **columns)`` and check its result.
 
     Args:
         fn: a function loaded with :func:`load_reward_function` (or any such callable).
         prompts: rendered prompt texts, one per response.
         responses: response texts (no special tokens), same length as ``prompts``.
         name: how errors name the function (its spec).
+        columns: the prompts file's other columns, each a list aligned with ``responses``;
+            passed as `column_kwargs` selects.
 
     Returns:
         One finite float per response.
 
     Raises:
-        RewardFunctionError: the result is not a sequence of ``len(responses)`` finite numbers.
+        RewardFunctionError: a column list of another length, a column the function requires is
+            missing, or the result is not a sequence of ``len(responses)`` finite numbers.
     """
-    out = fn(list(prompts), list(responses))
+    for key, values in (columns or {}).items():
+        if len(values) != len(responses):
+            raise RewardFunctionError(f"{name}: column {key!r} has {len(values)} values for "
+                                      f"{len(responses)} responses")
+    out = fn(list(prompts), list(responses), **column_kwargs(fn, columns, name))
     if hasattr(out, "tolist"):  # numpy array or tensor
         out = out.tolist()
     try:

@@ -55,7 +55,7 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             group_mean_baseline, group_normalized_advantages, kl_estimate, kl_penalized_rewards,
                             leave_one_out_advantages, masked_mean, masked_whiten, reduce_loss, value_loss)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
-from turborlhf.data.loaders import load_prompts
+from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.engine.parallel import root_forward
@@ -358,20 +358,23 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     return A.fused_update == "always" or B <= cfg.train.micro_batch_size * group.world_size
 
 
-def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], responses: list[list[int]]):
-    """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B})."""
+def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], responses: list[list[int]],
+               columns: Optional[list[dict]] = None):
+    """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B}).
+    ``columns``: per row, the prompts file's other fields (reward functions get them by name)."""
     return _submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
-                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s]))
+                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s], columns[s] if columns else None))
 
 
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
                     fused: tuple[bool, bool] = (False, False), rollout_logps: Optional[list[list[float]]] = None,
-                    scores: Optional[tuple] = None) -> Experience:
+                    scores: Optional[tuple] = None, columns: Optional[list[dict]] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
     then rewards and advantages on the driver (`score_and_advantages`). ``fused`` = (actor,
     critic) keep their forward's graph for the coming update (`use_fused_update`). `rollout_logps`: the
-    engine's, per row; `scores`: (raw, per source) if already scored (dynamic sampling)."""
+    engine's, per row; `scores`: (raw, per source) if already scored (dynamic sampling); ``columns``:
+    per row, the prompts file's other fields, for reward functions (`turborlhf.rewards.functions`)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
@@ -384,7 +387,7 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     elif cfg.algo.needs_reference and lora_reference(cfg):
         ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
     val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, fused[1]) if cluster.get("critic") else None
-    raw_scores, per_source = scores or score_rows(cluster, cfg, ids, attn, prompt_ids, responses)()
+    raw_scores, per_source = scores or score_rows(cluster, cfg, ids, attn, prompt_ids, responses, columns)()
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,
                                 None if rollout_logps is None else rlvr.pad_logprobs(rollout_logps, R),
@@ -644,10 +647,10 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
         warnings.warn("algo.kl_use_loss with kl_estimator=k1: the k1 loss's gradient is not the KL's; "
                       "use k3 (GRPO) or k2", stacklevel=2)
     tok = load_tokenizer(cfg.actor.name_or_path)
-    prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
+    records = load_prompt_records(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())  # + columns for rewards
     if cfg.data.max_samples:
-        prompts = prompts[:cfg.data.max_samples]
-    prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
+        records = records[:cfg.data.max_samples]
+    prompt_ids = [encode_prompt(tok, r["prompt"], cfg.rollout.max_prompt_len) for r in records]
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
     for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
@@ -657,13 +660,13 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches, reward_callables)
     try:
-        return (yield from _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt))
+        return (yield from _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt, [r["columns"] for r in records]))
     finally:
         cluster.shutdown()
 
 
-def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path,
-         ckpt: Optional[Path]) -> Iterator[tuple[int, int, dict]]:
+def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path],
+         columns: Optional[list[dict]] = None) -> Iterator[tuple[int, int, dict]]:
     A, D = cfg.algo, cfg.distributed
     info = cluster["actor"].run("info")[0]
     rollout_rows = A.prompts_per_step * A.n_samples_per_prompt
@@ -713,7 +716,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path,
     try:
         for step in checkpointed_steps(start, len(plan), checkpoint, cfg.train.save_every, "ppo"):
             done, metrics = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log,
-                                  samples_f, canary)
+                                  samples_f, canary, columns)
             yield done, len(plan), metrics
         checkpoint(len(plan))
         cluster["actor"].run("export", str(out))
@@ -731,14 +734,16 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path,
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f, canary=None) -> tuple[int, dict]:
-    """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics."""
+          samples_f, canary=None, columns: Optional[list[dict]] = None) -> tuple[int, dict]:
+    """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics.
+    ``columns``: per prompt of the run, the prompts file's other fields (for reward functions)."""
     A = cfg.algo
     t_step = time.perf_counter()
     # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
     t0 = time.perf_counter()
-    ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step)
+    ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step, columns)
     rows_prompts, responses, finished, per_engine = ro.prompts, ro.responses, ro.finished, ro.per_engine
+    rows_columns = [columns[i] for i in ro.prompt_index] if columns else None
     t_gen = time.perf_counter() - t0
     cluster["rollout"].run_alive("sleep")
     # 2-4. experience, rewards, advantages
@@ -747,7 +752,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     fused = (train_actor and use_fused_update(cfg, len(rows_prompts), cluster["actor"]),
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
     exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused,
-                          ro.logprobs, ro.scores)
+                          ro.logprobs, ro.scores, rows_columns)
     t_exp = time.perf_counter() - t0
     rlvr.mismatch_alarm(exp, A, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)

@@ -116,7 +116,8 @@ def filter_scores(cfg, raw_B: torch.Tensor, ro: Rollouts) -> torch.Tensor:
     return s.clamp(-A.reward_clip, A.reward_clip)
 
 
-def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int) -> Rollouts:
+def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int,
+                     columns: Optional[list[dict]] = None) -> Rollouts:
     """Step 1: responses for the step's prompts `index`. With ``algo.dynamic_sampling`` (DAPO
     2503.14476 §3.2), each round's rows are scored, groups whose `filter_scores` are all equal
     (`turborlhf.algo.kept_groups_mask`) are dropped, and further rounds of ``len(index)`` prompts
@@ -137,7 +138,8 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     n_dropped = n_kept = rounds = 0
     while True:
         ids, attn, _, _ = assemble(ro.prompts, ro.responses, tok.pad_token_id)
-        ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses)()
+        ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
+                               [columns[i] for i in ro.prompt_index] if columns else None)()
         keep = kept_groups_mask(filter_scores(cfg, ro.scores[0], ro), G).tolist()
         rounds += 1
         for g, k in enumerate(keep):

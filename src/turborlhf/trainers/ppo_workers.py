@@ -433,13 +433,14 @@ class RewardWorker(_Offload):
         return [(n, w) for n, w, _ in self.reward.sources]
 
     @torch.no_grad()
-    def score(self, ids_BT, attn_BT, prompt_ids, response_ids) -> tuple[torch.Tensor, dict]:
-        """``(score_B, {source: score_B})`` for the rows, as CPU tensors."""
-        from turborlhf.rewards.combine import RewardInputs
+    def score(self, ids_BT, attn_BT, prompt_ids, response_ids, columns=None) -> tuple[torch.Tensor, dict]:
+        """``(score_B, {source: score_B})`` for the rows, as CPU tensors; ``columns``: per row, the
+        prompts file's other fields (passed to reward functions by name)."""
+        from turborlhf.rewards.combine import RewardInputs, rows_to_columns
 
         with self._on_device():
             total, per = self.reward(RewardInputs(ids_BT.to(self.device), attn_BT.to(self.device), prompt_ids,
-                                                  response_ids, self.tok))
+                                                  response_ids, self.tok, rows_to_columns(columns)))
         return total.cpu(), {k: v.cpu() for k, v in per.items()}
 
 

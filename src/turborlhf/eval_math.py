@@ -1,0 +1,155 @@
+"""`turborlhf eval-math`: GSM8K accuracy and answer-format rate of a policy.
+
+    turborlhf eval-math --policy runs/gsm8k/policy --data data/gsm8k/test-1000.jsonl.gz --n 64 --json
+    → {"accuracy": 0.06, "format_rate": 0.03, "n": 64, "response_length_mean": 180.2, ...}
+
+Each problem is asked exactly as training asks it (`turborlhf.data.gsm8k.gsm8k_messages`: the
+question plus the instruction to end with ``#### <number>``, rendered with the policy's chat
+template) and answered by the fast rollout engine (`turborlhf.rollout.make_engine`), greedily by
+default. Scores (`turborlhf.rewards.verifiers`):
+
+- ``accuracy``: the final number (last ``#### <number>``, else the last number) equals the
+  reference (lm-evaluation-harness's gsm8k "flexible-extract");
+- ``strict_accuracy``: the last ``#### <number>`` equals the reference ("strict-match");
+- ``format_rate``: the response's last non-empty line is ``#### <number>``;
+- ``response_length_mean`` (tokens, EOS included), ``eos_fraction`` (responses that ended
+  before ``--max-new-tokens``).
+
+Input lines: GSM8K's ``{question, answer}`` (answer = solution ending ``#### <number>``, or the
+number) or the prompt files of ``prepare-data gsm8k`` (``{prompt, answer}``). Bad lines are
+skipped with one warning naming their line numbers (`turborlhf.data.loaders`). With ``--json``
+stdout carries exactly one JSON object; logs go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Optional
+
+__all__ = ["main", "eval_math", "load_problems"]
+
+
+def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
+    """The first `n` (0 = all) problems of `path` as ``{"prompt": rendered str, "answer": str}``.
+
+    Raises:
+        DataError: no usable line (`turborlhf.data.loaders`); FileNotFoundError.
+    """
+    from turborlhf.data.chat import render_prompt, require_chat_template
+    from turborlhf.data.errors import DataError, Problem
+    from turborlhf.data.gsm8k import convert_gsm8k
+    from turborlhf.data.loaders import _Bad, _load, _prompt
+
+    require_chat_template(tokenizer)
+
+    def parse(obj: dict) -> list[dict]:
+        if "question" in obj and isinstance(obj.get("answer"), (int, float, str)) and "####" not in str(obj["answer"]):
+            obj = {**obj, "answer": f"#### {obj['answer']}"}         # the bare final number
+        if "question" in obj:
+            row = convert_gsm8k(obj)
+            if isinstance(row, Problem):
+                raise _Bad(row.kind, row.detail)
+            return [{"prompt": render_prompt(tokenizer, row["prompt"]), "answer": row["answer"]}]
+        if "prompt" in obj and isinstance(obj.get("answer"), (str, int, float)) and not isinstance(obj["answer"], bool):
+            return [{"prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
+        raise _Bad("missing_key", "need 'question'+'answer' (GSM8K) or 'prompt'+'answer'")
+
+    problems = _load(path, parse, strict=False)
+    if n:
+        problems = problems[:n]
+    if not problems:
+        raise DataError(f"{path}: no problems")
+    return list(problems)
+
+
+def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
+              top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
+              max_prompt_len: int = 512, dtype: str = "bf16", samples_out: Optional[str] = None) -> dict:
+    """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
+
+    Args:
+        policy: HF directory or zoo name of a causal LM with a chat template.
+        data: GSM8K ``.jsonl[.gz]`` (or ``prepare-data gsm8k`` prompts). n: 0 = every problem.
+        max_new_tokens: tokens per response; temperature: 0 = greedy.
+        engine: rollout engine kind (`turborlhf.rollout.make_engine`); dtype: its weights.
+
+    Returns:
+        ``accuracy``, ``strict_accuracy``, ``format_rate``, ``n``, ``response_length_mean``,
+        ``eos_fraction`` and the settings, with timings in seconds.
+    """
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.engine.train import set_threads
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.models.zoo import resolve_model_path
+    from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
+    from turborlhf.rollout import make_engine
+    from turborlhf.rollout.base import SamplingParams
+
+    set_threads()
+    t0 = time.perf_counter()
+    path = str(resolve_model_path(policy))
+    tok = load_tokenizer(path)
+    problems = load_problems(data, tok, n)
+    ids = [encode_prompt(tok, p["prompt"], max_prompt_len) for p in problems]
+    eng = make_engine(engine, path, dtype=dtype, max_batch_size=batch_size)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_token_ids=(tok.eos_token_id,), seed=seed)
+    t_gen = time.perf_counter()
+    print(f"[eval-math] {len(ids)} problems with {type(eng).__name__}, max {max_new_tokens} new tokens...", flush=True)
+    out = eng.generate(ids, params)
+    t_gen = time.perf_counter() - t_gen
+    texts = [tok.decode(r, skip_special_tokens=True) for r in out.response_ids]
+    prompts, answers = [p["prompt"] for p in problems], [p["answer"] for p in problems]
+    acc = gsm8k_accuracy(prompts, texts, answer=answers)
+    strict = gsm8k_strict_accuracy(prompts, texts, answer=answers)
+    fmt = gsm8k_format(prompts, texts)
+    lens = [len(r) for r in out.response_ids]
+    k = len(problems)
+    res = {"accuracy": sum(acc) / k, "strict_accuracy": sum(strict) / k, "format_rate": sum(fmt) / k, "n": k,
+           "response_length_mean": sum(lens) / k, "eos_fraction": sum(out.finished) / k,
+           "policy": policy, "data": data, "engine": type(eng).__name__, "temperature": temperature,
+           "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
+           "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
+    print(f"[eval-math] accuracy {res['accuracy']:.3f}, format {res['format_rate']:.3f} on {k} problems "
+          f"({sum(lens)} tokens in {t_gen:.0f}s)", flush=True)
+    if samples_out:
+        with open(samples_out, "w") as f:
+            for p, t, a, c, fm in zip(prompts, texts, answers, acc, fmt):
+                f.write(json.dumps({"prompt": p, "response": t, "answer": a, "correct": c, "format": fm}) + "\n")
+    return res
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="turborlhf eval-math", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", required=True, help="policy directory (causal LM) or zoo name")
+    p.add_argument("--data", required=True, help="GSM8K {question, answer} lines (.jsonl[.gz]) or prepared prompts")
+    p.add_argument("--n", type=int, default=0, help="evaluate the first N problems (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
+    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="engine weights precision")
+    p.add_argument("--samples-out", help="write prompt, response, answer, correct, format per problem (JSONL)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    a = p.parse_args(argv)
+    from turborlhf.data.errors import DataError
+
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
+                            a.batch_size, dtype=a.dtype, samples_out=a.samples_out)
+        except (DataError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>22}: {v}")
+    return 0

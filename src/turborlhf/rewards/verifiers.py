@@ -1,0 +1,262 @@
+"""Built-in verifiable rewards (RLVR): rule-based checks of a response against the reference
+answer that the prompts file carries as a column.
+
+Each verifier is a reward function in TRL's convention (`turborlhf.rewards.functions`)::
+
+    fn(prompts: list[str], completions: list[str], *, answer: list[str], **columns) -> list[float]
+
+``answer[i]`` is the reference of ``completions[i]`` (columns are repeated for each sample of a
+prompt). Name one in a config without a file path, by its short name or its import path::
+
+    rewards:
+      - {kind: function, path: gsm8k_accuracy, name: accuracy}
+      - {kind: function, path: "turborlhf.rewards.verifiers:gsm8k_format", name: format}
+
+| name | 1.0 when | source |
+| --- | --- | --- |
+| ``gsm8k_accuracy`` | the final number (the last ``#### <number>``, else the last number of the response) equals ``answer`` | lm-evaluation-harness gsm8k "flexible-extract" |
+| ``gsm8k_strict_accuracy`` | the last ``#### <number>`` equals ``answer`` (no fallback) | lm-evaluation-harness gsm8k "strict-match" |
+| ``gsm8k_format`` | the response's last non-empty line is ``#### <number>``, its only ``####`` | GSM8K's own solutions (Cobbe et al. 2021) |
+| ``gsm8k_soft_format`` | partial credit towards ``gsm8k_format``: 0.5 for a ``#### <number>`` line, +0.25 if it is the only ``####``, +0.25 if it is the last line | shaped like open-r1's ``tag_count_reward`` |
+| ``math_accuracy`` | `math-verify` finds the response's answer mathematically equal to ``answer`` (LaTeX or plain; ``\\boxed{}`` preferred, else the last expression) | Hugging Face Math-Verify, as TRL/open-r1 ``accuracy_reward`` |
+| ``think_answer_format`` | the response is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`` | open-r1 ``format_reward`` (DeepSeek-R1-Zero template) |
+| ``reasoning_gym_score`` | the task's own ``score_answer`` on the ``<answer>...</answer>`` text (partial credit in [0, 1] for some tasks) | reasoning-gym (Stojanovski et al. 2025) |
+
+Numbers compare exactly as decimals after removing ``$``, thousands separators and a trailing
+period: ``1,080`` = ``1080`` = ``1080.00``; ``-3.5`` ≠ ``3.5``. ``math_accuracy`` needs the
+``math`` extra (``pip install 'turborlhf[math]'``), ``reasoning_gym_score`` the ``reasoning-gym``
+extra; both are imported on first call.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+import warnings
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "numbers_equal", "gsm8k_accuracy",
+           "gsm8k_strict_accuracy", "gsm8k_format", "gsm8k_soft_format", "math_accuracy", "think_answer_format",
+           "reasoning_gym_score"]
+
+# a number as people write it: optional sign and $, thousands separators or plain digits, decimals
+_NUM = r"-?\$?\s?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
+_HASH_RE = re.compile(rf"####\s*\**\s*({_NUM})")
+_NUM_RE = re.compile(_NUM)
+_FORMAT_LINE_RE = re.compile(rf"^\s*####\s*\**\s*(?:{_NUM})\s*\**\s*\.?\s*$")
+_THINK_ANSWER_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
+
+
+def _to_decimal(text: Optional[str]) -> Optional[Decimal]:
+    """``"$1,080."`` → Decimal(1080); None when `text` is not a number."""
+    if text is None:
+        return None
+    s = str(text).strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    if s.startswith("--"):
+        s = s[2:]
+    try:
+        d = Decimal(s)
+    except InvalidOperation:
+        return None
+    return d if d.is_finite() else None
+
+
+def extract_hash_answer(text: str) -> Optional[str]:
+    """The number after the last ``####`` of `text` (GSM8K's answer line), as written; None if
+    there is none. ``"... #### 1,080"`` → ``"1,080"``."""
+    found = _HASH_RE.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_last_number(text: str) -> Optional[str]:
+    """The last number written in `text` (``"$1,200.50"``, ``"-3"``), or None."""
+    found = _NUM_RE.findall(text)
+    return found[-1].strip() if found else None
+
+
+def numbers_equal(a: Optional[str], b: Optional[str]) -> bool:
+    """Exact decimal equality of two written numbers (``"1,080"`` == ``"1080.0"``); False when
+    either is not a number."""
+    da, db = _to_decimal(a), _to_decimal(b)
+    return da is not None and db is not None and da == db
+
+
+def _reference(answer: Any) -> Optional[str]:
+    """A reference given as a number, ``"72"`` or a whole GSM8K solution ending ``#### 72``."""
+    if answer is None:
+        return None
+    text = str(answer)
+    return extract_hash_answer(text) or text.strip()
+
+
+def _require(name: str, answer: Optional[Sequence], n: int) -> Sequence:
+    if answer is None:
+        raise ValueError(f"{name} needs an 'answer' column in the prompts file "
+                         "(turborlhf prepare-data gsm8k writes one)")
+    if len(answer) != n:
+        raise ValueError(f"{name}: {len(answer)} answers for {n} completions")
+    return answer
+
+
+def gsm8k_accuracy(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
+                   **columns) -> list[float]:
+    """1.0 where the response's final number equals the reference: the last ``#### <number>``,
+    else the last number anywhere (lm-evaluation-harness's "flexible-extract"); else 0.0.
+
+    Args:
+        prompts, completions: B texts each. answer: B references (number or full solution).
+    Raises:
+        ValueError: no ``answer`` column, or not one per completion.
+    """
+    answer = _require("gsm8k_accuracy", answer, len(completions))
+    out = []
+    for c, a in zip(completions, answer):
+        pred = extract_hash_answer(c) or extract_last_number(c)
+        out.append(float(numbers_equal(pred, _reference(a))))
+    return out
+
+
+def gsm8k_strict_accuracy(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
+                          **columns) -> list[float]:
+    """1.0 where the last ``#### <number>`` of the response equals the reference (no fallback:
+    lm-evaluation-harness's "strict-match"); else 0.0. Raises as `gsm8k_accuracy`."""
+    answer = _require("gsm8k_strict_accuracy", answer, len(completions))
+    return [float(numbers_equal(extract_hash_answer(c), _reference(a))) for c, a in zip(completions, answer)]
+
+
+def gsm8k_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """1.0 where the response's last non-empty line is ``#### <number>`` (optionally bold or
+    followed by a period) and is its only ``####``, as every GSM8K reference solution ends; else
+    0.0. (A response that repeats ``#### 3`` until it is cut off is not formatted.)"""
+    out = []
+    for c in completions:
+        lines = [ln for ln in c.strip().splitlines() if ln.strip()]
+        out.append(float(bool(lines) and c.count("####") == 1 and _FORMAT_LINE_RE.match(lines[-1]) is not None))
+    return out
+
+
+def gsm8k_soft_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """Partial credit towards `gsm8k_format`, a denser signal while the policy rarely meets it:
+    0.5 if some line is ``#### <number>``, plus 0.25 if the response has no other ``####``, plus
+    0.25 if that line is the last non-empty one (1.0 exactly when `gsm8k_format` is 1). Shaped
+    like open-r1's ``tag_count_reward``."""
+    out = []
+    for c in completions:
+        lines = [ln for ln in c.strip().splitlines() if ln.strip()]
+        hits = [i for i, ln in enumerate(lines) if _FORMAT_LINE_RE.match(ln)]
+        if not hits:
+            out.append(0.0)
+            continue
+        out.append(0.5 + 0.25 * (c.count("####") == 1) + 0.25 * (hits[-1] == len(lines) - 1))
+    return out
+
+
+def think_answer_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """1.0 where the whole response is ``<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>`` (open-r1's
+    ``format_reward``, the DeepSeek-R1-Zero template); else 0.0."""
+    return [float(_THINK_ANSWER_RE.match(c.strip()) is not None) for c in completions]
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError("math_accuracy needs math-verify: pip install 'turborlhf[math]'") from e
+    return math_verify
+
+
+def math_accuracy(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
+                  **columns) -> list[float]:
+    """1.0 where `math-verify` finds the response's final answer mathematically equivalent to the
+    reference (``1/2`` = ``\\frac{1}{2}`` = ``0.5``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, sets, equations
+    ``x = 3`` vs ``3``); else 0.0. The reference may be LaTeX (with or without ``$``), a plain
+    number or a GSM8K solution (its ``####`` number is used). A reference math-verify cannot parse
+    scores 0.0 with one warning.
+
+    Source: Hugging Face Math-Verify (`parse` + `verify`, default extraction), as TRL's and
+    open-r1's ``accuracy_reward``. Its parsing timeout uses SIGALRM, so outside the main thread
+    it runs without a timeout.
+
+    Raises:
+        ValueError: no ``answer`` column; ImportError: math-verify not installed.
+    """
+    mv = _math_verify()
+    answer = _require("math_accuracy", answer, len(completions))
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    out = []
+    for c, a in zip(completions, answer):
+        ref = str(a) if a is not None else ""
+        hashed = extract_hash_answer(ref)
+        if hashed is not None:
+            ref = hashed
+        if "$" not in ref and "\\boxed" not in ref and "\\(" not in ref:
+            ref = f"${ref}$"
+        gold = mv.parse(ref, parsing_timeout=timeout)
+        if not gold:
+            warnings.warn(f"math_accuracy: math-verify cannot parse the reference {a!r}; scored 0", stacklevel=2)
+            out.append(0.0)
+            continue
+        pred = mv.parse(c, parsing_timeout=timeout)
+        out.append(float(bool(pred) and mv.verify(gold, pred, timeout_seconds=timeout)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reasoning-gym: procedurally generated tasks, each with its own scorer
+# ----------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _rg_scorer(task: str) -> Callable[[Optional[str], dict], float]:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("reasoning_gym_score needs reasoning-gym: pip install 'turborlhf[reasoning-gym]'") from e
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def _extract_answer_tag(text: str) -> Optional[str]:
+    found = re.findall(r"<answer>\s?(.*?)\s?</answer>", text, flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
+                        metadata: Optional[Sequence] = None, question: Optional[Sequence] = None,
+                        **columns) -> list[float]:
+    """The reasoning-gym task's ``score_answer(answer_text, entry)`` for the text inside the last
+    ``<answer>…</answer>`` of each response (None when there is none: the task scores it 0).
+
+    Columns (written by ``turborlhf prepare-data reasoning-gym``): ``answer`` (the entry's answer),
+    ``metadata`` (the entry's metadata, a dict or its JSON text, whose ``source_dataset`` names
+    the task), ``question`` (optional). Scores are in [0, 1]; some tasks give partial credit.
+
+    Raises:
+        ValueError: a missing ``answer``/``metadata`` column or a metadata without ``source_dataset``.
+    """
+    answer = _require("reasoning_gym_score", answer, len(completions))
+    if metadata is None:
+        raise ValueError("reasoning_gym_score needs a 'metadata' column (turborlhf prepare-data reasoning-gym "
+                         "writes one)")
+    out = []
+    for i, (c, a, meta) in enumerate(zip(completions, answer, metadata)):
+        meta = json.loads(meta) if isinstance(meta, str) else dict(meta or {})
+        task = meta.get("source_dataset")
+        if not task:
+            raise ValueError(f"reasoning_gym_score: metadata of row {i} has no 'source_dataset'")
+        entry = {"question": question[i] if question is not None else "", "answer": a, "metadata": meta}
+        out.append(float(_rg_scorer(task)(_extract_answer_tag(c), entry)))
+    return out
+
+
+# short names usable as `rewards: [{kind: function, path: NAME}]`
+BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
+    "gsm8k_accuracy": gsm8k_accuracy,
+    "gsm8k_strict_accuracy": gsm8k_strict_accuracy,
+    "gsm8k_format": gsm8k_format,
+    "gsm8k_soft_format": gsm8k_soft_format,
+    "math_accuracy": math_accuracy,
+    "think_answer_format": think_answer_format,
+    "reasoning_gym_score": reasoning_gym_score,
+}

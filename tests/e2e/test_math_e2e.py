@@ -1,0 +1,93 @@
+"""RL with verifiable rewards on the tiny model: a GRPO run whose reward functions read the prompts
+file's `answer` column (a built-in verifier named without a path, and a user rule that checks each
+row got its own prompt's answer), and `turborlhf eval-math`."""
+import json
+
+from tests.e2e.helpers import REPO, metrics, run_cli
+from turborlhf.cli import main
+
+GRPO_YAML = REPO / "configs/tiny/grpo.yaml"
+N_SAMPLES = 4
+
+
+def _problems(path, n=6):
+    """GSM8K-format lines whose answer is recoverable from the question: "Problem k" → k·11."""
+    rows = [{"question": f"Problem {k}: what is {k} times 11?", "answer": f"{k} * 11 = {k * 11}\n#### {k * 11:,}"}
+            for k in range(1, n + 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_grpo_reward_functions_read_the_answer_column(tiny_model, tmp_path):
+    raw = _problems(tmp_path / "gsm.jsonl")
+    run_cli("prepare-data", "gsm8k", "--input", raw, "--output-dir", tmp_path / "data")
+    log = tmp_path / "seen.jsonl"
+    rule = tmp_path / "rules.py"
+    rule.write_text(
+        "import json, re\n"
+        f"LOG = {str(log)!r}\n"
+        "def check(prompts, completions, answer, solution):\n"
+        "    with open(LOG, 'a') as f:\n"
+        "        f.write(json.dumps({'prompts': prompts, 'answer': answer, 'solution': solution}) + '\\n')\n"
+        "    return [float(len(c) % 2) for c in completions]\n"
+        "def old_style(prompts, responses):\n"
+        "    return [0.5 for _ in responses]\n")
+    sources = (f"rewards=[{{kind: function, path: gsm8k_accuracy, name: acc}}, "
+               f"{{kind: function, path: 'turborlhf.rewards.verifiers:gsm8k_format', name: fmt, weight: 0.5}}, "
+               f"{{kind: function, path: {rule}:check, name: check}}, {{kind: function, path: {rule}:old_style, "
+               f"name: old}}]")
+    out = tmp_path / "grpo"
+    run_cli("ppo", "--config", GRPO_YAML, f"actor.name_or_path={tiny_model}", "reward_model=null", sources,
+            f"data.prompts_file={tmp_path / 'data' / 'gsm_prompts.jsonl'}", f"output_dir={out}",
+            "log.tensorboard=false", "train.threads=1", "train.max_steps=2", "rollout.max_new_tokens=6",
+            "rollout.max_prompt_len=256",
+            f"algo.n_samples_per_prompt={N_SAMPLES}")
+    calls = [json.loads(l) for l in log.read_text().splitlines()]
+    rows = [(p, a, s) for c in calls for p, a, s in zip(c["prompts"], c["answer"], c["solution"])]
+    assert len(rows) == 2 * 2 * N_SAMPLES                         # max_steps × prompts_per_step × samples
+    for prompt, answer, solution in rows:                         # every row got its own prompt's answer
+        k = int(prompt.split("Problem ")[1].split(":")[0])
+        assert answer == str(k * 11) and solution.endswith(f"#### {k * 11:,}")
+    for c in calls:                                               # a prompt's samples share one answer, in order
+        groups = [c["answer"][i:i + N_SAMPLES] for i in range(0, len(c["answer"]), N_SAMPLES)]
+        assert all(len(set(g)) == 1 for g in groups)
+    r = [m for m in metrics(out) if "rollout/reward_mean" in m][-1]
+    assert r["reward/old"] == 0.5 and 0 <= r["reward/acc"] <= 1
+    assert abs(r["rollout/reward_mean"] - (r["reward/acc"] + 0.5 * r["reward/fmt"] + r["reward/check"] + 0.5)) < 1e-5
+
+
+def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):
+    from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format
+
+    data = _problems(tmp_path / "test.jsonl", n=5)
+    with data.open("a") as f:
+        f.write("{not json\n")                                     # line 6: skipped with a warning
+    samples = tmp_path / "samples.jsonl"
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--n", "4", "--max-new-tokens", "8",
+                 "--json", "--samples-out", str(samples), "--dtype", "fp32"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"accuracy", "format_rate", "n", "response_length_mean", "strict_accuracy", "eos_fraction"} <= set(res)
+    assert res["n"] == 4 and 1 <= res["response_length_mean"] <= 8 and res["temperature"] == 0.0
+    rows = [json.loads(l) for l in samples.read_text().splitlines()]
+    texts, answers = [r["response"] for r in rows], [r["answer"] for r in rows]
+    assert answers == ["11", "22", "33", "44"] and "#### <number>" in rows[0]["prompt"]
+    assert res["accuracy"] == sum(gsm8k_accuracy([], texts, answer=answers)) / 4
+    assert res["format_rate"] == sum(gsm8k_format([], texts)) / 4
+    # greedy: the same responses again
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--n", "4", "--max-new-tokens", "8",
+                 "--json", "--samples-out", str(tmp_path / "again.jsonl"), "--dtype", "fp32"]) == 0
+    assert [json.loads(l)["response"] for l in (tmp_path / "again.jsonl").read_text().splitlines()] == texts
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_demo_math_config_is_valid():
+    """configs/gsm8k_smollm2/grpo.yaml: GRPO with DAPO-style settings, verifiers that resolve by name."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.rewards.functions import load_reward_function
+    from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_soft_format
+
+    cfg = load_config(PPOConfig, REPO / "configs/gsm8k_smollm2/grpo.yaml", [])
+    A = cfg.algo
+    assert (A.advantage_estimator, A.n_samples_per_prompt, A.loss_reduction) == ("grpo", 8, "token_mean")
+    assert A.eps_clip_high > A.eps_clip and A.kl_coef <= 0.01 and cfg.output_dir == "runs/gsm8k/policy"
+    assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_soft_format]
