@@ -57,7 +57,7 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
             return [{"prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
         raise _Bad("missing_key", "need 'question'+'answer' (GSM8K) or 'prompt'+'answer'")
 
-    problems = _load(path, parse, strict=False)
+    problems = _load(path, parse, False, tokenizer)
     if n:
         problems = problems[:n]
     if not problems:
@@ -67,7 +67,7 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 
 def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
-              max_prompt_len: int = 512, dtype: str = "bf16", samples_out: Optional[str] = None) -> dict:
+              max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None) -> dict:
     """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
 
     Args:
@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="engine weights precision")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="engine precision (auto: bf16 only where the CPU computes it natively, else fp32)")
     p.add_argument("--samples-out", help="write prompt, response, answer, correct, format per problem (JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
