@@ -161,7 +161,14 @@ DTYPES = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not NATIVE_BF16,
 
 
 def test_default_tolerance_follows_the_engine_dtype():
-    assert RolloutCfg().sync_tolerance == default_tolerance("bf16")               # the default engine is bf16
+    assert RolloutCfg().sync_tolerance is None                    # dtype auto: decided with the dtype, per host
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.engine.run import resolve_hardware
+
+    cfg = resolve_hardware(load_config(PPOConfig, overrides=["actor.name_or_path=x", "data.prompts_file=y",
+                                                             "reward_model=z"]), show=False)
+    assert cfg.rollout.sync_tolerance == default_tolerance(cfg.rollout.dtype)
+    assert RolloutCfg(dtype="bf16").sync_tolerance == default_tolerance("bf16")
     assert RolloutCfg(dtype="fp32").sync_tolerance == default_tolerance("fp32") <= 1e-3
     assert default_tolerance(torch.float32) < default_tolerance("bf16") < 0.05
     assert RolloutCfg(dtype="fp32", sync_tolerance=0.2).sync_tolerance == 0.2     # an explicit value wins
