@@ -117,3 +117,21 @@ def test_engine_on_emulated_avx2_host(tmp_path):
     assert out["greedy_same"] and out["fp32_diff"] < 1e-4 and out["decode_vs_score"] < 1e-4
     assert out["bf16_diff"] < 0.25 and out["bf16_generates"]
     assert "needs avx512bw" in out["mkldnn_error"] and "\n" not in out["mkldnn_error"]
+
+
+def test_engine_fallback_names_the_architecture_and_the_reason(tmp_path):
+    """An architecture FastEngine cannot run goes to HFEngine with one warning saying which and why."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from turborlhf.rollout import make_engine
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = make_engine("auto", model, dtype="fp32")
+        make_engine("fast", model, dtype="fp32")
+    msgs = [str(x.message) for x in w if "FastEngine cannot run" in str(x.message)]
+    assert type(eng).__name__ == "HFEngine"
+    assert len(msgs) == 1 and "cannot run gpt2 (model_type 'gpt2' is not one of" in msgs[0]

@@ -24,7 +24,7 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", **kw) -> RolloutE
     """Build a rollout engine.
 
     kind: 'auto' | 'fast' → FastEngine when the architecture is supported, else HFEngine
-          (on CPU; 'fast' with an unsupported model also falls back, with a warning);
+          (on CPU), with one warning naming the architecture and the reason;
           'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily).
     model_or_path: a loaded transformers causal LM (weights copied) or an HF directory.
     dtype: 'auto' | 'bf16' | 'fp32' | 'fp16' ('auto': bf16 where the engine's device computes it
@@ -40,12 +40,16 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", **kw) -> RolloutE
     if kind == "hf":
         from .hf import HFEngine
         return HFEngine(model_or_path, dtype=dtype, **kw)
-    from .fast import FastEngine, is_supported
-    if is_supported(_config_of(model_or_path)):
+    from .fast import FastEngine
+    from .llama_ops import unsupported_reason
+    config = _config_of(model_or_path)
+    why = unsupported_reason(config)
+    if why is None:
         return FastEngine(model_or_path, dtype=dtype, **kw)
-    if kind == "fast":
-        import warnings
-        warnings.warn("FastEngine does not support this architecture; falling back to HFEngine")
+    from .backends import warn_once
+    arch = ", ".join(getattr(config, "architectures", None) or []) or getattr(config, "model_type", "?")
+    warn_once(f"rollout engine: FastEngine cannot run {arch} ({why}); using HFEngine (transformers' generate, "
+              "slower)")
     from .hf import HFEngine
     hf_kw = {k: v for k, v in kw.items() if k in ("max_batch_size",)}
     return HFEngine(model_or_path, dtype=dtype, **hf_kw)

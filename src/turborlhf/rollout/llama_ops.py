@@ -4,29 +4,35 @@ fallback paths), int8 weight quantisation, oneDNN weight packing, and reading an
 Kept apart from the engine class so each can be read and tested on its own."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["is_supported", "mkldnn_packing_available"]
+__all__ = ["is_supported", "unsupported_reason", "mkldnn_packing_available", "decode_mask"]
 
 _ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
 
-def is_supported(config) -> bool:
-    """True if FastEngine can run a model with this `transformers` config."""
+def unsupported_reason(config) -> Optional[str]:
+    """Why FastEngine cannot run a model with this `transformers` config (one phrase), or None."""
     archs = set(getattr(config, "architectures", None) or [])
     mt = getattr(config, "model_type", "")
     if not (archs & _ARCHS or mt in {"llama", "qwen2", "mistral"}):
-        return False
+        return f"model_type {mt!r} is not one of llama, qwen2, mistral"
     if getattr(config, "hidden_act", "silu") != "silu":
-        return False
+        return f"hidden_act {config.hidden_act!r} is not silu"
     if mt == "mistral" and getattr(config, "sliding_window", None):
-        return False
+        return "sliding-window attention (mistral sliding_window) is not implemented"
     if mt == "qwen2" and getattr(config, "use_sliding_window", False):
-        return False
-    rp = _rope_parameters(config)
-    if rp.get("rope_type", "default") == "dynamic":
-        return False
-    return True
+        return "sliding-window attention (qwen2 use_sliding_window) is not implemented"
+    if _rope_parameters(config).get("rope_type", "default") == "dynamic":
+        return "dynamic RoPE scaling is not implemented"
+    return None
+
+
+def is_supported(config) -> bool:
+    """True if FastEngine can run a model with this `transformers` config (`unsupported_reason`)."""
+    return unsupported_reason(config) is None
 
 
 def _rope_parameters(config) -> dict:
