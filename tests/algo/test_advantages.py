@@ -1,4 +1,4 @@
-"""Rewards / GAE / returns / group advantages against formulas.md §9 and reference loops."""
+"""Rewards / GAE / returns / group advantages against docs/reference/formulas.md §9 and reference loops."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""KL estimators and controllers against formulas.md §9 (KL, Adaptive KL)."""
+"""KL estimators and controllers against docs/reference/formulas.md §9 (KL, Adaptive KL)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Losses against formulas.md §9 (RM, DPO, KTO, PPO, Value) plus invariances."""
+"""Losses against docs/reference/formulas.md §9 (RM, DPO, KTO, PPO, Value) plus invariances."""
 
 import math
 

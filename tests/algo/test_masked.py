@@ -1,4 +1,4 @@
-"""masked_* against formulas.md §8 (TRL TestCore) and §9 (whitening golden values)."""
+"""masked_* against docs/reference/formulas.md §8 (TRL TestCore) and §9 (whitening golden values)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""reduce_loss: OpenRLHF aggregation tests (formulas.md §8) and micro-batch invariance."""
+"""reduce_loss: OpenRLHF aggregation tests (docs/reference/formulas.md §8) and micro-batch invariance."""
 
 import pytest
 import torch

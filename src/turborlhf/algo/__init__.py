@@ -18,7 +18,7 @@ re-derive them. Modules:
 
 Shape suffixes: ``B`` sequences (or pairs), ``T`` response tokens, ``G`` samples per prompt,
 ``V`` vocabulary. Masks are 0/1 with 1 = valid token. Peer formulas and golden vectors:
-``reference/formulas.md``.
+``docs/reference/formulas.md``.
 """
 
 from turborlhf.algo.advantages import (

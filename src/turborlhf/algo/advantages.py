@@ -5,7 +5,7 @@ Shapes: ``B`` sequences, ``T`` response tokens (right padding assumed by the pee
 function here treats masked positions as *absent*: they are skipped by the recursions and
 their values, which may be garbage, are never read), ``G`` samples per prompt.
 
-Sources: formulas.md §5–§7; OpenRLHF ``openrlhf/models/utils.py::compute_reward``,
+Sources: docs/reference/formulas.md §5–§7; OpenRLHF ``openrlhf/models/utils.py::compute_reward``,
 ``experience_maker.py::get_advantages_and_returns / get_cumulative_returns /
 compute_advantages_and_returns``; TRL ``grpo_trainer.py``, ``rloo_trainer.py``; GAE:
 Schulman et al. 1506.02438 Eq. 16; GRPO: Shao et al. 2402.03300 §4.1.2; Dr. GRPO: Liu et al.
@@ -53,7 +53,7 @@ def kl_penalized_rewards(
     Eq. 2 spread over tokens; OpenRLHF ``compute_reward`` and TRL-legacy ``compute_rewards``
     convention: the score lands on the **last valid response token**, i.e. the EOS token if
     generated, else the last token of a truncated response. Current TRL PPO puts it one token
-    later, see formulas.md §6 caveat; that is not reproduced).
+    later, see docs/reference/formulas.md §6 caveat; that is not reproduced).
 
     Args:
         scores_B: scalar reward per sequence (reward model / rule), shape (B,).

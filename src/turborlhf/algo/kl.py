@@ -9,7 +9,7 @@ policy ``q = πθ`` against the reference ``p = πref``, with ``log r = logπref
 
 OpenRLHF (``openrlhf/models/utils.py::compute_approx_kl``) clamps every estimate to
 [-10, 10]; TRL does not clamp. Here clamping is the ``clamp`` option, default ``None`` (TRL /
-paper behaviour); pass ``clamp=10.0`` to reproduce OpenRLHF. See formulas.md §6.
+paper behaviour); pass ``clamp=10.0`` to reproduce OpenRLHF. See docs/reference/formulas.md §6.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Log-prob conventions: ``logp_BT`` are per-token natural-log probabilities of the
 tokens; sequence log-probs (``pi_c_B`` etc.) are **sums** over completion tokens (prompt
 masked) unless a docstring says otherwise.
 
-Sources: formulas.md §1–§4 (TRL, OpenRLHF, author code), cited per function.
+Sources: docs/reference/formulas.md §1–§4 (TRL, OpenRLHF, author code), cited per function.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ garbage, including ``inf``/``nan``, without changing any result.
 Sources: TRL ``trl/experimental/ppo/ppo_trainer.py::masked_mean/masked_var/masked_whiten``;
 OpenRLHF ``experience_maker.py::compute_advantages_and_returns`` (global whitening,
 biased variance); Ziegler et al. 2019 author code ``lm_human_preferences/utils/core.py::whiten``
-(biased ``tf.nn.moments``). See ``reference/formulas.md`` §5.
+(biased ``tf.nn.moments``). See ``docs/reference/formulas.md`` §5.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ token_sum_norm     ``Σ_it loss·M / (S·L)``, ``S = num_seqs or B``,           
 ================== =========================================================== ====================
 
 Source: OpenRLHF ``openrlhf/models/loss.py::aggregate_loss`` and its
-``tests/test_loss_aggregation.py``; TRL ``grpo_trainer.py::_compute_loss``; formulas.md §4, §8.
+``tests/test_loss_aggregation.py``; TRL ``grpo_trainer.py::_compute_loss``; docs/reference/formulas.md §4, §8.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def _gae_advantages(scores_B, kl_BR, values_BR, mask_BR, kl_coef: float, A: PPOA
 
 
 def _critic_free(baseline_BG: Optional[Callable[[torch.Tensor], torch.Tensor]], whiten: bool):
-    """OpenRLHF's recipe (formulas.md §7): baseline on the score of each (prompts, G) group, token
+    """OpenRLHF's recipe (docs/reference/formulas.md §7): baseline on the score of each (prompts, G) group, token
     rewards (baselined score at EOS − β·kl), advantages = discounted reward-to-go, optional global
     whitening."""
 
