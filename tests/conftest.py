@@ -1,7 +1,10 @@
 """Shared fixtures: a tiny random Llama + tiny tokenizer, and HH data converted with it."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,11 @@ HH_FILE = REPO / "data" / "hh-rlhf" / "harmless-base-1800.jsonl.gz"
 
 os.environ.setdefault("TURBORLHF_THREADS", "1")  # tiny models: 1 thread is fastest, and immune to a busy machine
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# torch.compile's kernel cache of this test session only: a cache left by processes run with other
+# CPU limits (ATEN_CPU_CAPABILITY, as the AVX2 tests set) has been seen to abort a later process
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="turborlhf-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")
