@@ -12,15 +12,11 @@ This module imports neither torch nor transformers, so help and validation stay 
 """
 from __future__ import annotations
 
-import json
 import types
 import typing
-from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
-import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from turborlhf.config_rlvr import RLVRAlgoFields, check_rlvr
 from turborlhf.errors import UserError
@@ -711,141 +707,12 @@ class PipelineConfig(Cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading, overriding, help
+# Loading, overriding, help: config_io.py (re-exported here)
 # ----------------------------------------------------------------------------------------------
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        child = node.get(p)
-        if child is None:
-            child = node[p] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: cannot set a sub-field of non-mapping '{p}'")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"a.b=3"`` → ``("a.b", 3)``; the value is parsed as YAML (numbers, bools, lists, null)."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("-")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key, value
-
-
-def _format_error(err: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
-        lines.append(f"{prefix}{loc}: {e['msg']}")
-    return "invalid config:\n  " + "\n  ".join(lines)
-
-
-def default_tree(cls: type[Cfg]) -> dict:
-    """The defaults of `cls` as a nested dict, as the command sets them (a section's
-    ``default_factory`` wins over the section class's own defaults), so that overriding one field
-    of a section keeps the command's other defaults. Required fields are left out."""
-    tree: dict = {}
-    for name, f in cls.model_fields.items():
-        if f.is_required():
-            sub = _cfg_class(f.annotation)
-            if sub is not None:
-                tree[name] = default_tree(sub)
-            continue
-        value = f.get_default(call_default_factory=True)
-        tree[name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else json.loads(json.dumps(value))
-    return tree
-
-
-def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = (),
-                base: dict | None = None) -> C:
-    """Build `cls` from a YAML file (optional), a base dict, then ``key.sub=value`` overrides.
-
-    Order of precedence: overrides > YAML file > base > the command's defaults.
-    Raises `ConfigError` naming the file or the dotted field.
-    """
-    tree: dict = default_tree(cls)
-    _deep_update(tree, json.loads(json.dumps(base)) if base else {})
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: top level must be a mapping")
-        _deep_update(tree, data)
-    for ov in overrides:
-        key, value = parse_override(ov)
-        _set_dotted(tree, key, value)
-    try:
-        return cls.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e)) from None
-
-
-def _deep_update(dst: dict, src: dict) -> dict:
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _deep_update(dst[k], v)
-        else:
-            dst[k] = v
-    return dst
-
-
-def validate_section(cls: type[C], tree: dict, section: str) -> C:
-    """Validate a dict (e.g. a pipeline stage section) on top of the command's defaults and
-    prefix error paths with `section`."""
-    full = _deep_update(default_tree(cls), json.loads(json.dumps(tree)))
-    try:
-        return cls.model_validate(full)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e, prefix=f"{section}.")) from None
-
-
-def config_to_dict(cfg: Cfg) -> dict:
-    return cfg.model_dump(mode="json")
-
-
-def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None) -> list[str]:
-    """One line per leaf field: ``--a.b  TYPE  default=X  help`` (defaults as the parent sets them)."""
-    lines = []
-    for name, f in cls.model_fields.items():
-        key = f"{prefix}{name}"
-        ann = f.annotation
-        sub = _cfg_class(ann)
-        value = getattr(defaults, name) if defaults is not None else (
-            None if f.is_required() else f.get_default(call_default_factory=True))
-        if sub is not None:
-            lines.extend(config_help(sub, prefix=key + ".", defaults=value if isinstance(value, Cfg) else None))
-            continue
-        default = "required" if (f.is_required() and defaults is None) else f"default={_short(value)}"
-        tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-        lines.append(f"  --{key:<36} {tname:<14} {default:<22} {f.description or ''}")
-    return lines
-
-
-def _cfg_class(ann) -> type[Cfg] | None:
-    if isinstance(ann, type) and issubclass(ann, Cfg):
-        return ann
-    for a in getattr(ann, "__args__", ()) or ():
-        if isinstance(a, type) and issubclass(a, Cfg):
-            return a
-    return None
-
-
-def _short(v: Any) -> str:
-    s = json.dumps(v) if not isinstance(v, str) else v
-    return s if len(s) <= 20 else s[:17] + "..."
+from turborlhf.config_io import (_cfg_class, _deep_update, _format_error, _set_dotted, _short,  # noqa: E402,F401
+                                 config_help, config_to_dict, default_tree, load_config, parse_override,
+                                 validate_section)
 
 
 def __getattr__(name: str) -> Any:  # the ppo presets of `turborlhf grpo` / `rloo` live in presets.py
