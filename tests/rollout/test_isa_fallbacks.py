@@ -119,13 +119,15 @@ def test_engine_on_emulated_avx2_host(tmp_path):
     assert "needs avx512bw" in out["mkldnn_error"] and "\n" not in out["mkldnn_error"]
 
 
-def test_engine_fallback_names_the_architecture_and_the_reason(tmp_path):
+def test_engine_fallback_names_the_architecture_and_the_reason(tmp_path, monkeypatch):
     """An architecture FastEngine cannot run goes to HFEngine with one warning saying which and why."""
     import warnings
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from turborlhf.rollout import make_engine
+    from turborlhf.rollout import backends, make_engine
+
+    monkeypatch.setattr(backends, "_WARNED", set())      # once per process: forget earlier tests' warnings
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32))
     with warnings.catch_warnings(record=True) as w:
