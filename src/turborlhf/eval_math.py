@@ -80,37 +80,31 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
         ``accuracy``, ``strict_accuracy``, ``format_rate``, ``n``, ``response_length_mean``,
         ``eos_fraction`` and the settings, with timings in seconds.
     """
-    from turborlhf.data.tokenize import encode_prompt
     from turborlhf.engine.train import set_threads
+    from turborlhf.evaluate import generate_responses
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
-    from turborlhf.rollout import make_engine
-    from turborlhf.rollout.base import SamplingParams
 
     set_threads()
     t0 = time.perf_counter()
     path = str(resolve_model_path(policy))
     tok = load_tokenizer(path)
     problems = load_problems(data, tok, n)
-    ids = [encode_prompt(tok, p["prompt"], max_prompt_len) for p in problems]
-    eng = make_engine(engine, path, dtype=dtype, max_batch_size=batch_size)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=(tok.eos_token_id,), seed=seed)
-    t_gen = time.perf_counter()
-    print(f"[eval-math] {len(ids)} problems with {type(eng).__name__}, max {max_new_tokens} new tokens...", flush=True)
-    out = eng.generate(ids, params)
-    t_gen = time.perf_counter() - t_gen
-    texts = [tok.decode(r, skip_special_tokens=True) for r in out.response_ids]
     prompts, answers = [p["prompt"] for p in problems], [p["answer"] for p in problems]
+    t_gen = time.perf_counter()
+    _, response_ids, finished = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
+                                                   engine, max_prompt_len, batch_size, dtype)
+    t_gen = time.perf_counter() - t_gen
+    texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     acc = gsm8k_accuracy(prompts, texts, answer=answers)
     strict = gsm8k_strict_accuracy(prompts, texts, answer=answers)
     fmt = gsm8k_format(prompts, texts)
-    lens = [len(r) for r in out.response_ids]
+    lens = [len(r) for r in response_ids]
     k = len(problems)
     res = {"accuracy": sum(acc) / k, "strict_accuracy": sum(strict) / k, "format_rate": sum(fmt) / k, "n": k,
-           "response_length_mean": sum(lens) / k, "eos_fraction": sum(out.finished) / k,
-           "policy": policy, "data": data, "engine": type(eng).__name__, "temperature": temperature,
+           "response_length_mean": sum(lens) / k, "eos_fraction": sum(finished) / k,
+           "policy": policy, "data": data, "engine": engine, "temperature": temperature,
            "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
            "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
     print(f"[eval-math] accuracy {res['accuracy']:.3f}, format {res['format_rate']:.3f} on {k} problems "
