@@ -41,7 +41,9 @@ def _on_model_device(fn):
 
     def moved(x, dev):
         if isinstance(x, torch.Tensor):
-            return x.to(dev, non_blocking=True)
+            # asynchronous only towards an accelerator: a non-blocking copy to the CPU returns before
+            # the data has arrived, and the caller would read stale memory
+            return x.to(dev, non_blocking=dev.type != "cpu")
         if isinstance(x, tuple):
             return tuple(moved(t, dev) for t in x)
         return x
