@@ -142,7 +142,8 @@ class CombinedReward:
         self.weights = {n: w for n, w, _ in sources}
 
     def __call__(self, inp: RewardInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        per = {name: fn(inp).float() for name, _, fn in self.sources}
+        # on the CPU: reward models score where they run (a GPU), functions and servers on the CPU
+        per = {name: fn(inp).float().cpu() for name, _, fn in self.sources}
         return combine_scores(per, self.weights), per
 
 
