@@ -175,7 +175,8 @@ SYNC_TOLERANCE = {"fp32": 1e-3, "bf16": 0.025}
 
 class RolloutCfg(Cfg):
     engine: Literal["auto", "hf", "fast", "vllm"] = Field(
-        "auto", description="rollout engine: auto = vllm if installed on GPU, else the embedded fast engine")
+        "auto", description="rollout engine: auto = the embedded fast engine on the CPU, HF generate on a GPU "
+                            "(vllm: set it explicitly)")
     max_new_tokens: int = Field(64, ge=1, description="maximum generated tokens per response")
     min_new_tokens: int = Field(0, ge=0, description="EOS/stop tokens are suppressed before this many tokens")
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
@@ -186,6 +187,9 @@ class RolloutCfg(Cfg):
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="weights precision inside the engine; auto = bf16 where the engine's device computes it "
                             "natively (README: Hardware), else fp32")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="where the engine generates; auto = CUDA for vllm, else the device the policy trains on "
+                            "(FastEngine runs on the CPU only, so on a GPU auto takes HFEngine there)")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
     sync_tolerance: Optional[float] = Field(

@@ -67,14 +67,16 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 
 def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
-              max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None) -> dict:
+              max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None,
+              device: str = "auto") -> dict:
     """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
 
     Args:
         policy: HF directory or zoo name of a causal LM with a chat template.
         data: GSM8K ``.jsonl[.gz]`` (or ``prepare-data gsm8k`` prompts). n: 0 = every problem.
         max_new_tokens: tokens per response; temperature: 0 = greedy.
-        engine: rollout engine kind (`turborlhf.rollout.make_engine`); dtype: its weights.
+        engine: rollout engine kind (`turborlhf.rollout.make_engine`); dtype: its weights; device:
+            where it runs (``auto``: cuda, then mps, then cpu).
 
     Returns:
         ``accuracy``, ``strict_accuracy``, ``format_rate``, ``n``, ``response_length_mean``,
@@ -94,7 +96,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     prompts, answers = [p["prompt"] for p in problems], [p["answer"] for p in problems]
     t_gen = time.perf_counter()
     _, response_ids, finished = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
-                                                   engine, max_prompt_len, batch_size, dtype)
+                                                   engine, max_prompt_len, batch_size, dtype, device)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     acc = gsm8k_accuracy(prompts, texts, answer=answers)
@@ -127,6 +129,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the engine runs (auto: cuda, then mps, then cpu)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="engine precision (auto: bf16 only where the CPU computes it natively, else fp32)")
@@ -138,7 +142,7 @@ def main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         try:
             res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
-                            a.batch_size, dtype=a.dtype, samples_out=a.samples_out)
+                            a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device)
         except (DataError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

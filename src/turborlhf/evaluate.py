@@ -70,14 +70,14 @@ def length_strata(pairs: list[dict], correct: list[bool]) -> dict:
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
-                       dtype: str = "auto") -> tuple:
-    """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` is the
-    engine's (``auto``: bf16 where native, else fp32)."""
+                       dtype: str = "auto", device="cpu") -> tuple:
+    """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` and
+    `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`)."""
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.rollout import make_engine
     from turborlhf.rollout.base import SamplingParams
 
-    eng = make_engine(engine, policy, dtype=dtype, max_batch_size=batch_size)
+    eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
@@ -140,7 +140,8 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]
         print(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}", flush=True)
     p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine,
-                                           dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else "cpu"))
+                                           dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else dev.type),
+                                           device=dev)
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
     rm = load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)

@@ -38,7 +38,10 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_token
     p.add_argument("--max-prompt-len", type=int, default=1024, help="prompts are cut from the left to this many tokens")
     p.add_argument("--engine", choices=["auto", "fast", "hf", "vllm"], default="auto",
                    help="auto/fast = the embedded fast engine where supported (else HF generate)")
-    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="engine weights precision")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
+                   help="engine weights precision (auto: bf16 where the device computes it natively, else fp32)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
+                   help="where the engine runs (auto: cuda, then mps, then cpu; the fast engine is CPU-only)")
     p.add_argument("--chat-template", default=None,
                    help="chat template for message lists: chatml, plain or a Jinja string (default: the model's)")
 
@@ -55,9 +58,9 @@ def _decode(tok, ids: list[int], finished: bool) -> str:
     return tok.decode(ids[:-1] if finished and ids else ids, skip_special_tokens=True)
 
 
-def generate_file(model: str, prompts_file: str, output: str, params, engine: str = "auto", dtype: str = "bf16",
+def generate_file(model: str, prompts_file: str, output: str, params, engine: str = "auto", dtype: str = "auto",
                   batch_size: int = 32, max_prompt_len: int = 1024, limit: int = 0,
-                  keys: Optional[dict] = None, chat_template: Optional[str] = None) -> dict:
+                  keys: Optional[dict] = None, chat_template: Optional[str] = None, device: str = "auto") -> dict:
     """Generate ``params.n`` responses per prompt of ``prompts_file`` and write them to ``output``
     (JSONL, atomically). Returns ``{"prompts", "samples", "tokens", "seconds", "tokens_per_s"}``.
 
@@ -79,7 +82,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     if not params.stop_token_ids and tok.eos_token_id is not None:
         params = replace(params, stop_token_ids=(tok.eos_token_id,))
-    eng = make_engine(engine, path, dtype=dtype, max_batch_size=batch_size)
+    eng = make_engine(engine, path, dtype=dtype, device=device, max_batch_size=batch_size)
     t0 = time.perf_counter()
     out = eng.generate(ids, params)
     dt = time.perf_counter() - t0
@@ -110,7 +113,8 @@ def generate_main(argv: list[str]) -> int:
 
     try:
         stats = generate_file(a.model, a.prompts, a.output, _params(a, n=a.n), a.engine, a.dtype, a.batch_size,
-                              a.max_prompt_len, a.limit, keys={"prompt": a.prompt_key}, chat_template=a.chat_template)
+                              a.max_prompt_len, a.limit, keys={"prompt": a.prompt_key}, chat_template=a.chat_template,
+                              device=a.device)
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -219,7 +223,7 @@ def chat_main(argv: list[str]) -> int:
         if not tok.chat_template:
             raise ValueError(f"{path}: the tokenizer has no chat template; give one with --chat-template "
                              "(chatml, plain or a Jinja string)")
-        engine = make_engine(a.engine, path, dtype=a.dtype, max_batch_size=1)
+        engine = make_engine(a.engine, path, dtype=a.dtype, device=a.device, max_batch_size=1)
         stream = isinstance(engine, HFEngine) and not a.no_stream
         tty = sys.stdin.isatty()
         if tty:

@@ -48,8 +48,8 @@ def _device_of(section: Cfg, top: Cfg) -> str:
 def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     """`cfg` with every ``auto`` of device and precision replaced by this host's choice
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
-    ``distributed.device`` (ppo), ``rollout.dtype`` (the engine's device: CUDA for vLLM, else the
-    CPU) and ``optim.state_dtype`` (bf16 moments where the models compute in bf16). Prints the
+    ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains)
+    and ``rollout.dtype`` (for that device) and ``optim.state_dtype`` (bf16 moments where the models compute in bf16). Prints the
     choices once as a start-up table (`name` labels it; not with `show=False`); `setup_run` saves them in
     ``hardware.json``. Explicit values are kept (`choose_precision` warns once where an explicit
     bf16 is emulated). Raises `HardwareError` for a device this host lacks."""
@@ -88,10 +88,21 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                 if upd:
                     updates[field] = value.model_copy(update=upd)
             elif isinstance(value, RolloutCfg):
-                dev = "cuda" if value.engine == "vllm" else "cpu"
+                upd = {}
+                if value.engine == "vllm":
+                    dev = "cuda"
+                elif value.device == "auto":
+                    policy = getattr(cfg, "model", None)        # the trainers with one model section
+                    dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg)
+                    upd["device"] = dev
+                    choices[f"{where}.device"] = {"value": dev, "reason": "where the policy trains" + (
+                        " (FastEngine is CPU-only: HFEngine there)" if dev != "cpu" and value.engine == "auto" else "")}
+                else:
+                    dev = resolve_device(value.device).type
                 prec = choose_precision(value.dtype, dev)
                 choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
-                upd = {} if value.dtype == prec.dtype else {"dtype": prec.dtype}
+                if value.dtype != prec.dtype:
+                    upd["dtype"] = prec.dtype
                 if value.sync_tolerance is None:            # the weight-sync check's tolerance for that dtype
                     upd["sync_tolerance"] = SYNC_TOLERANCE[prec.dtype]
                 if upd:

@@ -20,26 +20,40 @@ def _config_of(model_or_path):
     return AutoConfig.from_pretrained(model_or_path)
 
 
-def make_engine(kind: str, model_or_path, dtype: str = "auto", **kw) -> RolloutEngine:
+def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", **kw) -> RolloutEngine:
     """Build a rollout engine.
 
     kind: 'auto' | 'fast' → FastEngine when the architecture is supported, else HFEngine
-          (on CPU), with one warning naming the architecture and the reason;
-          'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily).
+          (on CPU), with one warning naming the architecture and the reason; on a CUDA/MPS
+          `device`, 'auto' is HFEngine there (FastEngine is CPU-only);
+          'hf' → HFEngine; 'vllm' → turborlhf.rollout.vllm.VLLMEngine (imported lazily; vLLM
+          places itself, `device` is not used).
     model_or_path: a loaded transformers causal LM (weights copied) or an HF directory.
     dtype: 'auto' | 'bf16' | 'fp32' | 'fp16' ('auto': bf16 where the engine's device computes it
-        natively, else fp32; `turborlhf.engine.hardware`). kw: passed to the engine constructor.
-    Raises ValueError for an unknown kind; ImportError (with install instructions) for 'vllm'
-    when the vllm package is not installed.
+        natively, else fp32; `turborlhf.engine.hardware`).
+    device: 'cpu' | 'cuda' | 'mps' | 'auto' (cuda, then mps, then cpu) or a ``torch.device``.
+    kw: passed to the engine constructor.
+    Raises ValueError for an unknown kind, or 'fast' on a non-CPU device; ImportError (with
+    install instructions) for 'vllm' when the vllm package is not installed; `HardwareError` for a
+    device this host lacks.
     """
     if kind not in _KINDS:
         raise ValueError(f"unknown rollout engine kind {kind!r}; choose one of {_KINDS}")
     if kind == "vllm":
         from .vllm import VLLMEngine  # vllm itself is imported by the constructor
         return VLLMEngine(model_or_path, dtype=dtype, **kw)
+    import torch
+
+    from turborlhf.engine.hardware import resolve_device
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if dev.type != "cpu":
+        if kind == "fast":
+            raise ValueError(f"rollout.engine=fast runs on the CPU only, not on {dev.type}; use rollout.engine "
+                             "hf or vllm there, or rollout.device=cpu")
+        kind = "hf"
     if kind == "hf":
         from .hf import HFEngine
-        return HFEngine(model_or_path, dtype=dtype, **kw)
+        return HFEngine(model_or_path, dtype=dtype, device=dev, **kw)
     from .fast import FastEngine
     from .llama_ops import unsupported_reason
     config = _config_of(model_or_path)
@@ -52,4 +66,4 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", **kw) -> RolloutE
               "slower)")
     from .hf import HFEngine
     hf_kw = {k: v for k, v in kw.items() if k in ("max_batch_size",)}
-    return HFEngine(model_or_path, dtype=dtype, **hf_kw)
+    return HFEngine(model_or_path, dtype=dtype, device=dev, **hf_kw)

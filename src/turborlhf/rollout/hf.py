@@ -24,18 +24,26 @@ class HFEngine:
 
     model_or_path: a loaded `transformers` causal LM (its weights are copied, never shared) or an
         HF model directory / hub id.
-    dtype: 'auto' | 'bf16' | 'fp16' | 'fp32' of the engine's copy ('auto': bf16 where the CPU computes it natively).
+    dtype: 'auto' | 'bf16' | 'fp16' | 'fp32' of the engine's copy ('auto': bf16 where `device`
+        computes it natively, `turborlhf.engine.hardware`).
+    device: where the copy generates: 'cpu', 'cuda', 'mps', 'auto' (cuda, then mps, then cpu) or a
+        ``torch.device``; token ids and log-probs come back as Python lists either way.
     max_batch_size: sequences per `generate` call (larger requests are split).
+    Raises `turborlhf.engine.hardware.HardwareError` for a device this host lacks.
     """
 
-    def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 64):
-        self.dtype = resolve_dtype(dtype)
+    def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 64,
+                 device: str | torch.device = "cpu"):
+        from turborlhf.engine.hardware import resolve_device
+
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device.type)
         if isinstance(model_or_path, torch.nn.Module):
             model = copy.deepcopy(model_or_path)
         else:
             from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=self.dtype)
-        self.model = model.to(dtype=self.dtype).eval().requires_grad_(False)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.config = self.model.config
         self.max_batch_size = max_batch_size
         self.pad_id = 0
@@ -66,13 +74,14 @@ class HFEngine:
             for s in range(0, len(reqs), self.max_batch_size):
                 chunk = reqs[s: s + self.max_batch_size]
                 L = max(len(p) for p in chunk)
-                ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk])
-                mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+                ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk], device=self.device)
+                mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=self.device)
                 out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg)
                 new = out.sequences[:, L:]
                 if params.return_logprobs:
                     scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # B×T×V
-                    lp = scores.gather(-1, new[:, :, None]).squeeze(-1)
+                    lp = scores.gather(-1, new[:, :, None]).squeeze(-1).cpu()
+                new = new.cpu()
                 for i in range(new.shape[0]):
                     toks, done = cut_at_stop(new[i].tolist(), set(stop), params.min_new_tokens)
                     resp.append(toks)
@@ -111,13 +120,13 @@ class HFEngine:
                 ps, rs = prompts[s: s + self.max_batch_size], responses[s: s + self.max_batch_size]
                 seqs = [p + list(r) for p, r in zip(ps, rs)]
                 L = max(len(x) for x in seqs)
-                ids = torch.tensor([x + [self.pad_id] * (L - len(x)) for x in seqs])
-                mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs])
+                ids = torch.tensor([x + [self.pad_id] * (L - len(x)) for x in seqs], device=self.device)
+                mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs], device=self.device)
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
                 for i, (p, r) in enumerate(zip(ps, rs)):
                     if len(r) == 0:
                         out.append([])
                         continue
                     lg = logits[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
-                    out.append(lg.gather(-1, torch.tensor(list(r))[:, None]).squeeze(-1).tolist())
+                    out.append(lg.gather(-1, torch.tensor(list(r), device=self.device)[:, None]).squeeze(-1).tolist())
         return out

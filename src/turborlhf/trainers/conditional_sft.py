@@ -235,7 +235,7 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     from turborlhf.rollout.base import SamplingParams
 
     R, n = cfg.rollout, cfg.data.policy_samples_per_prompt
-    engine = make_engine(R.engine, model, dtype=R.dtype, max_batch_size=R.batch_size)
+    engine = make_engine(R.engine, model, dtype=R.dtype, device=R.device, max_batch_size=R.batch_size)
     params = SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens,
                             temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
                             stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)

@@ -465,7 +465,8 @@ class RolloutWorker:
         from turborlhf.rollout import make_engine
 
         R = self.cfg.rollout
-        return make_engine(R.engine, str(resolve_model_path(self.path)), dtype=R.dtype, max_batch_size=R.batch_size)
+        return make_engine(R.engine, str(resolve_model_path(self.path)), dtype=R.dtype, device=R.device,
+                           max_batch_size=R.batch_size)
 
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"

@@ -274,7 +274,8 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
                            device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
-    engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, max_batch_size=R.batch_size)
+    engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, device=R.device,
+                         max_batch_size=R.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:
