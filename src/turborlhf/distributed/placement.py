@@ -199,7 +199,8 @@ def _launch_all(ray, dist, groups_of_roles, specs, cluster, env, threads, placem
     for roles, hosts, _ in started:
         if len(hosts) > 1 and any(r in TRAINED_ROLES for r in roles):
             addr, port = _wait(ray, [hosts[0].free_port.remote()], "+".join(roles), "free_port", dist.timeout_s)[0]
-            rendezvous.append(("+".join(roles), [h.init_dist.remote(dist.dist_backend, addr, port, i, len(hosts),
+            backend = dist.dist_backend if dist.dist_backend != "auto" else "nccl" if dist.device == "gpu" else "gloo"
+            rendezvous.append(("+".join(roles), [h.init_dist.remote(backend, addr, port, i, len(hosts),
                                                                      dist.timeout_s) for i, h in enumerate(hosts)]))
     for names, refs in rendezvous:
         _wait(ray, refs, names, "init_dist", dist.timeout_s)
