@@ -19,7 +19,8 @@ def _cfg(tiny_model, strategy: str, backend: str = "local"):
     return load_config(PPOConfig, PPO_YAML, [
         f"actor.name_or_path={tiny_model}", f"critic.name_or_path={tiny_model}", "reward_model=unused",
         "data.prompts_file=unused", "train.micro_batch_size=2", "algo.num_mini_batches=2", "algo.ppo_epochs=2",
-        "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}"])
+        "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}",
+        "distributed.device=cpu"])      # gloo ranks on the CPU, also where a GPU is visible
 
 
 def _experience(tiny_model):

@@ -168,7 +168,8 @@ def test_kto_trains_caches_reference_once_and_resumes(tiny_model, tiny_data, tmp
     rows = _train_rows(out)
     assert len(rows) == 4 and all(math.isfinite(r["train/loss"]) for r in rows)
     # policy == reference: r = 0 and z0 = 0, so every example's loss is 1 - σ(0) = 0.5
-    assert abs(rows[0]["train/loss"] - 0.5) < 1e-6 and rows[0]["policy/kl"] == 0.0
+    # (exactly 0 on the CPU; differently batched GPU forwards round to ~1e-5)
+    assert abs(rows[0]["train/loss"] - 0.5) < 1e-6 and abs(rows[0]["policy/kl"]) < 1e-4
     # the KL reference point is clamped at 0, so "kl >= 0" could not fail: recompute the final
     # held-out one, max(0, mean log-ratio of the exported policy over the test set's mismatched
     # pairs), from the exported model and the reference

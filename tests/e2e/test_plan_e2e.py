@@ -126,7 +126,8 @@ def test_plan_matches_the_measured_peak_rss_of_a_tiny_sft_run(tmp_path_factory, 
 
     model = save_tiny_causal_lm(tmp_path_factory.mktemp("plan_model"), seed=0, hidden_size=512, layers=4, heads=8,
                                 kv_heads=4)
-    over = [f"model.name_or_path={model}", "model.dtype=bf16", f"data.train_file={tiny_data / 'train_pairs.jsonl'}",
+    over = [f"model.name_or_path={model}", "model.dtype=bf16", "model.device=cpu",      # CPU memory, also beside a GPU
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}",
             "data.max_len=256", "data.max_samples=64", "train.micro_batch_size=8", "train.sequences_per_step=16",
             "train.max_steps=3", "train.save_every=0", "log.tensorboard=false", "train.threads=1"]
     cfg = load_config(SFTConfig, TINY / "sft.yaml", over)

@@ -84,10 +84,12 @@ def test_adapter_disabled_actor_is_the_initial_policy(tiny_model):
     _perturb_adapters(m, seed=3)
     batch = _batch(seed=4)
     base_logp = _logp(load_causal_lm(str(tiny_model), tok), batch)
+    # bit-exact on the CPU; a GPU may pick other kernels for the wrapped layers (~1e-7)
+    same = torch.equal if not torch.cuda.is_available() else (lambda a, b: torch.allclose(a, b, atol=1e-5))
     with reference_view(LoraReference(m)) as ref:
-        assert torch.equal(_logp(ref, batch), base_logp)
+        assert same(_logp(ref, batch), base_logp)
     with adapters_disabled(m):
-        assert torch.equal(_logp(m, batch), base_logp)
+        assert same(_logp(m, batch), base_logp)
     assert not torch.allclose(_logp(m, batch), base_logp)                    # adapters back on
     with pytest.raises(ValueError):
         LoraReference(load_causal_lm(str(tiny_model)))
@@ -140,7 +142,9 @@ def test_gradient_checkpointing_flag_saves_activation_memory_and_keeps_gradients
     grads, saved = {}, {}
     for gc in (False, True):
         m = load_trainable("causal", ModelCfg(name_or_path=str(tiny_model), gradient_checkpointing=gc), tok)
-        assert m.is_activation_checkpointing == gc
+        # transformers renamed is_gradient_checkpointing (older 5.x releases have only that name)
+        flag = getattr(type(m), "is_activation_checkpointing", None)
+        assert (m.is_activation_checkpointing if flag is not None else m.is_gradient_checkpointing) == gc
         saved[gc] = _saved_bytes(m, batch)
         grads[gc] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     assert saved[True] < 0.6 * saved[False]
