@@ -242,3 +242,16 @@ def test_ray_async_matches_local_async(tiny_model, tiny_rm, tiny_data, tmp_path)
         for k in ("rollout/reward_mean", "rollout/mismatch_kl", "rollout/is_weight_mean", "policy/loss"):
             assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k, a[k], b[k])
     assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-5
+
+
+def test_ppo_with_critic_and_warmup_counts_actor_updates(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """GAE PPO (critic) with a critic warm-up step: the actor does not move at step 1, so the batch of
+    step 2 (sampled during step 1) is not stale; step 3's is one actor update behind."""
+    run_cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32",
+            f"output_dir={tmp_path / 'ppo'}", "log.tensorboard=false", "train.threads=1", "algo.critic_warmup_steps=1",
+            "rollout.max_staleness=1", *TIS)
+    rows = [r for r in metrics(tmp_path / "ppo") if "rollout/reward_mean" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 1.0]
+    assert "policy/loss" not in rows[0] and all(math.isfinite(r["value/loss"]) for r in rows)
+    assert rows[1]["rollout/mismatch_kl"] < 1e-6 < rows[2]["rollout/mismatch_kl"]
