@@ -145,8 +145,11 @@ class RolloutPipeline:
         keep = range(start, min(start + self.k, len(self.plan)))
         dropped = []
         for b in saved["batches"]:
-            b = RolloutBatch(b["step"], rlvr.Rollouts(**b["rollouts"]), b["version"], b["seconds"])
-            (self.ready.__setitem__(b.step, b) if b.step in keep else dropped.append(b.step))
+            if b["step"] in keep:
+                self.ready[b["step"]] = RolloutBatch(b["step"], rlvr.Rollouts(**b["rollouts"]), b["version"],
+                                                     b["seconds"])
+            else:
+                dropped.append(b["step"])
         if dropped:
             print(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
                   f"(rollout.max_staleness={self.k} does not train them next); they are generated again", flush=True)
