@@ -257,3 +257,18 @@ def test_ppo_with_critic_and_warmup_counts_actor_updates(tiny_model, tiny_rm, ti
     assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 1.0]
     assert "policy/loss" not in rows[0] and all(math.isfinite(r["value/loss"]) for r in rows)
     assert rows[1]["rollout/mismatch_kl"] < 1e-6 < rows[2]["rollout/mismatch_kl"]
+
+
+def test_a_bad_push_is_still_caught(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
+    """The canary check after each push works as in the synchronous trainer: an engine that drops a
+    tensor update stops the run with WeightSyncError naming the rollout worker."""
+    from turborlhf.trainers import ppo_workers
+
+    real = ppo_workers.RolloutWorker.load_weights
+
+    def stale_embedding(self, state):
+        real(self, {k: (v + 0.5 if "embed_tokens" in k else v) for k, v in state.items()})
+
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
+    assert main(_args(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "rollout.max_staleness=1", *TIS)) == 1
+    assert "rollout failed in check_sync: WeightSyncError" in capsys.readouterr().err
