@@ -272,3 +272,31 @@ def test_a_bad_push_is_still_caught(tiny_model, tiny_rm, tiny_data, tmp_path, mo
     monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
     assert main(_args(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "rollout.max_staleness=1", *TIS)) == 1
     assert "rollout failed in check_sync: WeightSyncError" in capsys.readouterr().err
+
+
+def test_local_roles_are_entered_by_one_thread_at_a_time():
+    """`_Serialized`: the background generation thread and the trainer never run inside the same
+    local role object at once (without the lock the two calls below overlap)."""
+    from turborlhf.distributed.group import LocalGroup
+    from turborlhf.trainers.ppo_async import _Serialized
+
+    class Slow:
+        inside, overlapped = 0, False
+
+        def score(self):
+            Slow.inside += 1
+            Slow.overlapped |= Slow.inside > 1
+            time.sleep(0.2)
+            Slow.inside -= 1
+            return 1
+
+    def two_threads(group):
+        Slow.inside, Slow.overlapped = 0, False
+        t = threading.Thread(target=group.run, args=("score",))
+        t.start()
+        group.submit("score").get()
+        t.join()
+        return Slow.overlapped
+
+    assert two_threads(LocalGroup("reward", Slow()))                 # the hazard is real
+    assert not two_threads(_Serialized(LocalGroup("reward", Slow())))
