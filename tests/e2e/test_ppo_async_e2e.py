@@ -300,3 +300,17 @@ def test_local_roles_are_entered_by_one_thread_at_a_time():
 
     assert two_threads(LocalGroup("reward", Slow()))                 # the hazard is real
     assert not two_threads(_Serialized(LocalGroup("reward", Slow())))
+
+
+def test_resume_with_another_staleness_names_what_it_drops(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    extra = ["train.max_steps=3", "train.save_every=1", "train.keep_checkpoints=3", *TIS]
+    _run(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=1")
+    rewind_to(out, 1)
+    capsys.readouterr()
+    run_cli(*_args(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=0"), "--resume-changed")
+    assert ("--resume: rollout.max_staleness=0: dropping the saved rollouts of step(s) 2; they are generated again"
+            in capsys.readouterr().out)
+    rewind_to(out, 1)
+    run_cli(*_args(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=1"), "--resume-changed")
+    assert "--resume: training on the saved rollouts of step(s) 2 (not generated again)" in capsys.readouterr().out
