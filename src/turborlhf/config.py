@@ -23,9 +23,9 @@ from turborlhf.errors import UserError
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
-    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "DistributedCfg", "RoleResourcesCfg",
-    "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig", "KTOConfig",
-    "DataFormatCfg", "default_tree",
+    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "PPORolloutCfg", "DistributedCfg",
+    "RoleResourcesCfg", "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig",
+    "KTOConfig", "DataFormatCfg", "default_tree",
 ]
 
 
@@ -205,6 +205,16 @@ class RolloutCfg(Cfg):
             # dtype auto: filled by turborlhf.engine.run.resolve_hardware once the dtype is chosen
             data = {**data, "sync_tolerance": SYNC_TOLERANCE.get(str(data.get("dtype", "auto")))}
         return data
+
+
+class PPORolloutCfg(RolloutCfg):
+    """`ppo`'s rollout section: the engine settings, plus asynchronous rollouts."""
+
+    max_staleness: int = Field(
+        0, ge=0, description="asynchronous rollouts: the engines generate the rollouts of step n+k while the actor "
+                             "trains on step n (k=1: one-step-off-policy), so a batch is trained up to k actor updates "
+                             "after the weights that sampled it; needs algo.rollout_is (the IS correction of decoupled "
+                             "PPO); 0 = synchronous (docs/distributed.md)")
 
 
 class DataFormatCfg(Cfg):
@@ -450,7 +460,7 @@ class PPOConfig(Cfg):
                                            "(model/function/remote); the score is Σ weight·score")
     reference: Optional[str] = Field(None, description="reference policy; default = the actor's initial weights")
     data: PPODataCfg
-    rollout: RolloutCfg = Field(default_factory=RolloutCfg)
+    rollout: PPORolloutCfg = Field(default_factory=PPORolloutCfg)
     algo: PPOAlgoCfg = Field(default_factory=PPOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, schedule="constant"))
     train: TrainLoopCfg = Field(default_factory=lambda: TrainLoopCfg(max_steps=20))

@@ -72,6 +72,12 @@ def check_rlvr(cfg: Any) -> None:
     if A.overlong_buffer_len >= R.max_new_tokens:
         raise ValueError(f"algo.overlong_buffer_len={A.overlong_buffer_len} must be < rollout.max_new_tokens="
                          f"{R.max_new_tokens}")
+    if R.max_staleness > 0 and A.rollout_is == "none":
+        raise ValueError(f"rollout.max_staleness={R.max_staleness} trains on rollouts sampled by older weights: set "
+                         "algo.rollout_is=tis (or mis) so the engine's log-probs correct for it (decoupled PPO)")
+    if R.max_staleness > 0 and cfg.distributed.rollout_sleep:
+        raise ValueError(f"rollout.max_staleness={R.max_staleness} keeps the engines generating while the actor "
+                         "trains: distributed.rollout_sleep must be false")
     transformed = R.temperature != 1.0 or R.top_p < 1.0 or R.top_k > 0
     for name, on in (("rollout_is", A.rollout_is != "none"), ("mismatch_kl_alarm", A.mismatch_kl_alarm is not None)):
         if on and transformed:

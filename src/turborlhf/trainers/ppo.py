@@ -690,7 +690,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
               else FixedKLController(A.kl_coef))
     reward_stats = RunningMoments() if A.normalize_reward else None
     gen = torch.Generator().manual_seed(cfg.train.seed)
-    start = 0
+    start, st = 0, {}
     if ckpt:
         st = load_trainer_state(ckpt)
         kl_ctl.value = st["kl_coef"]
@@ -705,18 +705,24 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
+    # rollout.max_staleness > 0: rollouts of later steps generated while this one trains
+    from turborlhf.trainers.ppo_async import rollout_pipeline
+    pipe = rollout_pipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, st)
 
     def checkpoint(step: int) -> Path:
         writers = {role: (lambda d, g=cluster[role]: g.run("save", str(d)))
                    for role in ("actor", "critic") if cluster.get(role) is not None}
-        return save_checkpoint(out, step, writers, tok, {
-            "kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
-            "rng": rng_state(), "gen": gen.get_state(), "step": step}, keep=cfg.train.keep_checkpoints)
+        state = {"kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
+                 "rng": rng_state(), "gen": gen.get_state(), "step": step}
+        if pipe is not None:        # the generated, untrained rollouts go with the checkpoint
+            pipe.wait()
+            state[pipe.STATE_KEY] = pipe.state()
+        return save_checkpoint(out, step, writers, tok, state, keep=cfg.train.keep_checkpoints)
 
     try:
         for step in checkpointed_steps(start, len(plan), checkpoint, cfg.train.save_every, "ppo"):
             done, metrics = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log,
-                                  samples_f, canary, columns)
+                                  samples_f, canary, columns, pipe)
             yield done, len(plan), metrics
         checkpoint(len(plan))
         cluster["actor"].run("export", str(out))
@@ -726,6 +732,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                           f"{last if last else 'none'}" + (" (continue with --resume)" if last else ""),
                           e.role, e.rank, e.method) from e
     finally:
+        if pipe is not None:
+            pipe.close()
         samples_f.close()
         log.close()
     print(f"[ppo] saved actor to {out}" + (f" and its EMA to {out / 'ema'}" if A.ema_beta is not None else ""),
@@ -734,18 +742,24 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f, canary=None, columns: Optional[list[dict]] = None) -> tuple[int, dict]:
+          samples_f, canary=None, columns: Optional[list[dict]] = None, pipe=None) -> tuple[int, dict]:
     """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics.
-    ``columns``: per prompt of the run, the prompts file's other fields (for reward functions)."""
+    ``columns``: per prompt of the run, the prompts file's other fields (for reward functions); ``pipe``:
+    the `ppo_async.RolloutPipeline` (``rollout.max_staleness > 0``) that holds this step's rollouts."""
     A = cfg.algo
     t_step = time.perf_counter()
     # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
     t0 = time.perf_counter()
-    ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step, columns)
+    if pipe is None:
+        ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step, columns)
+    else:                           # generated in the background (or restored), then step+k launched
+        batch = pipe.take(step)
+        ro = batch.rollouts
     rows_prompts, responses, finished, per_engine = ro.prompts, ro.responses, ro.finished, ro.per_engine
     rows_columns = [columns[i] for i in ro.prompt_index] if columns else None
-    t_gen = time.perf_counter() - t0
-    cluster["rollout"].run_alive("sleep")
+    t_gen = time.perf_counter() - t0 if pipe is None else batch.seconds
+    if pipe is None:                # async: the engines are generating the next steps' rollouts
+        cluster["rollout"].run_alive("sleep")
     # 2-4. experience, rewards, advantages
     t0 = time.perf_counter()
     train_actor = step >= A.critic_warmup_steps
@@ -760,10 +774,14 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
+    if train_actor and pipe is not None:
+        pipe.wait()                 # the engines finish the pending rollouts before they take new weights
     t0 = time.perf_counter()
     sync_metrics = {}
     if train_actor:  # push, then the canary check on every engine (WeightSyncError if one disagrees)
         sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance)
+        if pipe is not None:
+            pipe.pushed(step)
     t_sync = time.perf_counter() - t0
     metrics = _rollout_metrics(exp, kl_ctl.value)
     if M.KL in metrics:
@@ -774,6 +792,8 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                     M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
                     float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})
+    if pipe is not None:
+        metrics.update(pipe.metrics(batch))
     if len(per_engine) > 1:
         metrics.update({f"rollout/engine{r}_items": float(n) for r, n in enumerate(per_engine)})
     done = step + 1

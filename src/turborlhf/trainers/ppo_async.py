@@ -1,0 +1,250 @@
+"""Asynchronous (k-step-off-policy) rollouts for `turborlhf ppo`: ``rollout.max_staleness: k`` ≥ 1.
+
+While the actor trains on step n, the rollout engines already generate the rollouts of step n+k
+(one-step-off-policy for k = 1), with the weights pushed at the end of step n-1. The trainer waits
+for that generation only before its next weight push (the engines are busy until then), so
+generation time hides behind experience + update time. Peers: verl's ``one_step_off_policy``
+recipe, OpenRLHF ``--async_train``, slime's async mode; the correction is decoupled PPO (Hilton et
+al. 2022, "Batch size-invariance for policy optimization", Eq. 4): the engine's own log-probs are
+the behaviour policy μ, the trainer's log-probs at the current weights are the proximal policy
+π_old that the PPO clip is centred on, and the TIS/MIS weight ``π_old/μ`` (``algo.rollout_is``,
+`turborlhf.algo.rollout_correction`) corrects for the staleness and the engine/trainer mismatch
+at once. ``max_staleness > 0`` therefore requires ``algo.rollout_is`` (a config error otherwise).
+
+Timeline for k = 1 (θ_n = actor weights after n updates; B_n = the rollouts trained at step n)::
+
+    step 0: generate B_0 with θ_0 (no overlap yet) | launch B_1 (θ_0) | train on B_0 → θ_1 | wait B_1, push θ_1
+    step 1:                                          launch B_2 (θ_1) | train on B_1 → θ_2 | wait B_2, push θ_2
+
+so ``rollout/staleness`` (actor updates between the weights that generated a batch and the
+weights that train on it) is 0 at step 0 and k from step k on. ``max_staleness: 0`` never builds
+this pipeline: the synchronous trainer runs unchanged.
+
+Guarantees kept:
+- every push is still verified on the canary batch (the push happens only once the engines are
+  idle; engines are never put to sleep while a generation is pending: ``distributed.rollout_sleep``
+  is refused with ``max_staleness > 0``);
+- every wait has a timeout: waiting for a pending batch longer than ``distributed.timeout_s``
+  raises `RolloutTimeoutError` (a `WorkerTimeoutError`) naming the step;
+- a checkpoint after step n holds the generated-but-untrained batches of steps n+1 … n+k (prompts,
+  responses, finished flags, engine log-probs, scores when already scored, metrics, the policy
+  version that generated them, generation time), so ``--resume`` trains on exactly those instead
+  of regenerating them with newer weights: a stopped and resumed run equals an uninterrupted one.
+  A batch that cannot be used (a resume with another ``max_staleness``) is named when dropped.
+
+Threads: on the local backend the background generation runs in a thread of this process (torch
+releases the GIL in its kernels, so generation and training overlap on spare cores); on Ray it
+waits on the rollout workers. The roles the background thread calls (rollout; reward with dynamic
+sampling) are serialised by a lock on the local backend, so no role object is entered by two
+threads at once. Generation is seeded per (step, work item, sampling round), so which thread or
+engine generates a batch changes nothing. (The HF engine seeds torch's process-wide generator
+inside ``torch.random.fork_rng``; the trainer draws nothing from that generator during a step, its
+shuffles use their own, and the checkpoint reads it only once no generation is pending.)
+
+Not done: a pending generation is not interrupted by a weight push (verl's partial rollouts), and
+there is one pending batch at a time, so k > 1 adds staleness but no further overlap.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from turborlhf.distributed.group import LocalGroup, WorkerTimeoutError
+from turborlhf.trainers import ppo_rlvr as rlvr
+
+__all__ = ["RolloutBatch", "RolloutPipeline", "RolloutTimeoutError", "actor_version", "rollout_pipeline"]
+
+
+class RolloutTimeoutError(WorkerTimeoutError):
+    """The trainer waited longer than ``distributed.timeout_s`` for a pending rollout batch."""
+
+
+def actor_version(step: int, critic_warmup_steps: int) -> int:
+    """Actor updates done before step `step` (0-based): the policy version the actor holds then
+    (no actor update during the critic warm-up)."""
+    return max(0, step - critic_warmup_steps)
+
+
+@dataclass
+class RolloutBatch:
+    """A generated, not yet trained rollout batch.
+
+    step: the PPO step (0-based) that trains on it; rollouts: `ppo_rlvr.Rollouts` (rows of
+    prompts, responses, finished flags, engine log-probs, scores if already scored, metrics);
+    version: `actor_version` of the weights that generated it; seconds: generation wall time."""
+
+    step: int
+    rollouts: rlvr.Rollouts
+    version: int
+    seconds: float
+
+
+class _Serialized:
+    """A local role group whose calls hold a lock: the background generation thread and the
+    trainer never enter the same role object at once (reward scoring inside dynamic sampling)."""
+
+    _CALLS = ("run", "run_alive", "run_each", "submit", "submit_each", "ref0", "map_dynamic")
+
+    def __init__(self, group: LocalGroup) -> None:
+        self.group, self.lock = group, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.group, name)
+        if name not in self._CALLS:
+            return attr
+
+        def locked(*args, **kwargs):
+            with self.lock:
+                return attr(*args, **kwargs)
+        return locked
+
+
+class RolloutPipeline:
+    """Generates the rollouts of future steps in the background (see the module docstring).
+
+    Args:
+        cfg: the `PPOConfig` (``rollout.max_staleness`` = k ≥ 1).
+        cluster: the run's roles (`turborlhf.trainers.ppo.build_roles`).
+        tok, prompt_ids, plan, columns: as `turborlhf.trainers.ppo_rlvr.collect_rollouts` takes
+            them (``plan[step]``: the step's prompt indices).
+        start: the first step this process trains (the resumed step, or 0).
+        saved: `state()` of the checkpoint resumed from, or None.
+
+    Use: ``take(step)`` at the start of each step, ``wait()`` before each weight push and each
+    checkpoint, ``pushed(step)`` after a push, ``state()`` into the checkpoint (under
+    ``STATE_KEY``), ``close()``.
+    """
+
+    STATE_KEY = "async_rollouts"      # the key of the pipeline's state in trainer_state.pt
+
+    def __init__(self, cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
+                 columns: Optional[list[dict]], start: int, saved: Optional[dict] = None) -> None:
+        self.cfg, self.cluster, self.tok, self.prompt_ids, self.plan, self.columns = (cfg, cluster, tok, prompt_ids,
+                                                                                      plan, columns)
+        self.k = cfg.rollout.max_staleness
+        self.warmup = cfg.algo.critic_warmup_steps
+        self.timeout_s = cfg.distributed.timeout_s
+        self.engine_version = actor_version(start, self.warmup)     # the engines hold the start weights
+        self.ready: dict[int, RolloutBatch] = {}
+        self.pending: Optional[tuple[int, Future]] = None
+        self.waited = 0.0
+        self._locked: dict[str, Any] = {}
+        if cluster.backend == "local":      # the background thread calls these roles
+            for role in ("rollout", "reward"):
+                self._locked[role] = cluster.groups[role]
+                cluster.groups[role] = _Serialized(cluster.groups[role])
+        if saved:
+            self._restore(saved, start)
+
+    # -- resume ---------------------------------------------------------------------------------
+    def _restore(self, saved: dict, start: int) -> None:
+        keep = range(start, min(start + self.k, len(self.plan)))
+        dropped = []
+        for b in saved["batches"]:
+            if b["step"] in keep:
+                self.ready[b["step"]] = RolloutBatch(b["step"], rlvr.Rollouts(**b["rollouts"]), b["version"],
+                                                     b["seconds"])
+            else:
+                dropped.append(b["step"])
+        if dropped:
+            print(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
+                  f"(rollout.max_staleness={self.k} does not train them next); they are generated again", flush=True)
+        if self.ready:
+            print(f"[ppo] --resume: training on the saved rollouts of step(s) "
+                  f"{', '.join(str(s + 1) for s in sorted(self.ready))} (not generated again)", flush=True)
+
+    def state(self) -> dict:
+        """Picklable state for the checkpoint: every generated, untrained batch (call `wait` first)."""
+        if self.pending is not None:
+            raise RuntimeError("RolloutPipeline.state: a generation is pending; call wait() first")
+        return {"max_staleness": self.k, "engine_version": self.engine_version,
+                "batches": [{"step": b.step, "rollouts": asdict(b.rollouts), "version": b.version,
+                             "seconds": b.seconds} for b in sorted(self.ready.values(), key=lambda b: b.step)]}
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(self, step: int, version: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        ro = rlvr.collect_rollouts(self.cluster, self.cfg, self.tok, self.prompt_ids, self.plan[step], step,
+                                   self.columns)
+        return RolloutBatch(step, ro, version, time.perf_counter() - t0)
+
+    def _launch(self, step: int) -> None:
+        fut: Future = Future()
+        version = self.engine_version
+
+        def work() -> None:
+            try:
+                fut.set_result(self._generate(step, version))
+            except BaseException as e:      # handed to the trainer by wait()
+                fut.set_exception(e)
+
+        threading.Thread(target=work, name=f"rollouts-step-{step + 1}", daemon=True).start()
+        self.pending = (step, fut)
+
+    def wait(self) -> None:
+        """Wait for the pending batch (if any) and keep it. Raises `RolloutTimeoutError` after
+        ``distributed.timeout_s`` seconds, or the generation's own error (e.g. a `WorkerError`)."""
+        if self.pending is None:
+            return
+        step, fut = self.pending
+        t0 = time.perf_counter()
+        try:
+            batch = fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise RolloutTimeoutError(
+                f"the rollouts of step {step + 1} (generated in the background, rollout.max_staleness={self.k}) "
+                f"were not ready within {self.timeout_s:g} s (distributed.timeout_s)", "rollout", None,
+                "generate") from None
+        finally:
+            self.waited += time.perf_counter() - t0
+        self.pending = None
+        self.ready[step] = batch
+
+    def take(self, step: int) -> RolloutBatch:
+        """The rollouts of `step` (generated now only at the start, or after a resume without saved
+        ones), after launching the generation of step ``step + k`` with the engines' current weights."""
+        self.waited = 0.0
+        self.wait()
+        for s in range(step, min(step + self.k, len(self.plan))):
+            if s not in self.ready:
+                self.ready[s] = self._generate(s, self.engine_version)
+        batch = self.ready.pop(step)
+        if step + self.k < len(self.plan):
+            self._launch(step + self.k)
+        return batch
+
+    def pushed(self, step: int) -> None:
+        """The actor's weights after step `step` (0-based) are in the engines."""
+        self.engine_version = actor_version(step + 1, self.warmup)
+
+    def metrics(self, batch: RolloutBatch) -> dict:
+        """``rollout/staleness`` (actor updates between the weights that generated `batch` and those
+        that train on it) and ``timing/rollout_wait`` (seconds this step waited for pending rollouts)."""
+        return {"rollout/staleness": float(actor_version(batch.step, self.warmup) - batch.version),
+                "timing/rollout_wait": self.waited}
+
+    def close(self) -> None:
+        """Give the roles back their unlocked groups. A generation still running is abandoned (its
+        thread is a daemon; on Ray its calls end with their own timeouts)."""
+        for role, group in self._locked.items():
+            self.cluster.groups[role] = group
+        self._locked.clear()
+        self.pending = None
+
+
+def rollout_pipeline(cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
+                     columns: Optional[list[dict]], start: int, state: dict) -> Optional[RolloutPipeline]:
+    """The run's `RolloutPipeline` with ``rollout.max_staleness > 0`` (given the checkpoint's trainer
+    `state`, ``{}`` for a fresh run, it trains on the saved rollouts), else None; then, on a resume,
+    it names the saved rollouts it drops (they are generated again)."""
+    saved = state.get(RolloutPipeline.STATE_KEY)
+    if cfg.rollout.max_staleness:
+        return RolloutPipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, saved)
+    if saved and saved["batches"]:
+        print("[ppo] --resume: rollout.max_staleness=0: dropping the saved rollouts of step(s) "
+              f"{', '.join(str(b['step'] + 1) for b in saved['batches'])}; they are generated again", flush=True)
+    return None

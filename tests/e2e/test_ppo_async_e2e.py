@@ -1,0 +1,316 @@
+"""Asynchronous rollouts (``rollout.max_staleness``, `turborlhf.trainers.ppo_async`) on the tiny GRPO
+config: 0 is the synchronous trainer exactly; 1 trains on rollouts of the weights before the last
+update (staleness metric, IS correction fields, different weights); a run stopped after a step
+with a pending rollout and resumed equals the uninterrupted one and does not regenerate it; a
+stuck rollout stops the run with `RolloutTimeoutError`; bad configs name the field; Ray."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
+from turborlhf.cli import main
+from turborlhf.config import ConfigError, PPOConfig, load_config
+
+GRPO_YAML = REPO / "configs/tiny/grpo.yaml"
+# the correction max_staleness > 0 requires (decoupled PPO: engine log-probs = behaviour policy)
+TIS = ["algo.rollout_is=tis", "algo.rollout_is_threshold=2.0"]
+
+
+def _args(tiny_model, tiny_rm, tiny_data, out, *extra) -> list[str]:
+    return ["ppo", "--config", str(GRPO_YAML), f"actor.name_or_path={tiny_model}", f"reward_model={tiny_rm}",
+            f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32", f"output_dir={out}",
+            "log.tensorboard=false", "log.progress=false", "train.threads=1", *extra]
+
+
+def _run(tiny_model, tiny_rm, tiny_data, out, *extra) -> list[dict]:
+    run_cli(*_args(tiny_model, tiny_rm, tiny_data, out, *extra))
+    return [r for r in metrics(out) if "rollout/reward_mean" in r]
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b):
+        keys = [k for k in ra if not k.startswith("timing/") and k != "rollout/tokens_per_s"]
+        assert set(keys) == {k for k in rb if not k.startswith("timing/") and k != "rollout/tokens_per_s"}
+        for k in keys:
+            assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, field", [
+    (["rollout.max_staleness=1"], "algo.rollout_is"),                                   # no IS correction
+    (["rollout.max_staleness=1", *TIS, "distributed.rollout_sleep=true"], "distributed.rollout_sleep"),
+    (["rollout.max_staleness=-1", *TIS], "rollout.max_staleness"),
+])
+def test_bad_async_configs_name_the_field(overrides, field, tmp_path):
+    args = _args("m", "rm", tmp_path, tmp_path / "x", *overrides)[3:]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(PPOConfig, GRPO_YAML, args)
+
+
+def test_max_staleness_is_a_ppo_field_only():
+    from turborlhf.config import RolloutCfg
+
+    assert PPOConfig.model_fields["rollout"].default_factory().max_staleness == 0
+    assert "max_staleness" not in RolloutCfg.model_fields        # rejection sampling etc. do not take it
+
+
+# ----------------------------------------------------------------------------------------------
+# max_staleness 0 = the synchronous trainer; 1 = one-step-off-policy
+# ----------------------------------------------------------------------------------------------
+
+def test_staleness_0_is_the_sync_trainer_and_1_is_one_step_off(tiny_model, tiny_rm, tiny_data, tmp_path):
+    steps = ["train.max_steps=3", *TIS]
+    sync = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "sync", *steps)
+    zero = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "zero", *steps, "rollout.max_staleness=0")
+    _same(sync, zero)
+    assert max_weight_diff(weights(tmp_path / "sync"), weights(tmp_path / "zero")) == 0.0
+    assert "rollout/staleness" not in zero[0]
+
+    off = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "async", *steps, "rollout.max_staleness=1")
+    assert [r["rollout/staleness"] for r in off] == [0.0, 1.0, 1.0]
+    for r in off:
+        for k in ("timing/rollout_wait", "rollout/is_weight_mean", "rollout/is_clipfrac", "rollout/mismatch_kl",
+                  "sync/logprob_mean_diff", "policy/loss"):
+            assert math.isfinite(r[k]), (k, r)
+        assert r["sync/logprob_mean_diff"] <= 0.05                   # every push still verified
+        assert r["timing/rollout_wait"] >= 0
+    # step 1 is the sync trainer's (same weights, same seeds); step 2 trains on θ_0's samples, not θ_1's
+    assert off[0]["rollout/reward_mean"] == sync[0]["rollout/reward_mean"]
+    assert off[0]["rollout/mismatch_kl"] < 1e-6                      # fp32 engine = trainer: no staleness yet
+    assert off[1]["rollout/mismatch_kl"] > 100 * max(sync[1]["rollout/mismatch_kl"], 1e-12)   # stale samples
+    assert off[1]["rollout/reward_mean"] != sync[1]["rollout/reward_mean"]
+    # the IS weight π_old/μ: 1 on fresh samples, not 1 on stale ones (it corrects them)
+    assert abs(off[0]["rollout/is_weight_mean"] - 1) < 1e-6 < abs(off[1]["rollout/is_weight_mean"] - 1)
+    assert max_weight_diff(weights(tmp_path / "sync"), weights(tmp_path / "async")) > 1e-7
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume: the pending rollout is saved with the checkpoint and trained on, not regenerated
+# ----------------------------------------------------------------------------------------------
+
+def test_resume_keeps_the_pending_rollouts(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):
+    from turborlhf.engine.checkpoint import load_trainer_state
+    from turborlhf.trainers import ppo_workers
+
+    out = tmp_path / "run"
+    extra = ["train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=4", "rollout.max_staleness=1", *TIS]
+    full = _run(tiny_model, tiny_rm, tiny_data, out, *extra)
+    final = weights(out)
+    saved = load_trainer_state(out / "checkpoints" / "step-000002")["async_rollouts"]
+    assert [b["step"] for b in saved["batches"]] == [2] and saved["batches"][0]["version"] == 1
+    assert len(saved["batches"][0]["rollouts"]["responses"]) == 8 and saved["batches"][0]["rollouts"]["logprobs"]
+
+    # crash after step 2, resume: the rollouts of step 3 come from the checkpoint (θ_1's), not from θ_2
+    rewind_to(out, 2)
+    calls = []
+    real = ppo_workers.RolloutWorker.generate
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "generate",
+                        lambda self, prompts, params: calls.append(params.seed) or real(self, prompts, params))
+    resumed = _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert max_weight_diff(final, weights(out)) == 0.0
+    _same(full[2:], resumed[-2:])
+    assert len(calls) == 1           # only step 4's batch is generated (step 3's came from the checkpoint)
+
+    # the same resume without the saved rollouts (regenerated with θ_2) would train differently
+    rewind_to(out, 2)
+    ckpt = out / "checkpoints" / "step-000002"
+    st = load_trainer_state(ckpt)
+    st["async_rollouts"]["batches"] = []
+    torch.save(st, ckpt / "trainer_state.pt")
+    _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert max_weight_diff(final, weights(out)) > 1e-7
+
+
+def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A signal during a step (with the next step's rollouts being generated) saves them with the
+    checkpoint; the resumed run ends with the uninterrupted run's weights."""
+    import os
+    import signal
+
+    extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS]
+    _run(tiny_model, tiny_rm, tiny_data, tmp_path / "ref", *extra)
+    from turborlhf.trainers import ppo
+
+    real = ppo.ppo_update
+    n = []
+
+    def update_then_signal(*a, **k):           # SIGTERM while step 1 trains (step 2's rollouts pending)
+        n.append(1)
+        if len(n) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    out = tmp_path / "term"
+    ppo.ppo_update = update_then_signal
+    try:
+        assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra)) == 143     # 128 + SIGTERM
+    finally:
+        ppo.ppo_update = real
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    st = load_trainer_state(latest_checkpoint(out))
+    assert st["step"] == 1 and [b["step"] for b in st["async_rollouts"]["batches"]] == [1]
+    _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert max_weight_diff(weights(tmp_path / "ref"), weights(out)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# A stuck rollout: a named error after distributed.timeout_s, not a hang
+# ----------------------------------------------------------------------------------------------
+
+def test_stuck_rollout_raises_the_named_timeout(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
+    from turborlhf.distributed.group import WorkerError, WorkerTimeoutError
+    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo import train
+    from turborlhf.trainers.ppo_async import RolloutTimeoutError
+
+    real = ppo_workers.RolloutWorker.generate
+    release = threading.Event()
+    n = []
+
+    def stuck_after_first(self, prompts, params):      # step 1's batch is fine; step 2's hangs (until released)
+        n.append(1)
+        if len(n) > 1:
+            release.wait(60)
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "generate", stuck_after_first)
+    args = _args(tiny_model, tiny_rm, tiny_data, tmp_path / "stuck", "rollout.max_staleness=1", *TIS,
+                 "distributed.timeout_s=2")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match=r"rollouts of step 2 .* not ready within 2 s "
+                                              r"\(distributed\.timeout_s\)") as err:
+            train(load_config(PPOConfig, GRPO_YAML, args[3:]))
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 50
+    assert isinstance(err.value.__cause__, RolloutTimeoutError) and isinstance(err.value.__cause__, WorkerTimeoutError)
+    assert err.value.role == "rollout"
+    # the CLI: one line naming it, exit code 1
+    n.clear()
+    release.clear()
+    try:
+        assert main(_args(tiny_model, tiny_rm, tiny_data, tmp_path / "stuck1", "rollout.max_staleness=1", *TIS,
+                          "distributed.timeout_s=2")) == 1
+    finally:
+        release.set()
+    assert "error: the rollouts of step 2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic sampling in the background thread (reward scoring there), k = 2
+# ----------------------------------------------------------------------------------------------
+
+def test_dynamic_sampling_and_two_steps_off(tiny_model, tiny_rm, tiny_data, tmp_path):
+    rule = tmp_path / "rule.py"
+    rule.write_text("def score(prompts, responses):\n"
+                    "    return [0.0 if len(p) % 2 == 0 else float(sum(map(ord, r)) % 7) "
+                    "for p, r in zip(prompts, responses)]\n")
+    extra = ["reward_model=null", f"rewards=[{{kind: function, path: {rule}:score}}]", "algo.dynamic_sampling=true",
+             "algo.kl_coef=0", "train.max_steps=4", *TIS]
+    sync = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "sync", *extra)
+    two = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "two", *extra, "rollout.max_staleness=2")
+    assert [r["rollout/staleness"] for r in two] == [0.0, 1.0, 2.0, 2.0]
+    assert all(r["rollout/groups_filled"] == 0 and r["rollout/sampling_rounds"] >= 1 for r in two)
+    # steps 1 and 2 sample with θ_0 in both runs (same seeds): same rollouts; the sync run's step 2 is on-policy
+    assert two[0]["rollout/reward_mean"] == sync[0]["rollout/reward_mean"]
+    assert two[1]["rollout/mismatch_kl"] > 100 * max(sync[1]["rollout/mismatch_kl"], 1e-12)
+    assert max_weight_diff(weights(tmp_path / "sync"), weights(tmp_path / "two")) > 1e-7
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray: separate rollout workers generate while the actor trains; same numbers as the local backend
+# ----------------------------------------------------------------------------------------------
+
+def test_ray_async_matches_local_async(tiny_model, tiny_rm, tiny_data, tmp_path):
+    pytest.importorskip("ray")
+    extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS, "rollout.batch_size=4"]
+    local = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "local", *extra)
+    ray_rows = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "ray", *extra, "distributed.backend=ray",
+                    "distributed.timeout_s=180", "distributed.rollout.devices_per_node=2")
+    assert [r["rollout/staleness"] for r in ray_rows] == [0.0, 1.0, 1.0]
+    assert all(r["rollout/engine0_items"] + r["rollout/engine1_items"] == 2 for r in ray_rows)   # both engines
+    for a, b in zip(local, ray_rows):
+        for k in ("rollout/reward_mean", "rollout/mismatch_kl", "rollout/is_weight_mean", "policy/loss"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+    assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-5
+
+
+def test_ppo_with_critic_and_warmup_counts_actor_updates(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """GAE PPO (critic) with a critic warm-up step: the actor does not move at step 1, so the batch of
+    step 2 (sampled during step 1) is not stale; step 3's is one actor update behind."""
+    run_cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32",
+            f"output_dir={tmp_path / 'ppo'}", "log.tensorboard=false", "train.threads=1", "algo.critic_warmup_steps=1",
+            "rollout.max_staleness=1", *TIS)
+    rows = [r for r in metrics(tmp_path / "ppo") if "rollout/reward_mean" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 1.0]
+    assert "policy/loss" not in rows[0] and all(math.isfinite(r["value/loss"]) for r in rows)
+    assert rows[1]["rollout/mismatch_kl"] < 1e-6 < rows[2]["rollout/mismatch_kl"]
+
+
+def test_a_bad_push_is_still_caught(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
+    """The canary check after each push works as in the synchronous trainer: an engine that drops a
+    tensor update stops the run with WeightSyncError naming the rollout worker."""
+    from turborlhf.trainers import ppo_workers
+
+    real = ppo_workers.RolloutWorker.load_weights
+
+    def stale_embedding(self, state):
+        real(self, {k: (v + 0.5 if "embed_tokens" in k else v) for k, v in state.items()})
+
+    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
+    assert main(_args(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "rollout.max_staleness=1", *TIS)) == 1
+    assert "rollout failed in check_sync: WeightSyncError" in capsys.readouterr().err
+
+
+def test_local_roles_are_entered_by_one_thread_at_a_time():
+    """`_Serialized`: the background generation thread and the trainer never run inside the same
+    local role object at once (without the lock the two calls below overlap)."""
+    from turborlhf.distributed.group import LocalGroup
+    from turborlhf.trainers.ppo_async import _Serialized
+
+    class Slow:
+        inside, overlapped = 0, False
+
+        def score(self):
+            Slow.inside += 1
+            Slow.overlapped |= Slow.inside > 1
+            time.sleep(0.2)
+            Slow.inside -= 1
+            return 1
+
+    def two_threads(group):
+        Slow.inside, Slow.overlapped = 0, False
+        t = threading.Thread(target=group.run, args=("score",))
+        t.start()
+        group.submit("score").get()
+        t.join()
+        return Slow.overlapped
+
+    assert two_threads(LocalGroup("reward", Slow()))                 # the hazard is real
+    assert not two_threads(_Serialized(LocalGroup("reward", Slow())))
+
+
+def test_resume_with_another_staleness_names_what_it_drops(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    extra = ["train.max_steps=3", "train.save_every=1", "train.keep_checkpoints=3", *TIS]
+    _run(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=1")
+    rewind_to(out, 1)
+    capsys.readouterr()
+    run_cli(*_args(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=0"), "--resume-changed")
+    assert ("--resume: rollout.max_staleness=0: dropping the saved rollouts of step(s) 2; they are generated again"
+            in capsys.readouterr().out)
+    rewind_to(out, 1)
+    run_cli(*_args(tiny_model, tiny_rm, tiny_data, out, *extra, "rollout.max_staleness=1"), "--resume-changed")
+    assert "--resume: training on the saved rollouts of step(s) 2 (not generated again)" in capsys.readouterr().out
