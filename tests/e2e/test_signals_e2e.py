@@ -175,6 +175,16 @@ def test_resume_refuses_changed_config_and_keeps_config_yaml(tiny_model, tiny_rm
     # exempt fields (log.*, threads, save interval) may differ
     run_cli(*args, "log.progress=true", "train.threads=1", "train.save_every=1", "--resume")
     saved = (out / "config.yaml").read_text()
+    # a run saved before a field existed resumes when the field is at its default ("auto" fields are
+    # this host's choice), but not when it is set to something else
+    tree = yaml.safe_load(saved)
+    del tree["model"]["device"], tree["optim"]["weight_decay"]
+    (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    run_cli(*args, "--resume")
+    (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    assert main([*map(str, args), "optim.weight_decay=0.5", "--resume"]) == 2
+    assert "optim.weight_decay: '<unset>' -> 0.5" in capsys.readouterr().err
+    (out / "config.yaml").write_text(saved)
     # --resume-changed goes on with the new config, says what changed, keeps the old config beside it
     run_cli(*args, "train.max_steps=4", "--resume-changed")
     assert "train.max_steps: 3 -> 4" in capsys.readouterr().err

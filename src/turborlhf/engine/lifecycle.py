@@ -88,6 +88,22 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return out
 
 
+def _is_field_default(cfg: Cfg, key: str, value: Any) -> bool:
+    """Whether `value` is the declared default of the config field at dotted `key` (a field added
+    after a run started is absent from its saved config; at its default it changes nothing)."""
+    *path, name = key.split(".")
+    node = cfg
+    for part in path:
+        node = getattr(node, part, None)
+    field = getattr(type(node), "model_fields", {}).get(name)
+    if field is None or field.is_required():
+        return False
+    default = field.get_default(call_default_factory=True)
+    if default == "auto":                   # a per-host choice (device, dtype): resolved, never "auto" here
+        return True
+    return default == value or (hasattr(default, "model_dump") and default.model_dump() == value)
+
+
 def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
     """Refuse (ConfigChanged) a config that differs from ``out/config.yaml``, unless allowed; then
     the previous config is kept as ``config.before-resume.yaml``."""
@@ -96,7 +112,8 @@ def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
         return
     old = yaml.safe_load(saved.read_text()) or {}
     new = config_to_dict(cfg)
-    changed = config_changes(old, new)
+    changed = {k: v for k, v in config_changes(old, new).items()
+               if not (v[0] == "<unset>" and _is_field_default(cfg, k, v[1]))}   # a field newer than the run
     if not changed:
         return
     listing = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
