@@ -82,6 +82,19 @@ def test_options_reach_both_sides(tmp_path):
     assert raw["model"]["gradient_checkpointing"]
 
 
+@pytest.mark.parametrize("command,peer_opt", [("grpo", "--new-tokens"), ("ppo", "--resp-len")])
+def test_response_length_reaches_both_sides(command, peer_opt, tmp_path):
+    """`bench grpo --new-tokens N` (cost growth with response length): both sides generate N tokens."""
+    for force in (True, False):
+        ctx = _ctx(tmp_path, response_tokens=1024, force_length=force)
+        raw = our_config(WORKLOADS[command], ctx, tmp_path / "run", 0)
+        assert raw["rollout"]["max_new_tokens"] == 1024
+        assert raw["rollout"]["min_new_tokens"] == (1024 if force else 0)
+        args = peer_args(WORKLOADS[command], raw, ctx, tmp_path, 0)
+        assert _opt(args, peer_opt) == "1024" and ("--force-length" in args) == force
+        C.PPOConfig.model_validate(raw)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("command", ["ppo", "grpo", "dpo", "rm", "generate"])
 def test_both_sides_run_at_the_harness_precision(command, dtype, tmp_path):

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of repetition 1 (repetition r uses seed + r - 1)")
     p.add_argument("--no-force-length", action="store_true",
                    help="ppo/grpo: let EOS end responses early (default: exactly max_new_tokens on both sides)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="ppo/grpo: response tokens per sample (default: the bench config's rollout.max_new_tokens); "
+                        "generate: new tokens per call (default 64)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="both sides recompute activations (TRL's default); default off on both, as turborlhf's")
     p.add_argument("--peer-dir", default=None, help="use this folder (put first on the peer's PYTHONPATH) "
@@ -176,7 +179,12 @@ def _main(a: argparse.Namespace) -> int:
     _log(f"[bench] precision of both sides: {precision.dtype} ({precision.reason})")
     ctx = RunContext(repo=repo, model_dir=model_dir, data={}, threads=threads, warmup=a.warmup, steps=a.steps,
                      force_length=not a.no_force_length, gradient_checkpointing=a.gradient_checkpointing,
-                     batch_sizes=batch_sizes, dtype=precision.dtype)
+                     batch_sizes=batch_sizes, dtype=precision.dtype, response_tokens=a.new_tokens)
+    if a.new_tokens is not None:
+        if a.new_tokens < 1:
+            raise SystemExit("error: --new-tokens must be at least 1")
+        if w.command == "generate":
+            ctx.new_tokens = a.new_tokens
     base_cfg = yaml.safe_load((repo / w.config).read_text()) if w.config else None
     n_pairs, n_prompts = data_needed(w, base_cfg, ctx)
     ctx.data = write_bench_data(hh, out / "data", n_pairs, n_prompts)
@@ -309,7 +317,7 @@ def _result(w: Workload, ctx: RunContext, a, ours: Side, peer: Side, hw_runs: li
                "warmup": ctx.warmup, "steps": ctx.steps, "threads": ctx.threads, "model": ctx.model_dir,
                "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": round(time.time() - t_start, 1),
                "force_length": ctx.force_length, "gradient_checkpointing": ctx.gradient_checkpointing,
-               "turborlhf_version": __version__, "peer_install": peer_info,
+               "response_tokens": ctx.response_tokens, "turborlhf_version": __version__, "peer_install": peer_info,
                "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                            **host_summary()},
                "ours_peak_rss_gib": ours.peak_rss_gib, "peer_peak_rss_gib": peer.peak_rss_gib,

@@ -89,6 +89,7 @@ class RunContext:
     gradient_checkpointing: bool = False
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     new_tokens: int = 64
+    response_tokens: Optional[int] = None   # ppo/grpo: rollout.max_new_tokens (and min, when forced); None = config's
     max_prompt_len: int = 96
     dtype: str = "bf16"            # both sides' compute precision: the host's best (`bench.cli`)
 
@@ -173,6 +174,9 @@ def _fill_ppo(cfg: dict, ctx: RunContext) -> None:
     for src in cfg.get("rewards", []):
         if src.get("kind") == "function" and not Path(src["path"].rpartition(":")[0]).is_absolute():
             src["path"] = str(ctx.repo / src["path"])
+    if ctx.response_tokens is not None:
+        set_dotted(cfg, "rollout.max_new_tokens", ctx.response_tokens)
+        set_dotted(cfg, "rollout.min_new_tokens", ctx.response_tokens)
     if not ctx.force_length:
         set_dotted(cfg, "rollout.min_new_tokens", 0)
     if ctx.gradient_checkpointing:
