@@ -25,7 +25,9 @@ and the only placement of the non-PPO commands), or one worker per device of eac
 ``colocate_all_models``, ``ref_reward_offload``, ``rollout_sleep``, ``dp_strategy: fsdp``).
 A device's peak is its persistent memory (weights, optimizer states) plus the largest phase
 (generation, experience, training of each role, optimizer step) and, on the CPU, the measured
-memory of a Python process with torch and transformers imported (`PROCESS_BASELINE`).
+memory of a Python process with torch and transformers imported (`PROCESS_BASELINE`). The phases
+and their order are the trainer's own (each trainer module's ``phases(cfg)``); `SPECS` sizes them,
+and a trainer phase it does not size is an error, not a silently stale plan.
 
 Accuracy: on this machine's CPU the estimates were compared with the peak RSS of real SmolLM2
 runs (docs/memory.md). GPU figures use the same formulas plus `CUDA_CONTEXT` per process and were
@@ -309,7 +311,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     # One process (backend local) runs the roles one after another: the actor trains and steps
     # (its gradients freed, set_to_none) before the critic trains. Under Ray both train at once.
     sequential = getattr(getattr(cfg, "distributed", None), "backend", "local") == "local"
-    fused_a, fused_c = _fused_update(cfg, rows, "actor"), _fused_update(cfg, rows, "critic")
+    fused_a, fused_c = _fused_update(cfg, rows, "actor"), A.needs_critic and _fused_update(cfg, rows, "critic")
     infer_a = inference_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype)
     exp = {"actor": infer_a}
     if fused_a:   # the experience forward ran with autograd and its graph waits for the update
@@ -430,6 +432,23 @@ def _spec_csft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     sp.phases = {"score (once)": {"reward": rm.weights + inference_activation_bytes(
         rm_s, cfg.data.score_batch_size, cfg.data.max_len, 0, cfg.model.dtype, head="score")}, **sp.phases}
     return sp
+
+
+def _trainer_phases(command: str, spec: _Spec, cfg) -> _Spec:
+    """`spec` with its phases in the order the trainer declares them (its module's ``phases(cfg)``),
+    so the plan follows the trainer's structure instead of a copy of it. RuntimeError naming the
+    phases when the two differ: the trainer gained (or lost) a phase this planner does not size."""
+    import importlib
+
+    from turborlhf.cli import TRAIN_COMMANDS
+
+    module = TRAIN_COMMANDS[command][0]
+    declared = tuple(importlib.import_module(module).phases(cfg))
+    if sorted(declared) != sorted(spec.phases):
+        raise RuntimeError(f"plan: {module}.phases declares {list(declared)}, the planner sizes "
+                           f"{list(spec.phases)}; update turborlhf.plan.SPECS[{command!r}]")
+    spec.phases = {name: spec.phases[name] for name in declared}
+    return spec
 
 
 SPECS = {"sft": _spec_sft, "rm": _spec_rm, "dpo": lambda c, r, k, d=None: _spec_pref(c, r, k, "dpo", d),
@@ -706,7 +725,8 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
             if stage in cfg.stages:
                 scfg = resolve_hardware(scfg, show=False)       # dtype/device auto → this host's choice
                 kind = getattr(getattr(scfg, "distributed", None), "device", "cpu")
-                p = _assemble(stage, SPECS[stage](scfg, resolve, kind), scfg, device_memory, host)
+                p = _assemble(stage, _trainer_phases(stage, SPECS[stage](scfg, resolve, kind), scfg), scfg,
+                              device_memory, host)
                 p.stage = stage
                 out.append(p)
         return out
@@ -717,7 +737,7 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
         tok_path = model if _has_tokenizer(model) else (model_config or model)
         data = batches_from_data(command, cfg, tok_path)
-    spec = SPECS[command](cfg, resolve, kind, data)
+    spec = _trainer_phases(command, SPECS[command](cfg, resolve, kind, data), cfg)
     if from_data and data is None:
         spec.assumptions.append(f"--from-data: {command}'s batches come from generation; configured maxima used")
     return [_assemble(command, spec, cfg, device_memory, host)]

@@ -49,10 +49,16 @@ from turborlhf.rollout import make_engine
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.common import fit
 
-__all__ = ["train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
+__all__ = ["phases", "train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
            "load_tag_info", "load_examples", "sample_policy_examples", "evaluate_conditional", "TAG_FILE"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: ConditionalSFTConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): scoring every
+    example once with the reward model (then freed), then the SFT loop's forward/backward and step."""
+    return ("score (once)", "train", "optimizer step")
 
 # ----------------------------------------------------------------------------------------------
 # Score → bin (pure)

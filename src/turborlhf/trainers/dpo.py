@@ -61,9 +61,17 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
+__all__ = ["phases", "train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss",
+           "pair_metrics"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: DPOConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): the reference
+    log-probs, computed once up front (none with ``algo.reference_free``), then each optimizer
+    step's forward/backward and step."""
+    return (() if cfg.algo.reference_free else ("reference log-probs (once)",)) + ("train", "optimizer step")
 
 # config name → turborlhf.algo.DPO_VARIANTS key (one explicit table, no if/elif ladder)
 LOSS_VARIANTS = {"dpo": "sigmoid", "cdpo": "cdpo", "robust": "robust", "ipo": "ipo"}

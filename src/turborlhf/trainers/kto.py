@@ -49,9 +49,16 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "train_steps", "mismatch_sources", "check_weights"]
+__all__ = ["phases", "train", "train_steps", "mismatch_sources", "check_weights"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: KTOConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): the reference
+    log-probs (once, up front); per optimizer step the no-grad KL reference point z0 over the
+    step's mismatched pairs, the forward/backward, the step."""
+    return ("reference log-probs (once)", "z0 (no grad)", "train", "optimizer step")
 
 
 def mismatch_sources(prompts: Sequence[str]) -> list[int]:

@@ -49,6 +49,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -75,7 +76,7 @@ from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dyna
 from turborlhf.trainers import ppo_workers as W
 from turborlhf.trainers.ppo_compute import Experience, row_shards, use_fused_update
 
-__all__ = ["train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
+__all__ = ["phases", "train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
            "minibatch_schedule", "merge_rank_stats", "rollout_items", "generate", "sync_weights", "build_roles",
            "ADVANTAGE_ESTIMATORS", "RunInterrupted"]
 
@@ -323,6 +324,25 @@ def ppo_update(cluster, cfg: PPOConfig, exp: Experience, train_actor: bool, gene
 # ----------------------------------------------------------------------------------------------
 # Setup and the loop
 # ----------------------------------------------------------------------------------------------
+
+def phases(cfg: PPOConfig) -> tuple[str, ...]:
+    """The memory phases of one PPO step, in order (`turborlhf plan` sizes each one and refuses a
+    config whose phases it does not model): step 1's generation; step 2's forwards (with autograd
+    when a role keeps its graph for a fused update, `use_fused_update`); step 5's updates. In one
+    process (``distributed.backend: local``) the actor trains and steps before the critic trains;
+    on Ray both train at once and step together."""
+    A, D = cfg.algo, cfg.distributed
+    rows = A.prompts_per_step * A.n_samples_per_prompt
+    trained = ("actor", "critic") if A.needs_critic else ("actor",)
+    fused = any(use_fused_update(cfg, rows, SimpleNamespace(role=r, world_size=getattr(D, r).world_size))
+                for r in trained)
+    out = ("generate", "experience" if fused else "experience (no grad)", "train actor")
+    if not A.needs_critic:
+        return out + ("optimizer step",)
+    if D.backend == "local":
+        return out + ("actor step", "train critic", "critic step")
+    return out + ("train critic", "optimizer step")
+
 
 def lora_reference(cfg: PPOConfig) -> bool:
     """With a LoRA actor whose reference is its own starting model, the reference is the actor with

@@ -54,9 +54,16 @@ from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.common import sft_step
 
-__all__ = ["train", "select_best", "round_prompts", "sft_on_rows", "SFTStopped"]
+__all__ = ["phases", "train", "select_best", "round_prompts", "sft_on_rows", "SFTStopped"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: RejectionSamplingConfig) -> tuple[str, ...]:
+    """The memory phases of one round, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): round steps
+    1-2 (sample with the engine, score with the reward model), then step 4's SFT forward/backward and
+    optimizer steps."""
+    return ("generate", "score", "train", "optimizer step")
 
 BEST_SCORE = "rollout/best_score_mean"
 GAIN = "rollout/best_of_n_gain"

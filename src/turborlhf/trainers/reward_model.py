@@ -30,9 +30,14 @@ from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
-__all__ = ["train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
+__all__ = ["phases", "train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: RMConfig) -> tuple[str, ...]:
+    """The memory phases of one optimizer step, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model)."""
+    return ("train", "optimizer step")
 
 
 @torch.no_grad()

@@ -23,9 +23,16 @@ from turborlhf.trainers.common import evaluate_nll, fit, fit_steps, sft_loss_on_
 
 # the loss and loop live in `turborlhf.trainers.common` (shared with conditional-sft, rejection
 # sampling and PPO-ptx); re-exported here, where `turborlhf sft` users look for them
-__all__ = ["train", "train_steps", "fit", "fit_steps", "sft_step", "encode_examples", "sft_loss_on_batch", "evaluate_nll"]
+__all__ = ["phases", "train", "train_steps", "fit", "fit_steps", "sft_step", "encode_examples", "sft_loss_on_batch",
+           "evaluate_nll"]
 
 logger = logging.getLogger(__name__)
+
+
+def phases(cfg: SFTConfig) -> tuple[str, ...]:
+    """The memory phases of one optimizer step, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model):
+    the micro-batches' forward/backward, then the optimizer step."""
+    return ("train", "optimizer step")
 
 
 def train(cfg: SFTConfig, resume: bool = False) -> Path:
