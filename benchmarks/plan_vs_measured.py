@@ -39,7 +39,7 @@ def runs(data: Path, sft: str, rm: str) -> dict[str, tuple[str, list[str]]]:
         out["dpo" + suffix] = ("dpo", [f"--config={CFG / 'dpo.yaml'}", f"data.train_file={p}", "data.test_file=null",
                                        "data.max_samples=24", "train.save_every=0"])
         out["ppo" + suffix] = ("ppo", [f"--config={CFG / 'ppo.yaml'}", f"actor.name_or_path={sft}", f"reference={sft}",
-                                       f"reward_model={rm}", f"data.prompts_file={q}", "data.test_prompts_file=null"]
+                                       f"reward_model={rm}", f"data.prompts_file={q}"]
                                + (["rollout.min_new_tokens=48"] if suffix else []))
     return out
 

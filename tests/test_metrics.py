@@ -38,3 +38,42 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
     _write(tmp_path / "metrics.jsonl", [1], tail="not json\n" + json.dumps({"step": 2}) + "\n")
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
         MetricsLogger(tmp_path, "t", 6, tensorboard=False, progress=False, resume=True, start_step=2)
+
+
+def test_metric_names_keep_one_convention():
+    """Every canonical name is ``<part>/<name>`` with one of the run's parts as prefix (critic
+    metrics under critic/, none bare), and no two names collide."""
+    from turborlhf.metrics import M
+
+    parts = {"train", "eval", "policy", "critic", "rollout", "timing", "sync", "rewards", "logps"}
+    names = {k: v for k, v in vars(M).items() if k.isupper()}
+    bad = {k: v for k, v in names.items() if v.count("/") != 1 or v.split("/")[0] not in parts}
+    assert not bad, bad
+    assert len(set(names.values())) == len(names)
+    assert M.VALUE_LOSS.startswith("critic/") and M.EXPLAINED_VAR.startswith("critic/")
+
+
+def test_console_logging_prints_messages_as_they_are(capsys):
+    """The ``turborlhf`` logger's console handler writes the bare message (no level or time) to the
+    current stdout (warnings to stderr), so CLI output is what `print` gave; set up twice, it
+    still prints once; `redirect_stdout` (``eval-* --json`` sends logs to stderr) is honoured."""
+    import contextlib
+    import io
+    import logging
+
+    from turborlhf.metrics import console_logging
+
+    console_logging()
+    console_logging()
+    log = logging.getLogger("turborlhf.trainers.example")
+    log.info("[sft] saved policy to runs/x")
+    log.warning("[sft] TensorBoard disabled: no module")
+    log.debug("not shown at the default level")
+    out, err = capsys.readouterr()
+    assert out == "[sft] saved policy to runs/x\n"
+    assert err == "[sft] TensorBoard disabled: no module\n"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        log.info("[generate] 4 prompts")
+    assert buf.getvalue() == "[generate] 4 prompts\n" and capsys.readouterr().out == ""
+    assert sum(type(h).__name__ == "_Console" for h in logging.getLogger("turborlhf").handlers) == 1

@@ -212,6 +212,9 @@ class _Trainer:
         if train_dataset is not None:
             _set(tree, self.train_field, _write_dataset(train_dataset, out / "data" / "train", "train_dataset"))
         if eval_dataset is not None:
+            if self.eval_field is None:
+                raise UserError(f"eval_dataset: {type(self).__name__} has no held-out evaluation during training; "
+                                "evaluate the result with turborlhf.evaluate.eval_policy")
             _set(tree, self.eval_field, _write_dataset(eval_dataset, out / "data" / "eval", "eval_dataset"))
         self._extend_tree(tree, out)
         self.args = load_config(cls, base=tree)           # ConfigError naming the field
@@ -370,8 +373,7 @@ class _RLTrainer(_Trainer):
     """The ppo trainer (`turborlhf.trainers.ppo`) with its reward sources given as objects."""
 
     module = "turborlhf.trainers.ppo"
-    model_field, train_field, eval_field, ref_field = ("actor.name_or_path", "data.prompts_file",
-                                                       "data.test_prompts_file", "reference")
+    model_field, train_field, eval_field, ref_field = "actor.name_or_path", "data.prompts_file", None, "reference"
 
     def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None,

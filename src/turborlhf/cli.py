@@ -196,6 +196,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     from turborlhf.errors import RunError, UserError
+    from turborlhf.metrics import console_logging
+
+    console_logging()     # progress and status messages; results and errors below are printed
 
     try:
         return _dispatch(argv)

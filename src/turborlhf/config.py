@@ -23,9 +23,9 @@ from turborlhf.errors import UserError
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
-    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "RolloutCfg", "PPORolloutCfg", "DistributedCfg",
-    "RoleResourcesCfg", "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg", "DPOConfig",
-    "KTOConfig", "DataFormatCfg", "default_tree",
+    "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "EvalLoopCfg", "RolloutCfg", "PPORolloutCfg",
+    "DistributedCfg", "RoleResourcesCfg", "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg",
+    "DPOConfig", "KTOConfig", "DataFormatCfg", "default_tree",
 ]
 
 
@@ -163,9 +163,14 @@ class TrainLoopCfg(Cfg):
     max_steps: int = Field(0, ge=0, description="stop after this many optimizer steps; 0 = run the epochs")
     micro_batch_size: int = Field(4, ge=1, description="sequences (or pairs) per forward/backward pass")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
-    eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(1, ge=1, description="how many resumable checkpoints to keep")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
+
+
+class EvalLoopCfg(TrainLoopCfg):
+    """A training loop with a held-out evaluation (``data.test_file``): sft, rm, dpo, kto."""
+
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
 
 
 # `rollout.sync_tolerance` by engine dtype (nats): the canary statistic of a correct push, measured on
@@ -246,7 +251,7 @@ class SFTDataCfg(DataFormatCfg):
     max_samples: int = _at_most("training examples")
 
 
-class SFTTrainCfg(TrainLoopCfg):
+class SFTTrainCfg(EvalLoopCfg):
     sequences_per_step: int = Field(16, ge=1, description="sequences per optimizer step (global batch)")
 
 
@@ -268,7 +273,7 @@ class RMDataCfg(DataFormatCfg):
     max_samples: int = _at_most("training pairs")
 
 
-class RMTrainCfg(TrainLoopCfg):
+class RMTrainCfg(EvalLoopCfg):
     pairs_per_step: int = Field(8, ge=1, description="preference pairs per optimizer step (global batch)")
     margin: bool = Field(False, description="use the per-pair `margin` field in the loss (-logσ(rc-rr-m))")
     center_rewards_coef: float = Field(0.0, ge=0, description="Eisenstein et al. centring term c·mean((rc+rr)^2)")
@@ -288,7 +293,6 @@ class RMConfig(Cfg):
 
 class PPODataCfg(DataFormatCfg):
     prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
-    test_prompts_file: Optional[str] = Field(None, description="held-out prompts for periodic evaluation")
     max_samples: int = _at_most("prompts")
     ptx_file: Optional[str] = Field(None, description="PPO-ptx: SFT data ({prompt, response}, messages or pair "
                                                       "format: trains on chosen) mixed into the actor loss")
@@ -302,7 +306,7 @@ class RewardSourceCfg(Cfg):
         ..., description="model = RM directory, function = Python rule, remote = `serve-rm` URL, callable = Python API's")
     path: str = Field(..., description="RM directory | path/to/module.py:function | http://host:port | callable's key")
     weight: float = Field(1.0, description="weight of this source in the combined score")
-    name: Optional[str] = Field(None, description="metric name (reward/<name>); default <kind><index>")
+    name: Optional[str] = Field(None, description="metric name (rollout/reward_<name>_mean); default <kind><index>")
     timeout_s: float = Field(60.0, gt=0, description="remote: seconds to wait for one answer")
     retries: int = Field(2, ge=0, description="remote: further tries after a failed one (exponential backoff)")
 
@@ -538,7 +542,7 @@ class DPOAlgoCfg(Cfg):
         return self
 
 
-class DPOTrainCfg(TrainLoopCfg):
+class DPOTrainCfg(EvalLoopCfg):
     pairs_per_step: int = Field(8, ge=1, description="preference pairs per optimizer step (global batch); "
                                                      "micro_batch_size counts pairs (2 sequences each)")
 
@@ -578,7 +582,7 @@ class KTOAlgoCfg(Cfg):
                                                              "λ_D·N_D/(λ_U·N_U) in [1, 4/3] (paper, TRL)")
 
 
-class KTOTrainCfg(TrainLoopCfg):
+class KTOTrainCfg(EvalLoopCfg):
     examples_per_step: int = Field(16, ge=2, description="examples per optimizer step (global batch); the KL "
                                                          "reference point z0 is estimated over these")
 

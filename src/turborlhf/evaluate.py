@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 __all__ = ["main", "eval_rm", "eval_policy"]
+
+logger = logging.getLogger(__name__)
 
 
 def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8, limit: int = 0,
@@ -82,13 +85,12 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
     t0 = time.perf_counter()
-    print(f"[generate] {len(ids)} prompts, batches of {batch_size}...", flush=True)
+    logger.info(f"[generate] {len(ids)} prompts, batches of {batch_size}...")
     # one call: the engine batches the prompts by length (less padding than fixed chunks)
     out = eng.generate(ids, params)
     dt = time.perf_counter() - t0
     n_tok = sum(len(r) for r in out.response_ids)
-    print(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)",
-          flush=True)
+    logger.info(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return ids, out.response_ids, out.finished
 
 
@@ -120,7 +122,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     from turborlhf.engine.train import autocast, set_threads
     from turborlhf.models.load import load_causal_lm, load_tokenizer
     from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
-    from turborlhf.trainers.conditional_sft import TAG_FILE, condition_prompt, load_tag_info
+    from turborlhf.data.conditioning import TAG_FILE, condition_prompt, load_tag_info
 
     set_threads()
     t0 = time.perf_counter()
@@ -138,7 +140,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         k = info["best_bin"] if tag_bin is None else tag_bin
         tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]
-        print(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}", flush=True)
+        logger.info(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}")
     p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine,
                                            dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else dev.type),
                                            device=dev)
@@ -156,8 +158,8 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
            "n": len(prompts), "response_length_mean": float(lens.mean()),
            "eos_fraction": float(torch.tensor(fin, dtype=torch.float32).mean())}
     if reference_dir:
+        from turborlhf.data.tokenize import assemble_prompt_response
         from turborlhf.models.forward import response_logprobs
-        from turborlhf.trainers.ppo import assemble
 
         ref = load_causal_lm(reference_dir, tok, dtype=frozen, device=dev)
         ref_p_ids = p_ids if tag is None else [encode_prompt(tok, p, 256) for p in prompts]
@@ -166,7 +168,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
             for s in range(0, len(p_ids), 8):
                 sums = []
                 for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
-                    ids, attn, P, mask = assemble(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
+                    ids, attn, P, mask = assemble_prompt_response(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
                     target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
                     sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1))
                 kls.append(sums[0] - sums[1])

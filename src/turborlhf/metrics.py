@@ -1,7 +1,15 @@
-"""Metrics: one logger writes each step to stdout (a compact progress line), JSONL and the
+"""Metrics: one logger writes each step to the console (a compact progress line), JSONL and the
 experiment trackers of ``log.report_to`` (TensorBoard, W&B, MLflow, Trackio: ``trackers.py``).
 
-Canonical metric names are defined here once and used by every trainer.
+Canonical metric names are defined here once and used by every trainer (`M`): one prefix per
+part of the run, ``train/`` (the optimised model's step: loss, lr, grad norm), ``eval/``,
+``policy/`` (the actor), ``critic/`` (the value model), ``rollout/`` (generation and rewards),
+``timing/``, ``sync/`` (weight-sync checks), and TRL's ``rewards/``/``logps/`` for DPO and KTO.
+
+Console messages: every module logs to ``logging.getLogger(__name__)`` under the ``turborlhf``
+logger; `console_logging` (called once by the CLI and at the start of every run) gives that logger
+a handler that prints each message as it is, info to stdout and warnings to stderr. Results that
+are a command's product (``--json`` objects, generated text, tables) are printed, not logged.
 
 Callbacks (the Python API's ``callbacks=``, `turborlhf.api`): objects with any of the hooks of
 `TrainerCallback`, active for the duration of a `use_callbacks` block. Every trainer logs through
@@ -12,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import logging
 import math
 import os
 import sys
@@ -20,7 +29,39 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs", "TrainerCallback", "use_callbacks"]
+__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs", "TrainerCallback", "use_callbacks",
+           "console_logging"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Console(logging.Handler):
+    """Writes each record's message, unformatted, to the *current* ``sys.stdout`` (INFO and below)
+    or ``sys.stderr`` (WARNING and above), looked up per record so that
+    ``contextlib.redirect_stdout`` and test capture see it; flushed like ``print(..., flush=True)``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001  (logging's contract: never raise from a handler)
+            self.handleError(record)
+
+
+def console_logging(level: int = logging.INFO) -> logging.Logger:
+    """Give the ``turborlhf`` logger its console handler (once per process; later calls only
+    return it) and `level` if it has none. The handler prints messages as they are, without
+    level or time prefixes (every message already names its command, e.g. ``[ppo] ...``), and
+    the logger does not propagate, so a root handler set up by the caller does not print twice;
+    to send turborlhf's messages elsewhere, add handlers to ``logging.getLogger("turborlhf")``."""
+    root = logging.getLogger("turborlhf")
+    if not any(isinstance(h, _Console) for h in root.handlers):
+        root.addHandler(_Console())
+        root.propagate = False
+    if root.level == logging.NOTSET:
+        root.setLevel(level)
+    return root
 
 
 class M:
@@ -39,19 +80,22 @@ class M:
     SCORE_MEAN = "rollout/score_mean"
     RESPONSE_LEN = "rollout/response_length"
     EOS_FRAC = "rollout/eos_fraction"
+    ADV_MEAN = "rollout/advantage_mean"     # every estimator's, critic or not (so rollout/, not critic/)
+    RETURN_MEAN = "rollout/return_mean"
     KL = "policy/kl"
     KL_COEF = "policy/kl_coef"
+    KL_PER_TOKEN = "policy/kl_per_token"
+    KL_LOSS = "policy/kl_loss"
     ENTROPY = "policy/entropy"
     CLIPFRAC = "policy/clipfrac"
     APPROX_KL = "policy/approx_kl"
     POLICY_LOSS = "policy/loss"
     POLICY_GRAD_NORM = "policy/grad_norm"   # actor, before clipping
-    VALUE_LOSS = "value/loss"
-    VALUE_GRAD_NORM = "value/grad_norm"     # critic, before clipping
-    VALUE_CLIPFRAC = "value/clipfrac"
-    EXPLAINED_VAR = "value/explained_variance"
-    ADV_MEAN = "advantage/mean"
-    RETURN_MEAN = "value/return_mean"
+    PTX_LOSS = "policy/ptx_loss"            # PPO-ptx: the SFT term of the actor's loss
+    VALUE_LOSS = "critic/loss"
+    VALUE_GRAD_NORM = "critic/grad_norm"    # critic, before clipping
+    VALUE_CLIPFRAC = "critic/clipfrac"
+    EXPLAINED_VAR = "critic/explained_variance"
     T_GENERATE = "timing/generate"
     T_EXPERIENCE = "timing/experience"
     T_TRAIN = "timing/train"
@@ -64,6 +108,7 @@ class M:
     LOGP_CHOSEN = "logps/chosen"
     LOGP_REJECTED = "logps/rejected"
     T_WEIGHT_PUSH = "timing/weight_push"
+    T_WEIGHT_SYNC = "timing/weight_sync"
     T_SYNC_VERIFY = "timing/sync_verify"
     SYNC_LOGP_DIFF = "sync/logprob_mean_diff"
     SYNC_ROW_DIFF = "sync/logprob_max_row_diff"
@@ -166,7 +211,8 @@ def _read_rows(path: Path) -> list[tuple[str, dict]]:
 
 
 class MetricsLogger:
-    """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and stdout.
+    """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and the console log
+    (one progress line per logged step, `console_logging`).
 
     Args:
         output_dir: run directory.
@@ -201,7 +247,7 @@ class MetricsLogger:
             try:
                 self._trackers += make_trackers(["tensorboard"], self.dir)
             except Exception as e:  # tensorboard missing or broken: keep going with JSONL
-                print(f"[{name}] TensorBoard disabled: {e}", file=sys.stderr)
+                logger.warning(f"[{name}] TensorBoard disabled: {e}")
         self._trackers += make_trackers([n for n in names if n != "tensorboard"], self.dir, project, run_name, config)
         self._jsonl = open(path, "a" if resume else "w")
         self._t0 = time.perf_counter()
@@ -221,7 +267,7 @@ class MetricsLogger:
         for t in self._trackers:
             t.log(step, scalars)
         if self.progress:
-            print(self.progress_line(step, row), flush=True)
+            logger.info(self.progress_line(step, row))
         if self._callbacks:
             cb_metrics = {k: v for k, v in row.items() if k != "step"}
             if step > self._last_step:       # a step's first row; a later row of the same step is an evaluation

@@ -48,8 +48,7 @@ def stage_configs(cfg: PipelineConfig, model: str) -> dict:
                                     "data": pairs}, cfg.rm, "rm"),
         "ppo": _stage_cfg(PPOConfig, {"actor": {"name_or_path": sft_out}, "reference": sft_out,
                                       "reward_model": str(run_dir / "rm"), "output_dir": str(run_dir / "ppo"),
-                                      "data": {"prompts_file": str(data / "train_prompts.jsonl"),
-                                               "test_prompts_file": str(data / "test_prompts.jsonl")}},
+                                      "data": {"prompts_file": str(data / "train_prompts.jsonl")}},
                           cfg.ppo, "ppo"),
     }
 

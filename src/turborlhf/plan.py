@@ -25,7 +25,9 @@ and the only placement of the non-PPO commands), or one worker per device of eac
 ``colocate_all_models``, ``ref_reward_offload``, ``rollout_sleep``, ``dp_strategy: fsdp``).
 A device's peak is its persistent memory (weights, optimizer states) plus the largest phase
 (generation, experience, training of each role, optimizer step) and, on the CPU, the measured
-memory of a Python process with torch and transformers imported (`PROCESS_BASELINE`).
+memory of a Python process with torch and transformers imported (`PROCESS_BASELINE`). The phases
+and their order are the trainer's own (each trainer module's ``phases(cfg)``); `SPECS` sizes them,
+and a trainer phase it does not size is an error, not a silently stale plan.
 
 Accuracy: on this machine's CPU the estimates were compared with the peak RSS of real SmolLM2
 runs (docs/memory.md). GPU figures use the same formulas plus `CUDA_CONTEXT` per process and were
@@ -216,9 +218,9 @@ def _sft_like(cfg, shape: ModelShape, kind: str, rows: int, row_len: int, resp: 
 
 
 def _spec_sft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
-    T = cfg.train
+    loop = cfg.train
     s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
-    mb = min(T.micro_batch_size, T.sequences_per_step)
+    mb = min(loop.micro_batch_size, loop.sequences_per_step)
     rows, L, resp = (data["rows"], data["row_len"], data["resp"]) if data else (mb, cfg.data.max_len,
                                                                                 mb * cfg.data.max_len)
     sp = _sft_like(cfg, s, kind, rows, L, resp, "policy")
@@ -228,10 +230,10 @@ def _spec_sft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
 
 
 def _spec_rm(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
-    T = cfg.train
+    loop = cfg.train
     s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
     rm = _train_role("reward_model", s, cfg.model, cfg.optim, scalar=True, device_kind=kind)
-    mb = min(T.micro_batch_size, T.pairs_per_step)
+    mb = min(loop.micro_batch_size, loop.pairs_per_step)
     L = 2 * cfg.data.max_len
     if data:
         mb, L = data["rows"], data["row_len"]
@@ -247,17 +249,17 @@ def _spec_rm(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
 
 def _spec_pref(cfg, resolve, kind, name: str, data: Optional[dict] = None) -> _Spec:
     """DPO (pairs: 2 sequences each) and KTO (single examples + a no-grad z0 pass)."""
-    T = cfg.train
+    loop = cfg.train
     s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
-    per_step = T.pairs_per_step if name == "dpo" else T.examples_per_step
-    mb = min(T.micro_batch_size, per_step)
+    per_step = loop.pairs_per_step if name == "dpo" else loop.examples_per_step
+    mb = min(loop.micro_batch_size, per_step)
     rows = 2 * mb if name == "dpo" else mb
     Lm = cfg.data.max_len
     if data:
         sp = _sft_like(cfg, s, kind, data["rows"], data["row_len"], data["resp"], "policy")
     else:
         sp = _sft_like(cfg, s, kind, rows, Lm, rows * Lm, "policy")
-    ref_rows = 4 * T.micro_batch_size
+    ref_rows = 4 * loop.micro_batch_size
     infer = inference_activation_bytes(s, ref_rows, Lm, ref_rows * Lm, cfg.model.dtype)
     ref_free = getattr(getattr(cfg, "algo", None), "reference_free", False)
     if not ref_free:
@@ -274,23 +276,23 @@ def _spec_pref(cfg, resolve, kind, name: str, data: Optional[dict] = None) -> _S
                                             "(adapters disabled with LoRA): no second copy")
         sp.phases = {"reference log-probs (once)": phase, **sp.phases}
     if name == "kto":
-        sp.phases["z0 (no grad)"] = {"policy": inference_activation_bytes(s, 2 * T.micro_batch_size, Lm,
-                                                                          2 * T.micro_batch_size * Lm, cfg.model.dtype)}
+        z0_rows = 2 * loop.micro_batch_size
+        sp.phases["z0 (no grad)"] = {"policy": inference_activation_bytes(s, z0_rows, Lm, z0_rows * Lm, cfg.model.dtype)}
     sp.assumptions.append((data["note"] + "; " if data else f"training forward of {rows} sequences × {Lm} tokens; ")
                           + f"reference pass in batches of {ref_rows} sequences")
     return sp
 
 
 def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
-    A, R, T = cfg.algo, cfg.rollout, cfg.train
+    A, roll, loop = cfg.algo, cfg.rollout, cfg.train
     actor_s = _shape(cfg.actor.name_or_path, cfg.actor.lora, resolve)
     rows = A.prompts_per_step * A.n_samples_per_prompt
-    mb = min(T.micro_batch_size, rows)
-    prompt_len = data["prompt_len"] if data else R.max_prompt_len
-    L = prompt_len + R.max_new_tokens
+    mb = min(loop.micro_batch_size, rows)
+    prompt_len = data["prompt_len"] if data else roll.max_prompt_len
+    L = prompt_len + roll.max_new_tokens
     roles: dict[str, Role] = {}
     actor = _train_role("actor", actor_s, cfg.actor, cfg.optim, scalar=False, device_kind=kind)
-    act_a = train_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype, "lm",
+    act_a = train_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype, "lm",
                                    gradient_checkpointing=cfg.actor.gradient_checkpointing,
                                    lora_rank=cfg.actor.lora.rank, fused_layers=fused_layers_for(actor_s, kind))
     actor.activations = act_a["peak"]
@@ -309,8 +311,8 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     # One process (backend local) runs the roles one after another: the actor trains and steps
     # (its gradients freed, set_to_none) before the critic trains. Under Ray both train at once.
     sequential = getattr(getattr(cfg, "distributed", None), "backend", "local") == "local"
-    fused_a, fused_c = _fused_update(cfg, rows, "actor"), _fused_update(cfg, rows, "critic")
-    infer_a = inference_activation_bytes(actor_s, mb, L, mb * R.max_new_tokens, cfg.actor.dtype)
+    fused_a, fused_c = _fused_update(cfg, rows, "actor"), A.needs_critic and _fused_update(cfg, rows, "critic")
+    infer_a = inference_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype)
     exp = {"actor": infer_a}
     if fused_a:   # the experience forward ran with autograd and its graph waits for the update
         exp["actor"] = act_a["saved"]
@@ -358,14 +360,14 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
             rs = _shape(ref_path, None, resolve)
             roles["reference"] = _frozen_role("reference", rs, frozen_dtype, scalar=False)
         exp["reference"] = infer_a
-    engine = Role(name="rollout", model=actor_s.name, weights=(2 if R.dtype == "bf16" else 4) * actor_s.params)
-    gen_rows = min(rows, R.batch_size)
-    engine.kv_cache = kv_cache_bytes(actor_s, gen_rows, prompt_len, R.max_new_tokens, R.dtype)
-    prefill = (kv_cache_bytes(actor_s, gen_rows, prompt_len, 0, R.dtype)
-               + inference_activation_bytes(actor_s, gen_rows, prompt_len, 0, R.dtype, head="score")
+    engine = Role(name="rollout", model=actor_s.name, weights=(2 if roll.dtype == "bf16" else 4) * actor_s.params)
+    gen_rows = min(rows, roll.batch_size)
+    engine.kv_cache = kv_cache_bytes(actor_s, gen_rows, prompt_len, roll.max_new_tokens, roll.dtype)
+    prefill = (kv_cache_bytes(actor_s, gen_rows, prompt_len, 0, roll.dtype)
+               + inference_activation_bytes(actor_s, gen_rows, prompt_len, 0, roll.dtype, head="score")
                + gen_rows * prompt_len ** 2)
     engine.activations = prefill
-    engine.notes.append(f"KV cache for {gen_rows} rows × {prompt_len}+{R.max_new_tokens} tokens")
+    engine.notes.append(f"KV cache for {gen_rows} rows × {prompt_len}+{roll.max_new_tokens} tokens")
     roles["rollout"] = engine
     if sequential:   # one forward at a time: kept graphs stay, each no-grad forward's activations go
         kept = {r: b for r, b in exp.items() if (r == "actor" and fused_a) or (r == "critic" and fused_c)}
@@ -378,14 +380,14 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     phases = {"generate": {"rollout": engine.kv_cache + prefill},
               ("experience" if fused_a or fused_c else "experience (no grad)"): exp, **phases, last_step: step}
     return _Spec(roles, phases, [f"rollout batch {rows} sequences, micro-batch {mb} × ({prompt_len} prompt + "
-                                 f"{R.max_new_tokens} response tokens), responses at max_new_tokens (worst case)"
+                                 f"{roll.max_new_tokens} response tokens), responses at max_new_tokens (worst case)"
                                  + (f"; {data['note']}" if data else "")])
 
 
 def _fused_update(cfg, rows: int, role: str) -> bool:
-    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo.use_fused_update`,
-    imported lazily: the trainer pulls in torch)."""
-    from turborlhf.trainers.ppo import use_fused_update
+    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo_compute.use_fused_update`,
+    imported lazily: it pulls in torch)."""
+    from turborlhf.trainers.ppo_compute import use_fused_update
 
     d = getattr(cfg, "distributed", None)
     world = getattr(getattr(d, role, None), "world_size", 1) if d is not None else 1
@@ -393,9 +395,9 @@ def _fused_update(cfg, rows: int, role: str) -> bool:
 
 
 def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
-    R, T = cfg.rollout, cfg.train
+    roll, loop = cfg.rollout, cfg.train
     s = _shape(cfg.model.name_or_path, cfg.model.lora, resolve)
-    mb = min(T.micro_batch_size, T.sequences_per_step)
+    mb = min(loop.micro_batch_size, loop.sequences_per_step)
     sp = _sft_like(cfg, s, kind, mb, cfg.data.max_len, mb * cfg.data.max_len, "policy")
     pol = sp.roles["policy"]
     # a fresh AdamW per round: its states exist only during the SFT phase, not while generating
@@ -405,16 +407,16 @@ def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     pol.optimizer = 0
     sp.assumptions.append(f"SFT micro-batch of {mb} sequences × {cfg.data.max_len} tokens (worst case); "
                           f"{cfg.algo.n_samples_per_prompt} samples per prompt generated "
-                          f"{min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)} at once")
+                          f"{min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, roll.batch_size)} at once")
     rm_s = _shape(cfg.reward_model, None, resolve)
     sp.roles["reward"] = _frozen_role("reward", rm_s, cfg.model.dtype, scalar=True)
-    rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, R.batch_size)
-    engine = Role(name="rollout", model=s.name, weights=(2 if R.dtype == "bf16" else 4) * s.params,
-                  kv_cache=kv_cache_bytes(s, rows, R.max_prompt_len, R.max_new_tokens, R.dtype))
+    rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, roll.batch_size)
+    engine = Role(name="rollout", model=s.name, weights=(2 if roll.dtype == "bf16" else 4) * s.params,
+                  kv_cache=kv_cache_bytes(s, rows, roll.max_prompt_len, roll.max_new_tokens, roll.dtype))
     sp.roles["rollout"] = engine
-    L = R.max_prompt_len + R.max_new_tokens
+    L = roll.max_prompt_len + roll.max_new_tokens
     sp.phases = {"generate": {"rollout": engine.kv_cache + inference_activation_bytes(
-                     s, rows, R.max_prompt_len, 0, R.dtype, head="score")},
+                     s, rows, roll.max_prompt_len, 0, roll.dtype, head="score")},
                  "score": {"reward": inference_activation_bytes(rm_s, cfg.algo.score_batch_size, L, 0,
                                                                 cfg.model.dtype, head="score")},
                  **sp.phases}
@@ -430,6 +432,23 @@ def _spec_csft(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     sp.phases = {"score (once)": {"reward": rm.weights + inference_activation_bytes(
         rm_s, cfg.data.score_batch_size, cfg.data.max_len, 0, cfg.model.dtype, head="score")}, **sp.phases}
     return sp
+
+
+def _trainer_phases(command: str, spec: _Spec, cfg) -> _Spec:
+    """`spec` with its phases in the order the trainer declares them (its module's ``phases(cfg)``),
+    so the plan follows the trainer's structure instead of a copy of it. RuntimeError naming the
+    phases when the two differ: the trainer gained (or lost) a phase this planner does not size."""
+    import importlib
+
+    from turborlhf.cli import TRAIN_COMMANDS
+
+    module = TRAIN_COMMANDS[command][0]
+    declared = tuple(importlib.import_module(module).phases(cfg))
+    if sorted(declared) != sorted(spec.phases):
+        raise RuntimeError(f"plan: {module}.phases declares {list(declared)}, the planner sizes "
+                           f"{list(spec.phases)}; update turborlhf.plan.SPECS[{command!r}]")
+    spec.phases = {name: spec.phases[name] for name in declared}
+    return spec
 
 
 SPECS = {"sft": _spec_sft, "rm": _spec_rm, "dpo": lambda c, r, k, d=None: _spec_pref(c, r, k, "dpo", d),
@@ -455,7 +474,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
     from turborlhf.models.load import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path)
-    T = cfg.train
+    loop = cfg.train
 
     def micro(plan, mb):
         for step in plan:
@@ -464,25 +483,26 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
 
     if command == "sft":
         from turborlhf.data.loaders import load_sft
-        from turborlhf.trainers.sft import encode_examples
+        from turborlhf.data.tokenize import encode_examples
 
         rows = load_sft(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
         rows = rows[:cfg.data.max_samples] if cfg.data.max_samples else rows
         enc = encode_examples(tok, rows, cfg.data.max_len)
-        plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
+        plan = plan_steps([len(e["input_ids"]) for e in enc], loop.sequences_per_step,
+                          loop.epochs, loop.max_steps, loop.seed)
         cands = [{"rows": len(b), "row_len": max(len(enc[i]["input_ids"]) for i in b),
-                  "resp": sum(sum(enc[i]["loss_mask"]) for i in b)} for b in micro(plan, T.micro_batch_size)]
+                  "resp": sum(sum(enc[i]["loss_mask"]) for i in b)} for b in micro(plan, loop.micro_batch_size)]
         unit = "sequences"
     elif command in ("dpo", "kto"):
         if command == "dpo":
             from turborlhf.data.loaders import load_pairs
-            from turborlhf.trainers.dpo import encode_pair
+            from turborlhf.data.tokenize import encode_pair
 
             items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
             items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
             enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in items]
             seqs = lambda i: [enc[i]["chosen"], enc[i]["rejected"]]
-            per_step = T.pairs_per_step
+            per_step = loop.pairs_per_step
         else:
             from turborlhf.data.loaders import load_kto
             from turborlhf.data.tokenize import encode_prompt_response
@@ -491,11 +511,11 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
             items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
             enc = [encode_prompt_response(tok, r["prompt"], r["completion"], cfg.data.max_len) for r in items]
             seqs = lambda i: [enc[i]]
-            per_step = T.examples_per_step
-        plan = plan_steps([max(len(x["input_ids"]) for x in seqs(i)) for i in range(len(enc))], per_step, T.epochs,
-                          T.max_steps, T.seed)
+            per_step = loop.examples_per_step
+        plan = plan_steps([max(len(x["input_ids"]) for x in seqs(i)) for i in range(len(enc))], per_step, loop.epochs,
+                          loop.max_steps, loop.seed)
         cands = []
-        for b in micro(plan, T.micro_batch_size):
+        for b in micro(plan, loop.micro_batch_size):
             ss = [x for i in b for x in seqs(i)]
             cands.append({"rows": len(ss), "row_len": max(len(x["input_ids"]) for x in ss),
                           "resp": sum(sum(x["loss_mask"]) for x in ss)})
@@ -508,10 +528,10 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
         items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
         enc = encode_pairs(tok, items, cfg.data.max_len)
-        plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in enc], T.pairs_per_step, T.epochs,
-                          T.max_steps, T.seed)
+        plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in enc], loop.pairs_per_step, loop.epochs,
+                          loop.max_steps, loop.seed)
         cands = []
-        for b in micro(plan, T.micro_batch_size):
+        for b in micro(plan, loop.micro_batch_size):
             packed = pack_shared_prefix([enc[i]["chosen"] for i in b], [enc[i]["rejected"] for i in b], 0)
             cands.append({"rows": len(b), "row_len": packed.ids_BL.shape[1], "resp": 0})
         unit = "pair rows"
@@ -522,7 +542,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
         prompts = prompts[:cfg.data.max_samples] if cfg.data.max_samples else prompts
         ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
-        plan = plan_steps([len(p) for p in ids], cfg.algo.prompts_per_step, T.epochs, T.max_steps, T.seed)
+        plan = plan_steps([len(p) for p in ids], cfg.algo.prompts_per_step, loop.epochs, loop.max_steps, loop.seed)
         P = max(max(len(ids[i]) for i in step) for step in plan)
         return {"prompt_len": P, "note": f"from the data: longest prompt of the {len(plan)} planned steps {P} tokens"}
     else:
@@ -705,7 +725,8 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
             if stage in cfg.stages:
                 scfg = resolve_hardware(scfg, show=False)       # dtype/device auto → this host's choice
                 kind = getattr(getattr(scfg, "distributed", None), "device", "cpu")
-                p = _assemble(stage, SPECS[stage](scfg, resolve, kind), scfg, device_memory, host)
+                p = _assemble(stage, _trainer_phases(stage, SPECS[stage](scfg, resolve, kind), scfg), scfg,
+                              device_memory, host)
                 p.stage = stage
                 out.append(p)
         return out
@@ -716,7 +737,7 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
         tok_path = model if _has_tokenizer(model) else (model_config or model)
         data = batches_from_data(command, cfg, tok_path)
-    spec = SPECS[command](cfg, resolve, kind, data)
+    spec = _trainer_phases(command, SPECS[command](cfg, resolve, kind, data), cfg)
     if from_data and data is None:
         spec.assumptions.append(f"--from-data: {command}'s batches come from generation; configured maxima used")
     return [_assemble(command, spec, cfg, device_memory, host)]

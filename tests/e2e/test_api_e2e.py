@@ -79,6 +79,19 @@ def test_reward_function_missing_column_is_named(tiny_model, tmp_path):
         trainer.train()
 
 
+def test_rl_trainer_refuses_an_eval_dataset_it_would_ignore(tiny_model, tmp_path):
+    """PPO has no held-out evaluation during training: an eval_dataset is a clear error, not a no-op."""
+    from turborlhf import GRPOTrainer
+    from turborlhf.errors import UserError
+
+    def reward(prompts, completions):
+        return [0.0] * len(completions)
+
+    with pytest.raises(UserError, match="eval_dataset: GRPOTrainer has no held-out evaluation"):
+        GRPOTrainer(model=str(tiny_model), reward_funcs=reward, train_dataset=_questions(), eval_dataset=_questions(),
+                    args={"output_dir": str(tmp_path / "g"), **QUIET})
+
+
 def _pairs(tiny_data):
     from datasets import Dataset
 
@@ -192,9 +205,9 @@ def test_callable_reward_on_the_ray_backend_matches_local(tiny_model, tmp_path):
     a, b = metrics(tmp_path / "local"), metrics(tmp_path / "ray")
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):
-        for k in ("reward/exact_answer", "reward/short", "rollout/reward_mean", "policy/loss"):
+        for k in ("rollout/reward_exact_answer_mean", "rollout/reward_short_mean", "rollout/reward_mean", "policy/loss"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-5), (k, ra[k], rb[k])
-    assert any(r["reward/short"] < 0 for r in b)
+    assert any(r["rollout/reward_short_mean"] < 0 for r in b)
     assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-5
 
 
@@ -220,14 +233,14 @@ def test_the_other_trainers_and_config_objects(tiny_model, tiny_data, tmp_path):
                                     "reward_model": str(rm.output_dir), "output_dir": str(tmp_path / "ppo")})
     ppo = PPOTrainer(model=tiny_model, args=cfg)
     first, second = ppo.step(), ppo.step()                       # the second (last) exports the actor
-    assert math.isfinite(first["value/loss"]) and math.isfinite(second["rollout/reward_mean"])
+    assert math.isfinite(first["critic/loss"]) and math.isfinite(second["rollout/reward_mean"])
     assert (tmp_path / "ppo" / "model.safetensors").exists() and ppo.train().global_step == 2
     assert ppo.args.critic is None and ppo.args.critic_init == str(rm.output_dir)
     rloo = RLOOTrainer(model=tiny_model, reward_model=rm.output_dir, reward_funcs=short, reward_weights=[1.0, 0.5],
                        train_dataset=_questions(), args={**rl, "output_dir": str(tmp_path / "rloo")})
     rows = metrics(rloo.train().output_dir)
     assert rloo.args.algo.advantage_estimator == "rloo" and [s.weight for s in rloo.args.rewards] == [1.0, 0.5]
-    assert all("reward/short" in r and "reward/model0" in r for r in rows)
+    assert all("rollout/reward_short_mean" in r and "rollout/reward_model0_mean" in r for r in rows)
 
 
 def test_a_run_stopped_by_an_error_is_not_restarted_by_the_same_object(tiny_model, tiny_data, tmp_path):

@@ -63,6 +63,20 @@ def test_strict_overrides_name_the_field(argv, field, capsys):
     assert err.startswith("error: ") and field in err
 
 
+@pytest.mark.parametrize("override, field", [("data.test_prompts_file=t.jsonl", "data.test_prompts_file"),
+                                             ("train.eval_every=5", "train.eval_every")])
+def test_ppo_refuses_the_fields_it_never_read(override, field, capsys):
+    """PPO has no periodic held-out evaluation: setting its fields is an error naming them, not a no-op."""
+    from turborlhf.config import PPOConfig
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(PPOConfig, None, ["reward_model=r", "data.prompts_file=p", override])
+    assert main(["ppo", "reward_model=r", "data.prompts_file=p", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err
+    assert load_config(SFTConfig, None, ["data.train_file=x", "train.eval_every=5"]).train.eval_every == 5
+
+
 def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
     from turborlhf.cli import _split_overrides
 

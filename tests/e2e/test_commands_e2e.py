@@ -148,4 +148,4 @@ def test_grpo_and_rloo_are_ppo_with_the_preset(alias, estimator, tiny_model, tin
     assert cfg["algo"]["advantage_estimator"] == estimator and cfg["algo"]["n_samples_per_prompt"] == 4
     assert cfg["algo"]["kl_use_loss"] == (alias == "grpo")
     row = metrics(out)[-1]
-    assert "policy/loss" in row and "value/loss" not in row           # no critic
+    assert "policy/loss" in row and "critic/loss" not in row           # no critic

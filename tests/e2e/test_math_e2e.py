@@ -52,8 +52,8 @@ def test_grpo_reward_functions_read_the_answer_column(tiny_model, tmp_path):
         groups = [c["answer"][i:i + N_SAMPLES] for i in range(0, len(c["answer"]), N_SAMPLES)]
         assert all(len(set(g)) == 1 for g in groups)
     r = [m for m in metrics(out) if "rollout/reward_mean" in m][-1]
-    assert r["reward/old"] == 0.5 and 0 <= r["reward/acc"] <= 1
-    assert abs(r["rollout/reward_mean"] - (r["reward/acc"] + 0.5 * r["reward/fmt"] + r["reward/check"] + 0.5)) < 1e-5
+    assert r["rollout/reward_old_mean"] == 0.5 and 0 <= r["rollout/reward_acc_mean"] <= 1
+    assert abs(r["rollout/reward_mean"] - (r["rollout/reward_acc_mean"] + 0.5 * r["rollout/reward_fmt_mean"] + r["rollout/reward_check_mean"] + 0.5)) < 1e-5
 
 
 def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):

@@ -172,3 +172,58 @@ def test_ppo_plan_follows_the_fused_update_and_the_local_role_order(tiny_model):
     assert "experience (no grad)" in never.phases and "experience" in auto.phases
     assert set(auto.phases["train critic"]) == {"critic"}      # no actor gradients held
     assert list(auto.phases)[-3:] == ["actor step", "train critic", "critic step"]
+
+
+_LOCAL_CRITIC = ("generate", "experience (no grad)", "train actor", "actor step", "train critic", "critic step")
+
+
+@pytest.mark.parametrize("config, extra, expected", [
+    ("ppo.yaml", [], _LOCAL_CRITIC),
+    ("ppo.yaml", ["distributed.backend=ray"],
+     ("generate", "experience (no grad)", "train actor", "train critic", "optimizer step")),
+    ("ppo.yaml", ["algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=4"],
+     ("generate", "experience") + _LOCAL_CRITIC[2:]),                       # auto: the actor keeps its graph
+    ("grpo.yaml", [], ("generate", "experience (no grad)", "train actor", "optimizer step")),
+])
+def test_ppo_plan_phases_are_the_ones_the_trainer_declares(config, extra, expected, tiny_model):
+    """plan takes the phases and their order from `trainers.ppo.phases`: the same config gives the
+    same list in the trainer and in every device of the plan."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.plan import plan_config
+    from turborlhf.trainers import ppo
+
+    cfg = load_config(PPOConfig, TINY / config, [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}",
+                                                 "data.prompts_file=x", *extra])
+    assert ppo.phases(cfg) == expected
+    [plan] = plan_config("ppo", cfg, model_config=str(tiny_model))
+    seen = [ph for dev in plan.devices for ph in dev.phases]
+    assert set(seen) == set(expected)
+    for dev in plan.devices:
+        assert list(dev.phases) == [ph for ph in expected if ph in dev.phases]
+
+
+@pytest.mark.parametrize("command, config", [("sft", "sft.yaml"), ("dpo", "dpo.yaml"), ("kto", "kto.yaml"),
+                                             ("rm", "rm.yaml"), ("rejection-sampling", "rejection_sampling.yaml"),
+                                             ("conditional-sft", "conditional_sft.yaml")])
+def test_plan_refuses_to_drift_from_a_trainers_phases(command, config, tiny_model, monkeypatch):
+    """A trainer that declares a phase the planner does not size makes `plan` fail naming it,
+    instead of printing a plan of a loop that no longer exists."""
+    import importlib
+
+    from turborlhf.cli import TRAIN_COMMANDS
+    from turborlhf.config import load_config
+    from turborlhf import config as C
+    from turborlhf.plan import plan_config
+
+    module, _, cls_name, _ = TRAIN_COMMANDS[command]
+    cls = getattr(C, cls_name)
+    fields = {"sft": ["data.train_file=x"], "dpo": ["data.train_file=x"], "kto": ["data.train_file=x"],
+              "rm": ["data.train_file=x"], "rejection-sampling": ["data.prompts_file=x", f"reward_model={tiny_model}"],
+              "conditional-sft": ["data.train_file=x", f"reward_model={tiny_model}"]}[command]
+    cfg = load_config(cls, TINY / config, [f"model.name_or_path={tiny_model}", *fields])
+    [plan] = plan_config(command, cfg, model_config=str(tiny_model))
+    trainer = importlib.import_module(module)
+    assert list(plan.devices[0].phases) == [ph for ph in trainer.phases(cfg) if ph in plan.devices[0].phases]
+    monkeypatch.setattr(trainer, "phases", lambda cfg, real=trainer.phases: (*real(cfg), "weight averaging"))
+    with pytest.raises(RuntimeError, match=r"phases declares .*'weight averaging'"):
+        plan_config(command, cfg, model_config=str(tiny_model))

@@ -6,7 +6,7 @@ import pytest
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
 
 REQUIRED = ["rollout/reward_mean", "rollout/reward_std", "policy/kl", "policy/entropy", "policy/clipfrac",
-            "policy/approx_kl", "policy/loss", "value/loss", "value/explained_variance",
+            "policy/approx_kl", "policy/loss", "critic/loss", "critic/explained_variance",
             "rollout/response_length", "timing/generate", "timing/experience", "timing/train"]
 
 

@@ -47,7 +47,7 @@ def test_ppo_ray_two_workers_per_role_matches_local(tiny_model, tiny_rm, tiny_da
     rows = metrics(tmp_path / "ray")
     # both engines took work from the queue; the critic trained on its two DP ranks
     assert all(r["rollout/engine0_items"] + r["rollout/engine1_items"] == 2 for r in rows)
-    assert all(r["value/loss"] > 0 for r in rows)
+    assert all(r["critic/loss"] > 0 for r in rows)
 
 
 def test_grpo_ray_colocated_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):

@@ -80,12 +80,13 @@ def test_sft_run_stops_at_the_nan_step_and_keeps_the_last_good_checkpoint(tiny_m
     --resume finishes the run from it."""
     from safetensors.torch import load_file
 
+    import turborlhf.trainers.common as common      # the SFT loop (`fit_steps`) checkpoints from here
     import turborlhf.trainers.sft as sft
     from tests.e2e.helpers import REPO, metrics, run_cli
     from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
 
     poisoned = {"on": False}
-    real_save, real_load = sft.save_checkpoint, sft.load_trainable
+    real_save, real_load = common.save_checkpoint, sft.load_trainable
 
     def save_then_poison(out, step, *a, **kw):
         path = real_save(out, step, *a, **kw)
@@ -98,7 +99,7 @@ def test_sft_run_stops_at_the_nan_step_and_keeps_the_last_good_checkpoint(tiny_m
             lambda mod, inp, out: out * float("nan") if poisoned["on"] else out)
         return model
 
-    monkeypatch.setattr(sft, "save_checkpoint", save_then_poison)
+    monkeypatch.setattr(common, "save_checkpoint", save_then_poison)
     monkeypatch.setattr(sft, "load_trainable", load_with_nan_hook)
     out = tmp_path / "sft"
     args = ["sft", "--config", REPO / "configs/tiny/sft.yaml", f"model.name_or_path={tiny_model}",
@@ -114,7 +115,7 @@ def test_sft_run_stops_at_the_nan_step_and_keeps_the_last_good_checkpoint(tiny_m
     assert all(torch.isfinite(t).all() for t in w.values())
     assert max(r["step"] for r in metrics(out)) == 2
     poisoned["on"] = False
-    monkeypatch.setattr(sft, "save_checkpoint", real_save)
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
     run_cli(*args, "--resume")
     assert latest_checkpoint(out).name == "step-000004"
     assert [r["step"] for r in metrics(out) if "train/loss" in r] == [1, 2, 3, 4]

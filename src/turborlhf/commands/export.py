@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
 
 __all__ = ["resolve_model_dir", "export_checkpoint", "push_to_hub", "export_main"]
+
+logger = logging.getLogger(__name__)
 
 _POLICY_NAMES = ("policy", "actor")
 
@@ -122,7 +125,7 @@ def export_main(argv: list[str]) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[export] {resolve_model_dir(a.checkpoint, a.model)} -> {out}", flush=True)
+    logger.info(f"[export] {resolve_model_dir(a.checkpoint, a.model)} -> {out}")
     if a.push_to_hub:
         try:
             url = push_to_hub(out, a.push_to_hub, private=a.private)
@@ -130,5 +133,5 @@ def export_main(argv: list[str]) -> int:
             print(f"error: pushing {out} to {a.push_to_hub} failed: {type(e).__name__}: "
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}", file=sys.stderr)
             return 1
-        print(f"[export] pushed to {a.push_to_hub}: {url}", flush=True)
+        logger.info(f"[export] pushed to {a.push_to_hub}: {url}")
     return 0

@@ -21,11 +21,14 @@ whole. ``/reset`` starts a new conversation, ``/exit`` or end of input quits.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Optional, TextIO
 
 __all__ = ["generate_file", "chat_loop", "generate_main", "chat_main"]
+
+logger = logging.getLogger(__name__)
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int) -> None:
@@ -118,8 +121,8 @@ def generate_main(argv: list[str]) -> int:
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[generate] {stats['prompts']} prompts -> {stats['samples']} responses, {stats['tokens']} tokens in "
-          f"{stats['seconds']:.1f}s ({stats['tokens_per_s']:.0f} tok/s) -> {a.output}", flush=True)
+    logger.info(f"[generate] {stats['prompts']} prompts -> {stats['samples']} responses, {stats['tokens']} tokens in "
+                f"{stats['seconds']:.1f}s ({stats['tokens_per_s']:.0f} tok/s) -> {a.output}")
     return 0
 
 

@@ -69,6 +69,27 @@ def encode_prompt_response(
     }
 
 
+def _cut_prompt(enc: dict, k: int) -> dict:
+    """Drop the first `k` prompt tokens of an `encode_prompt_response` record."""
+    if k <= 0:
+        return enc
+    return {**enc, "input_ids": enc["input_ids"][k:], "loss_mask": enc["loss_mask"][k:],
+            "prompt_len": enc["prompt_len"] - k, "prompt_truncated": True}
+
+
+def encode_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_len: int) -> dict:
+    """``{"chosen": enc, "rejected": enc}`` (see `encode_prompt_response`) with one shared prompt.
+
+    Each side is truncated by the shared policy (prompt from the left, response from the right,
+    EOS appended); the longer kept prompt is then cut to the shorter one, so both sequences
+    condition on identical prompt tokens.
+    """
+    c = encode_prompt_response(tokenizer, prompt, chosen, max_len)
+    r = encode_prompt_response(tokenizer, prompt, rejected, max_len)
+    p = min(c["prompt_len"], r["prompt_len"])
+    return {"chosen": _cut_prompt(c, c["prompt_len"] - p), "rejected": _cut_prompt(r, r["prompt_len"] - p)}
+
+
 def encode_prompt(tokenizer, prompt: str, max_prompt_len: int) -> list[int]:
     """Token ids of ``prompt`` (no added special tokens), keeping its last ``max_prompt_len``."""
     if max_prompt_len < 1:
@@ -117,6 +138,44 @@ def pad_masks(
 ):
     """Pad per-token 0/1 masks (e.g. loss masks) with 0 -> LongTensor B x T, aligned like ``pad_batch``."""
     return _pad(masks, 0, side, pad_to_multiple_of)[0]
+
+
+def assemble_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
+    """PPO's batch layout ``[left-padded prompt | right-padded response]`` (OpenRLHF's and verl's):
+    prompts end at column P, so response token j of every row sits at column P + j.
+
+    Returns ``(ids_BS, attn_BS, P, mask_BR)``: LongTensor ids and 0/1 attention mask over S = P + R
+    columns (P = longest prompt, R = longest response, at least 1), the float 0/1 mask of the
+    response tokens. Raises ``ValueError`` for an empty batch or unequal numbers of prompts and responses.
+    """
+    import torch
+
+    if not prompts or len(prompts) != len(responses):
+        raise ValueError(f"need one response per prompt and at least one row; got {len(prompts)} prompts, "
+                         f"{len(responses)} responses")
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(r) for r in responses))
+    B = len(prompts)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = torch.as_tensor(list(p))
+        attn[i, P - len(p):P] = 1
+        if r:
+            ids[i, P:P + len(r)] = torch.as_tensor(list(r))
+            attn[i, P:P + len(r)] = 1
+            mask[i, :len(r)] = 1
+    return ids, attn, P, mask
+
+
+def encode_examples(tokenizer, rows: Sequence[dict], max_len: int) -> list[dict]:
+    """`encode_prompt_response` of every ``{prompt, response}`` row (SFT data, best-of-n winners,
+    tagged conditional-SFT examples) with budget `max_len`. A row with ``finished: False`` (a
+    sampled response cut at max_new_tokens) gets no appended EOS: the policy must not learn to
+    stop where the text was merely truncated."""
+    return [encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
+            for r in rows]
 
 
 def length_grouped_batches(

@@ -134,7 +134,9 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     written to ``config.yaml`` only after these checks.
     """
     from turborlhf.engine.run import setup_run
+    from turborlhf.metrics import console_logging
 
+    console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:

@@ -11,7 +11,7 @@ with Offline Learning from Human Feedback", arXiv 2308.12050; the idea of SteerL
 3. tag the prompt with its bin, x̃_i = insert(x_i, format(k_i)), the default tag ``<rm_score>=k``
    going to the end of the last user message (see `condition_prompt` for the three placements);
 4. SFT on (x̃_i, y_i) with the loss of `turborlhf sft` (token-mean NLL of response tokens,
-   `trainers.sft.sft_loss_on_batch`): the model learns p(y | x, k);
+   `trainers.common.sft_loss_on_batch`): the model learns p(y | x, k);
 5. generate with the best tag k* = K-1 (or `tags.generation_bin`): sampling p(y | x, k*).
 
 The mapping (format, placement, bin edges, best tag, chat-template anchors) is written to
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,24 +33,32 @@ from typing import Callable, Optional
 import torch
 
 from turborlhf.config import ConditionalSFTConfig
+from turborlhf.data.conditioning import TAG_FILE, chat_anchors, condition_prompt, load_tag_info
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
+from turborlhf.data.tokenize import encode_examples, encode_prompt
 from turborlhf.engine.checkpoint import atomic_write_text
 from turborlhf.engine.lifecycle import start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import seed_everything, set_threads
-from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
+from turborlhf.evaluate import eval_policy
+from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.rewards.model import load_reward_model, score_texts
-from turborlhf.trainers.rejection_sampling import encode_samples
-from turborlhf.trainers.sft import fit
+from turborlhf.rollout import make_engine
+from turborlhf.rollout.base import SamplingParams
+from turborlhf.trainers.common import fit
 
-__all__ = ["train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
+__all__ = ["phases", "train", "bin_edges", "score_bins", "chat_anchors", "condition_prompt", "make_tag_info",
            "load_tag_info", "load_examples", "sample_policy_examples", "evaluate_conditional", "TAG_FILE"]
 
-TAG_FILE = "conditional_sft.json"
-_SLOT = "<<TAG_SLOT_7f3a>>"
+logger = logging.getLogger(__name__)
 
+
+def phases(cfg: ConditionalSFTConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): scoring every
+    example once with the reward model (then freed), then the SFT loop's forward/backward and step."""
+    return ("score (once)", "train", "optimizer step")
 
 # ----------------------------------------------------------------------------------------------
 # Score → bin (pure)
@@ -91,92 +100,6 @@ def score_bins(scores_B: torch.Tensor, edges: list[float]) -> torch.Tensor:
     return torch.searchsorted(e, scores_B.double().contiguous(), right=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tag placement
-# ----------------------------------------------------------------------------------------------
-
-def chat_anchors(tokenizer) -> dict:
-    """Template strings around message contents, found by rendering probe conversations through
-    the tokenizer's chat template, so `condition_prompt` can edit rendered prompt strings:
-
-    - ``turn_end``: what follows the last user message's content in a rendered prompt (end of
-      turn + assistant header; ChatML ``<|im_end|>\\n<|im_start|>assistant\\n``);
-    - ``system_header``: what precedes a system message's content (ChatML ``<|im_start|>system\\n``);
-    - ``system_block``: a whole system message with the tag slot, to prepend when a prompt has
-      none (None when the template adds a prefix such as BOS or a default system message).
-
-    A template that rejects a probe leaves the anchor None (placement then falls back to text).
-    """
-    from turborlhf.data.chat import render_prompt
-
-    def render(msgs):
-        try:
-            return render_prompt(tokenizer, msgs)
-        except Exception:  # templates may reject a role (e.g. no system support)
-            return None
-
-    anchors: dict = {"turn_end": None, "system_header": None, "system_block": None}
-    user = render([{"role": "user", "content": _SLOT}])
-    if user and _SLOT in user:
-        anchors["turn_end"] = user[user.rindex(_SLOT) + len(_SLOT):]
-    with_sys = render([{"role": "system", "content": _SLOT}, {"role": "user", "content": "u"}])
-    no_sys = render([{"role": "user", "content": "u"}])
-    if with_sys and _SLOT in with_sys:
-        anchors["system_header"] = with_sys[:with_sys.index(_SLOT)]
-        if no_sys and with_sys.endswith(no_sys) and len(with_sys) > len(no_sys):
-            anchors["system_block"] = with_sys[:len(with_sys) - len(no_sys)]
-    return anchors
-
-
-def _at_last_user(prompt: str, tag: str, sep: str, anchors: dict) -> str:
-    end = anchors.get("turn_end")
-    if end and prompt.endswith(end):
-        return prompt[:len(prompt) - len(end)] + sep + tag + end
-    return prompt + sep + tag
-
-
-def _at_system(prompt: str, tag: str, sep: str, anchors: dict) -> str:
-    head, block = anchors.get("system_header"), anchors.get("system_block")
-    if head and prompt.startswith(head):
-        return head + tag + sep + prompt[len(head):]
-    if block:
-        return block.replace(_SLOT, tag) + prompt
-    return _at_prefix(prompt, tag, sep, anchors)
-
-
-def _at_prefix(prompt: str, tag: str, sep: str, anchors: dict) -> str:
-    return tag + sep + prompt
-
-
-PLACEMENTS = {"last_user": _at_last_user, "system": _at_system, "prefix": _at_prefix}
-
-
-def condition_prompt(prompt_text: str, tag_info: dict, k: Optional[int] = None) -> str:
-    """Insert the score tag of bin `k` (default: ``tag_info["best_bin"]``) into a rendered prompt.
-
-    With the default format ``<rm_score>={k}``, separator " " and a ChatML prompt
-    ``…<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n``, the placements give:
-
-    - ``last_user``: ``…<|im_start|>user\\nHi <rm_score>=4<|im_end|>\\n<|im_start|>assistant\\n``
-      (a prompt not ending with the template's turn end gets ``" <rm_score>=4"`` appended, as
-      OpenRLHF's ``"{input} <rm_score>: {reward} "``); survives left truncation of long dialogues;
-    - ``system``: ``<|im_start|>system\\n<rm_score>=4 You are…`` (a prompt without a system message
-      gets one holding only the tag, if the template allows; else the tag is prefixed);
-    - ``prefix``: ``<rm_score>=4 `` + prompt_text.
-
-    tag_info: the dict saved as ``conditional_sft.json`` (keys format, position, separator,
-    anchors, best_bin). Raises ValueError for an unknown position or a bin outside 0 … n_bins-1.
-    """
-    k = tag_info["best_bin"] if k is None else int(k)
-    if not 0 <= k < tag_info["n_bins"]:
-        raise ValueError(f"bin {k} outside 0 … {tag_info['n_bins'] - 1}")
-    pos = tag_info["position"]
-    if pos not in PLACEMENTS:
-        raise ValueError(f"unknown tag position {pos!r}; choose one of {sorted(PLACEMENTS)}")
-    tag = tag_info["format"].replace("{k}", str(k))
-    return PLACEMENTS[pos](prompt_text, tag, tag_info["separator"], tag_info["anchors"])
-
-
 def make_tag_info(tags_cfg, edges: list[float], anchors: dict, scores_B: torch.Tensor, bins_B: torch.Tensor) -> dict:
     """The saved mapping: format, placement, edges, best (generation) bin and its tag, and the count
     and mean score of every bin. Raises ValueError if `generation_bin` ≥ n_bins."""
@@ -192,14 +115,6 @@ def make_tag_info(tags_cfg, edges: list[float], anchors: dict, scores_B: torch.T
             "bin_counts": counts, "bin_score_means": means,
             "score_stats": {"mean": float(scores_B.mean()), "std": float(scores_B.std()) if len(scores_B) > 1 else 0.0,
                             "min": float(scores_B.min()), "max": float(scores_B.max()), "n": len(scores_B)}}
-
-
-def load_tag_info(policy_dir: str | Path) -> dict:
-    """Read ``<policy_dir>/conditional_sft.json``. Raises FileNotFoundError if it is missing."""
-    path = Path(policy_dir) / TAG_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: {policy_dir} was not trained by `turborlhf conditional-sft`")
-    return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,16 +145,12 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     """``data.policy_samples_per_prompt`` responses per prompt from `model` (the starting policy),
     seeded by ``train.seed``, as ``[{prompt, response, source: "policy", finished}]``: on-policy
     examples, so the tags also separate the policy's own good and bad responses."""
-    from turborlhf.data.tokenize import encode_prompt
-    from turborlhf.rollout import make_engine
-    from turborlhf.rollout.base import SamplingParams
-
-    R, n = cfg.rollout, cfg.data.policy_samples_per_prompt
-    engine = make_engine(R.engine, model, dtype=R.dtype, device=R.device, max_batch_size=R.batch_size)
-    params = SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens,
-                            temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
+    roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
+    engine = make_engine(roll.engine, model, dtype=roll.dtype, device=roll.device, max_batch_size=roll.batch_size)
+    params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
+                            temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)
-    outs = engine.generate([encode_prompt(tok, p, R.max_prompt_len) for p in prompts], params)
+    outs = engine.generate([encode_prompt(tok, p, roll.max_prompt_len) for p in prompts], params)
     return [{"prompt": prompts[i // n], "response": tok.decode(r, skip_special_tokens=True), "source": "policy",
              "finished": f} for i, (r, f) in enumerate(zip(outs.response_ids, outs.finished))]
 
@@ -260,14 +171,14 @@ def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch
     return out
 
 
-def _print_bins(info: dict) -> None:
-    print(f"[csft] tags {info['format']!r} at {info['position']}, generation tag {info['best_tag']!r}", flush=True)
+def _log_bins(info: dict) -> None:
+    logger.info(f"[csft] tags {info['format']!r} at {info['position']}, generation tag {info['best_tag']!r}")
     lo = ["-inf"] + [f"{e:.3f}" for e in info["bin_edges"]]
     hi = [f"{e:.3f}" for e in info["bin_edges"]] + ["inf"]
     for k in range(info["n_bins"]):
         m = info["bin_score_means"][k]
-        print(f"  bin {k}: [{lo[k]}, {hi[k]})  n={info['bin_counts'][k]:<5} mean score "
-              f"{'-' if m is None else f'{m:.3f}'}", flush=True)
+        logger.info(f"  bin {k}: [{lo[k]}, {hi[k]})  n={info['bin_counts'][k]:<5} mean score "
+                    f"{'-' if m is None else f'{m:.3f}'}")
 
 
 def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path,
@@ -286,11 +197,11 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))
         samples = sample_policy_examples(policy(), tok, prompts, cfg)
         rows = rows + samples if cfg.data.dataset_responses else samples
-        print(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
-              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        logger.info(f"[csft] sampled {len(prompts)}×{cfg.data.policy_samples_per_prompt} policy responses in "
+                    f"{time.perf_counter() - t0:.1f}s")
         t0 = time.perf_counter()
     scores, test_scores = _score_rows(cfg, [rows, test_rows])
-    print(f"[csft] scored {len(rows) + len(test_rows)} responses in {time.perf_counter() - t0:.1f}s", flush=True)
+    logger.info(f"[csft] scored {len(rows) + len(test_rows)} responses in {time.perf_counter() - t0:.1f}s")
     edges = bin_edges(scores, cfg.tags.n_bins, cfg.tags.binning)
     bins, test_bins = score_bins(scores, edges), score_bins(test_scores, edges)
     info = make_tag_info(cfg.tags, edges, chat_anchors(tok), scores, bins)
@@ -316,7 +227,7 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     out, ckpt = start_run(cfg, resume, "csft")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    T = cfg.train
+    loop = cfg.train
 
     # 2. tokenizer; the policy, loaded when first needed (after the data was read and checked)
     tok = load_tokenizer(cfg.model.name_or_path)
@@ -327,7 +238,7 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
     #    untagged prompts and their bins: computed once, reused on resume
     rows, test_rows, info = _scored_examples(cfg, tok, policy, out, reuse=bool(ckpt))
     model = policy()
-    _print_bins(info)
+    _log_bins(info)
 
     # 4. tagged prompts → token ids + response masks (as `sft.encode_examples`; a policy sample cut
     #    at max_new_tokens gets no EOS); a deterministic plan of optimizer steps
@@ -335,16 +246,17 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
         return [{"prompt": condition_prompt(r["prompt"], info, r["bin"]), "response": r["response"],
                  "finished": r.get("finished", True)} for r in rs]
 
-    train_enc = encode_samples(tok, tagged(rows), cfg.data.max_len)
-    test_enc = encode_samples(tok, tagged(test_rows), cfg.data.max_len)
-    plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.sequences_per_step, T.epochs, T.max_steps, T.seed)
-    print_batch_table("csft", [("examples", len(train_enc)), ("sequences_per_step", T.sequences_per_step),
-                               ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan))])
+    train_enc = encode_examples(tok, tagged(rows), cfg.data.max_len)
+    test_enc = encode_examples(tok, tagged(test_rows), cfg.data.max_len)
+    plan = plan_steps([len(e["input_ids"]) for e in train_enc], loop.sequences_per_step,
+                      loop.epochs, loop.max_steps, loop.seed)
+    print_batch_table("csft", [("examples", len(train_enc)), ("sequences_per_step", loop.sequences_per_step),
+                               ("micro_batch_size", loop.micro_batch_size), ("optimizer_steps", len(plan))])
 
     # 5-7. the SFT loop of `turborlhf sft` (micro-batches share the step's token count; resumable
     #      checkpoints; final tagged NLL; exported HF model, the tag mapping beside it)
     fit(cfg, model, tok, train_enc, test_enc, plan, out, ckpt, "csft")
-    print(f"[csft] saved policy and {TAG_FILE} to {out}", flush=True)
+    logger.info(f"[csft] saved policy and {TAG_FILE} to {out}")
     return out
 
 
@@ -362,8 +274,6 @@ def evaluate_conditional(policy_dir: str, reward_model_dir: str, prompts_file: s
     see the untagged prompt, and a response cut at `max_new_tokens` is scored as cut. Returns
     eval_policy's keys plus ``tag`` and ``tag_bin``. Raises FileNotFoundError without the tag file.
     """
-    from turborlhf.evaluate import eval_policy
-
     if not (Path(policy_dir) / TAG_FILE).exists():
         raise FileNotFoundError(f"{policy_dir}/{TAG_FILE} not found: not a conditional-SFT policy directory")
     return eval_policy(policy_dir, reward_model_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine,

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ import torch
 from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.data.tokenize import encode_prompt_response
+from turborlhf.data.tokenize import encode_pair
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -60,37 +61,22 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss", "pair_metrics"]
+__all__ = ["phases", "train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss",
+           "pair_metrics"]
+
+logger = logging.getLogger(__name__)
+
+
+def phases(cfg: DPOConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): the reference
+    log-probs, computed once up front (none with ``algo.reference_free``), then each optimizer
+    step's forward/backward and step."""
+    return (() if cfg.algo.reference_free else ("reference log-probs (once)",)) + ("train", "optimizer step")
 
 # config name → turborlhf.algo.DPO_VARIANTS key (one explicit table, no if/elif ladder)
 LOSS_VARIANTS = {"dpo": "sigmoid", "cdpo": "cdpo", "robust": "robust", "ipo": "ipo"}
 
 NLL = "train/nll"
-
-
-# ----------------------------------------------------------------------------------------------
-# Encoding
-# ----------------------------------------------------------------------------------------------
-
-def _cut_prompt(enc: dict, k: int) -> dict:
-    """Drop the first `k` prompt tokens of an `encode_prompt_response` record."""
-    if k <= 0:
-        return enc
-    return {**enc, "input_ids": enc["input_ids"][k:], "loss_mask": enc["loss_mask"][k:],
-            "prompt_len": enc["prompt_len"] - k, "prompt_truncated": True}
-
-
-def encode_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_len: int) -> dict:
-    """``{"chosen": enc, "rejected": enc}`` (see `encode_prompt_response`) with one shared prompt.
-
-    Each side is truncated by the shared policy (prompt from the left, response from the right,
-    EOS appended); the longer kept prompt is then cut to the shorter one, so both sequences
-    condition on identical prompt tokens.
-    """
-    c = encode_prompt_response(tokenizer, prompt, chosen, max_len)
-    r = encode_prompt_response(tokenizer, prompt, rejected, max_len)
-    p = min(c["prompt_len"], r["prompt_len"])
-    return {"chosen": _cut_prompt(c, c["prompt_len"] - p), "rejected": _cut_prompt(r, r["prompt_len"] - p)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +162,7 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     out, ckpt = start_run(cfg, resume, "dpo")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    T, A = cfg.train, cfg.algo
+    loop, A = cfg.train, cfg.algo
 
     # 2. tokenizer; pairs → token ids (shared prompt truncation; read and checked before any model
     #    loads); deterministic plan of optimizer steps
@@ -191,7 +177,7 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
         test_pairs = test_pairs[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_pairs
         test_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in test_pairs]
     plan = plan_steps([max(len(e["chosen"]["input_ids"]), len(e["rejected"]["input_ids"])) for e in train_enc],
-                      T.pairs_per_step, T.epochs, T.max_steps, T.seed)
+                      loop.pairs_per_step, loop.epochs, loop.max_steps, loop.seed)
 
     # 3. policy (fp32 master weights; bf16 autocast compute)
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
@@ -204,12 +190,12 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     else:
         reference = cfg.reference or cfg.model.name_or_path
         reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
-        ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "dpo",
+        ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * loop.micro_batch_size, reuse, "dpo",
                               device=cfg.model.device)
     print_batch_table("dpo", [("pairs", len(train_enc)), ("test_pairs", len(test_enc)),
-                              ("pairs_per_step", T.pairs_per_step),
-                              ("micro_batch_size (pairs)", T.micro_batch_size),
-                              ("sequences_per_forward", 2 * T.micro_batch_size), ("optimizer_steps", len(plan)),
+                              ("pairs_per_step", loop.pairs_per_step),
+                              ("micro_batch_size (pairs)", loop.micro_batch_size),
+                              ("sequences_per_forward", 2 * loop.micro_batch_size), ("optimizer_steps", len(plan)),
                               ("loss", A.loss), ("beta", A.beta),
                               ("trainable_params", count_parameters(model, trainable_only=True))])
 
@@ -223,16 +209,16 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
-                               keep=T.keep_checkpoints)
+                               keep=loop.keep_checkpoints)
 
     # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count
-    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "dpo"):
+    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "dpo"):
         t0 = time.perf_counter()
         idx = plan[step]
         n_pairs = len(idx)
         sums: dict[str, float] = {}
-        for s in range(0, n_pairs, T.micro_batch_size):
-            mb = idx[s:s + T.micro_batch_size]
+        for s in range(0, n_pairs, loop.micro_batch_size):
+            mb = idx[s:s + loop.micro_batch_size]
             loss, part = dpo_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train_chosen"][mb],
                                         ref["train_rejected"][mb], cfg, n_pairs)
             loss.backward()
@@ -250,7 +236,7 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
         if "nll" in sums:
             metrics[NLL] = sums["nll"] / n_pairs
         done = step + 1
-        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
             metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
@@ -261,12 +247,12 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
         ev = evaluate(model, tok, test_enc, ref, cfg)
         log.log(len(plan), _eval_metrics(ev))
         (out / "eval.json").write_text(json.dumps(ev, indent=2))
-        print(f"[dpo] test implicit-reward accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.4f} "
-              f"on {ev['n']} pairs", flush=True)
+        logger.info(f"[dpo] test implicit-reward accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.4f} "
+                    f"on {ev['n']} pairs")
     checkpoint(len(plan))
     export_model(model, tok, out)
     log.close()
-    print(f"[dpo] saved policy to {out}", flush=True)
+    logger.info(f"[dpo] saved policy to {out}")
     return out
 
 

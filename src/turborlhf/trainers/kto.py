@@ -27,6 +27,7 @@ Implementation details (docs/algorithms/kto.md has the equations and the peer co
 from __future__ import annotations
 
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -48,7 +49,16 @@ from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.models.reference import reference_logps, reuses_policy
 
-__all__ = ["train", "train_steps", "mismatch_sources", "check_weights"]
+__all__ = ["phases", "train", "train_steps", "mismatch_sources", "check_weights"]
+
+logger = logging.getLogger(__name__)
+
+
+def phases(cfg: KTOConfig) -> tuple[str, ...]:
+    """The memory phases of the run, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): the reference
+    log-probs (once, up front); per optimizer step the no-grad KL reference point z0 over the
+    step's mismatched pairs, the forward/backward, the step."""
+    return ("reference log-probs (once)", "z0 (no grad)", "train", "optimizer step")
 
 
 def mismatch_sources(prompts: Sequence[str]) -> list[int]:
@@ -148,7 +158,7 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     out, ckpt = start_run(cfg, resume, "kto")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    T, A = cfg.train, cfg.algo
+    loop, A = cfg.train, cfg.algo
 
     # 2. tokenizer; examples → token ids (read and checked before any model loads); deterministic
     #    plan; each step's mismatched (KL) pairs
@@ -159,7 +169,8 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     n_des = sum(bool(r["label"]) for r in rows)
     check_weights(n_des, len(rows) - n_des, A.desirable_weight, A.undesirable_weight)
     train_enc = _encode(tok, rows, cfg.data.max_len)
-    plan = plan_steps([len(e["input_ids"]) for e in train_enc], T.examples_per_step, T.epochs, T.max_steps, T.seed)
+    plan = plan_steps([len(e["input_ids"]) for e in train_enc], loop.examples_per_step,
+                      loop.epochs, loop.max_steps, loop.seed)
     if min(len(b) for b in plan) < 2:
         raise ValueError("KTO needs at least 2 training examples per step (mismatched pairs)")
     step_kl = [_kl_pairs(tok, rows, idx, cfg.data.max_len) for idx in plan]
@@ -181,11 +192,11 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     sets = {"train": train_enc, "train_kl": [s for kl in step_kl for s in kl], "test": test_enc, "test_kl": test_kl}
     reference = cfg.reference or cfg.model.name_or_path
     reuse = model if reuses_policy(model, cfg.model.name_or_path, reference, resumed=ckpt is not None) else None
-    ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * T.micro_batch_size, reuse, "kto",
+    ref = reference_logps(out, reference, tok, sets, cfg.model.dtype, 4 * loop.micro_batch_size, reuse, "kto",
                           device=cfg.model.device)
     print_batch_table("kto", [("examples", len(train_enc)), ("desirable", n_des), ("undesirable", len(rows) - n_des),
-                              ("test_examples", len(test_enc)), ("examples_per_step", T.examples_per_step),
-                              ("micro_batch_size", T.micro_batch_size), ("optimizer_steps", len(plan)),
+                              ("test_examples", len(test_enc)), ("examples_per_step", loop.examples_per_step),
+                              ("micro_batch_size", loop.micro_batch_size), ("optimizer_steps", len(plan)),
                               ("beta", A.beta), ("trainable_params", count_parameters(model, trainable_only=True))])
 
     # 5. optimizer, schedule, resume state
@@ -197,18 +208,18 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
-                               keep=T.keep_checkpoints)
+                               keep=loop.keep_checkpoints)
 
     # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step
-    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "kto"):
+    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "kto"):
         t0 = time.perf_counter()
         idx = plan[step]
         n = len(idx)
-        pi_kl = sequence_logps(model, tok.pad_token_id, step_kl[step], cfg.model.dtype, 2 * T.micro_batch_size)
+        pi_kl = sequence_logps(model, tok.pad_token_id, step_kl[step], cfg.model.dtype, 2 * loop.micro_batch_size)
         z0 = kto_kl_estimate(pi_kl, ref["train_kl"][offsets[step]:offsets[step + 1]])
         sums: dict[str, float] = {}
-        for s in range(0, n, T.micro_batch_size):
-            mb = idx[s:s + T.micro_batch_size]
+        for s in range(0, n, loop.micro_batch_size):
+            mb = idx[s:s + loop.micro_batch_size]
             loss, part = kto_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train"][mb], z0, cfg, n)
             loss.backward()
             for k, v in part.items():
@@ -220,7 +231,7 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
         metrics = {**_summary(sums, n), M.KL: float(z0), M.LR: lr, M.GRAD_NORM: gnorm,
                    M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
         done = step + 1
-        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
+        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
             metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
@@ -231,9 +242,9 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
         ev = evaluate(model, tok, test_enc, test_kl, ref, cfg)
         log.log(len(plan), {k: v for k, v in ev.items() if k != "n"})
         (out / "eval.json").write_text(json.dumps(ev, indent=2))
-        print(f"[kto] test loss {ev['eval/loss']:.4f}, kl {ev['eval/kl']:.4f} on {ev['n']} examples", flush=True)
+        logger.info(f"[kto] test loss {ev['eval/loss']:.4f}, kl {ev['eval/kl']:.4f} on {ev['n']} examples")
     checkpoint(len(plan))
     export_model(model, tok, out)
     log.close()
-    print(f"[kto] saved policy to {out}", flush=True)
+    logger.info(f"[kto] saved policy to {out}")
     return out

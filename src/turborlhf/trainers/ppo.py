@@ -29,53 +29,60 @@ reward, reference, rollout), placed by `turborlhf.distributed` in this process
 parallel, several rollout engines fed by a work queue). This driver sends them batches and
 computes rewards, advantages and the mini-batch plan with pure functions (docs/distributed.md).
 
-Tensor layout: prompts left-padded to P columns, responses right-padded to R columns, so
-``ids_BT = [prompt_BP | response_BR]`` and response-coordinate tensors are slices ``[:, P:]``.
-The value of the state in which response token j is chosen is the critic output at column P+j-1.
-Shapes: B rows (prompts × samples), G samples per prompt, R response tokens.
+Tensor layout (`turborlhf.data.tokenize.assemble_prompt_response`): prompts left-padded to P
+columns, responses right-padded to R columns, so ``ids_BS = [prompt_BP | response_BR]`` (S = P + R
+columns) and response-coordinate tensors are slices ``[:, P:]``. The value of the state in which
+response token j is chosen is the critic output at column P+j-1. Shapes: B rows (prompts ×
+samples), G samples per prompt, R response tokens (T in `turborlhf.algo`).
+
+Imports flow one way: this driver → `ppo_workers` (the roles) → `ppo_compute` (what the roles
+compute: forwards, micro-batch losses, `Experience`); the workers never import the driver.
 
     turborlhf ppo --config configs/tiny/ppo.yaml
     turborlhf ppo --config configs/tiny/grpo.yaml     # critic-free: no critic is built
 """
 from __future__ import annotations
 
-import copy
 import json
+import logging
 import os
-import random
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_returns, gae,
                             group_mean_baseline, group_normalized_advantages, kl_estimate, kl_penalized_rewards,
-                            leave_one_out_advantages, masked_mean, masked_whiten, reduce_loss, value_loss)
+                            leave_one_out_advantages, masked_mean, masked_whiten)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
-from turborlhf.data.tokenize import encode_prompt
+from turborlhf.data.tokenize import assemble_prompt_response, encode_prompt
 from turborlhf.distributed.group import WorkerError
-from turborlhf.engine.parallel import root_forward
+from turborlhf.distributed.placement import RoleSpec, launch
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
-from turborlhf.engine.train import autocast, rng_state, seed_everything, set_rng_state, set_threads
+from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
-from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.models.load import load_tokenizer
+from turborlhf.models.reference import same_model
 from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
-from turborlhf.trainers.sft import sft_loss_on_batch
+from turborlhf.trainers import ppo_workers as W
+from turborlhf.trainers.ppo_compute import Experience, row_shards, use_fused_update
 
-__all__ = ["train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
-           "minibatch_schedule", "minibatch_counts", "merge_rank_stats", "actor_micro_step", "critic_micro_step",
-           "ptx_step", "rollout_items", "generate", "sync_weights", "build_roles", "row_shards",
-           "ADVANTAGE_ESTIMATORS", "EmaModel", "PtxStream", "RunInterrupted"]
+__all__ = ["phases", "train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
+           "minibatch_schedule", "merge_rank_stats", "rollout_items", "generate", "sync_weights", "build_roles",
+           "ADVANTAGE_ESTIMATORS", "RunInterrupted"]
+
+logger = logging.getLogger(__name__)
+
+assemble = assemble_prompt_response     # the batch layout of the module docstring (ppo_rlvr uses this name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,124 +123,14 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 
 
 # ----------------------------------------------------------------------------------------------
-# Data structures
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Experience:
-    """One rollout batch. B = rows (prompts × samples), P prompt columns, R response columns."""
-
-    ids_BT: torch.Tensor
-    attn_BT: torch.Tensor
-    P: int
-    mask_BR: torch.Tensor          # 1 on response tokens (EOS included when sampled)
-    eos_B: torch.Tensor            # bool: response ended with a stop token
-    old_logp_BR: torch.Tensor
-    ref_logp_BR: Optional[torch.Tensor]   # None without a reference model
-    values_BR: Optional[torch.Tensor]     # None without a critic
-    raw_scores_B: torch.Tensor     # combined reward Σ w·s
-    scores_B: torch.Tensor         # after normalisation, EOS penalty and clipping
-    kl_BR: torch.Tensor            # k-estimate of KL(actor‖ref) per token (0 without a reference)
-    source_scores: Optional[dict] = None   # reward source name → scores_B
-    adv_BR: Optional[torch.Tensor] = None
-    returns_BR: Optional[torch.Tensor] = None
-    rollout_logp_BR: Optional[torch.Tensor] = None   # the rollout engine's log-probs of the sampled tokens
-    is_weight_BR: Optional[torch.Tensor] = None      # TIS/MIS weights of the policy loss (algo.rollout_is)
-    loss_mask_BR: Optional[torch.Tensor] = None      # actor-loss mask (algo.overlong_filter); None = mask_BR
-
-    def rows(self, idx: torch.Tensor) -> "Experience":
-        """Sub-batch of rows (trimmed to its own longest response)."""
-        sub = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        r = int(sub["mask_BR"].sum(-1).max().clamp(min=1))
-        for k in ("mask_BR", "old_logp_BR", "ref_logp_BR", "values_BR", "kl_BR", "adv_BR", "returns_BR",
-                  "rollout_logp_BR", "is_weight_BR", "loss_mask_BR"):
-            if sub[k] is not None:
-                sub[k] = sub[k][:, :r]
-        sub["ids_BT"] = sub["ids_BT"][:, :self.P + r]
-        sub["attn_BT"] = sub["attn_BT"][:, :self.P + r]
-        return Experience(**sub)
-
-    def to(self, device: torch.device) -> "Experience":
-        """The same experience with its tensors on `device` (itself on the CPU)."""
-        if torch.device(device).type == "cpu":
-            return self
-        return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
-
-
-class EmaModel:
-    """fp32 exponential moving average of the actor's trainable weights (``ema ← β·ema + (1-β)·θ``),
-    an independent copy of the actor (LoRA adapters included) for export and checkpoints."""
-
-    def __init__(self, actor: torch.nn.Module, beta: float) -> None:
-        self.beta = beta
-        self.model = copy.deepcopy(actor).float().eval().requires_grad_(False)
-        ema_params = dict(self.model.named_parameters())
-        tracked = [(n, p) for n, p in actor.named_parameters() if p.requires_grad]
-        self._pairs = [(n, ema_params[n], p) for n, p in tracked]
-
-    @torch.no_grad()
-    def update(self) -> None:
-        for _, ema_p, p in self._pairs:
-            ema_p.lerp_(p.detach().float(), 1.0 - self.beta)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: ema_p.detach().clone() for n, ema_p, _ in self._pairs}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for n, ema_p, _ in self._pairs:
-            ema_p.copy_(state[n])
-
-
-class PtxStream:
-    """PPO-ptx data: an endless stream of encoded SFT examples, reshuffled each pass with
-    ``seed + pass``; its position is the whole state, so a resumed run continues the stream."""
-
-    def __init__(self, examples: list[dict], seed: int) -> None:
-        if not examples:
-            raise ValueError("PPO-ptx: no SFT examples")
-        self.examples, self.seed, self.pos = examples, seed, 0
-        self._order: tuple[int, list[int]] = (-1, [])
-
-    def next(self, n: int) -> list[dict]:
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.pos, len(self.examples))
-            if self._order[0] != epoch:
-                order = list(range(len(self.examples)))
-                random.Random(self.seed + epoch).shuffle(order)
-                self._order = (epoch, order)
-            out.append(self.examples[self._order[1][i]])
-            self.pos += 1
-        return out
-
-
-def assemble(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """``[left-padded prompt | right-padded response]`` → (ids_BT, attn_BT, P, mask_BR)."""
-    P = max(len(p) for p in prompts)
-    R = max(1, max(len(r) for r in responses))
-    B = len(prompts)
-    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + R), dtype=torch.long)
-    mask = torch.zeros((B, R), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        attn[i, P - len(p):P] = 1
-        if r:
-            ids[i, P:P + len(r)] = torch.tensor(r)
-            attn[i, P:P + len(r)] = 1
-            mask[i, :len(r)] = 1
-    return ids, attn, P, mask
-
-
-# ----------------------------------------------------------------------------------------------
 # 1. Rollouts: seeded work items spread over the rollout engines
 # ----------------------------------------------------------------------------------------------
 
 def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
-    R = cfg.rollout
-    return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
-                          top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
+    roll = cfg.rollout
+    return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
+                          temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
+                          stop_token_ids=(tok.eos_token_id,),
                           n=cfg.algo.n_samples_per_prompt, seed=seed, return_logprobs=True)
 
 
@@ -283,9 +180,9 @@ def start_sync_check(cluster, cfg: PPOConfig, prompt_ids: list[list[int]]):
         return None
     canary = cluster["rollout"].run_alive("make_canary", prompt_ids)[0]
     m = _check_engines(cluster, canary, cfg.rollout.sync_tolerance)
-    print(f"[sync] the rollout engines match the actor on {len(canary.prompts)} canary rows: mean |Δ mean log-prob| "
-          f"{m[M.SYNC_LOGP_DIFF]:.4f} <= {cfg.rollout.sync_tolerance:g} (worst row {m[M.SYNC_ROW_DIFF]:.4f})",
-          flush=True)
+    logger.info(f"[sync] the rollout engines match the actor on {len(canary.prompts)} canary rows: "
+                f"mean |Δ mean log-prob| "
+                f"{m[M.SYNC_LOGP_DIFF]:.4f} <= {cfg.rollout.sync_tolerance:g} (worst row {m[M.SYNC_ROW_DIFF]:.4f})")
     return canary
 
 
@@ -304,20 +201,6 @@ def _kl_reward_coef(has_reference: bool, A: PPOAlgoCfg, kl_coef: float) -> float
     return 0.0 if (A.kl_use_loss or not has_reference) else kl_coef
 
 
-def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:
-    """Rows of a batch per rank: contiguous blocks of whole micro-batches, so every rank chunks
-    its rows exactly as one rank would (same micro-batch boundaries, same numbers). Ranks without
-    rows are left out."""
-    n_micro = -(-B // micro_batch_size)
-    per = -(-n_micro // world)
-    out = {}
-    for r in range(world):
-        lo, hi = r * per * micro_batch_size, min(B, (r + 1) * per * micro_batch_size)
-        if lo < hi:
-            out[r] = slice(lo, hi)
-    return out
-
-
 def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
     """Send each rank its rows (`row_args(slice)` → positional args, then `extra`); returns a
     callable that waits and concatenates the per-rank results in row order."""
@@ -331,31 +214,6 @@ def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra
             return torch.cat([p[0] for p in parts]), per
         return torch.cat(parts)
     return get
-
-
-def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
-    """Whether `group` (actor or critic) backpropagates through its experience forward.
-
-    With one PPO epoch of one mini-batch the update starts from the weights that produced the
-    experience, so the old log-probs (values) are exactly what the training forward computes
-    (ratio 1, value clip inactive): keeping that forward's graph saves one forward pass per role
-    and step. ``algo.fused_update``:
-    - ``auto`` (= ``actor``): the actor's graph, when each rank's rows fit one micro-batch; the
-      critic's never, because it would be held at the same time as the actor's (peak memory +
-      the critic's activations; measured on the PPO bench: 5.82 → 4.82 GiB for one more critic
-      forward), so auto holds no more than an unfused step;
-    - ``both``: as auto for the actor and the critic;
-    - ``always``: both, whenever the schedule allows (a rank's whole share of activations at once);
-    - ``never``.
-    Never under FSDP (its parameters are resharded between the calls)."""
-    A = cfg.algo
-    if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
-        return False
-    if A.fused_update in ("auto", "actor") and getattr(group, "role", None) != "actor":
-        return False
-    if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
-        return False
-    return A.fused_update == "always" or B <= cfg.train.micro_batch_size * group.world_size
 
 
 def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], responses: list[list[int]],
@@ -433,14 +291,6 @@ def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> lis
     return [mini for _ in range(A.ppo_epochs) for mini in torch.randperm(B, generator=generator).chunk(n_mini)]
 
 
-def minibatch_counts(mask_BR: torch.Tensor, cfg: PPOConfig) -> dict:
-    """Global denominators of one mini-batch for `reduce_loss` (tokens, sequences, max length)."""
-    A = cfg.algo
-    return {"num_tokens": float(mask_BR.sum().clamp(min=1)), "max_len": cfg.rollout.max_new_tokens,
-            "num_seqs": float((mask_BR.sum(-1) > 0).sum()) if A.loss_reduction == "seq_mean_token_mean"
-            else float(mask_BR.shape[0])}
-
-
 def merge_rank_stats(results: list[tuple[dict, int]]) -> tuple[dict, int]:
     """Per-rank (stat sums, optimizer steps) → one: losses and fractions are already weighted by
     the global counts, so ranks add; gradient norms are the same on every rank (rank 0's)."""
@@ -471,116 +321,32 @@ def ppo_update(cluster, cfg: PPOConfig, exp: Experience, train_actor: bool, gene
     return {k: v / len(schedule) for k, v in sums.items()}
 
 
-@dataclass
-class KeptForward:
-    """A micro-batch's experience forward kept with its graph for the fused update: the input ids
-    (CPU, to check the update sees the same rows) and the outputs over all R response columns
-    (actor: log-probs and entropies; critic: values), on the worker's device."""
-
-    ids_BT: torch.Tensor
-    out_BR: torch.Tensor
-    ent_BR: Optional[torch.Tensor] = None
-
-    def take(self, sub: "Experience") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The outputs trimmed to `sub`'s response width; RuntimeError if `sub` has other rows."""
-        T = sub.ids_BT.shape[1]
-        if self.ids_BT.shape[0] != sub.ids_BT.shape[0] or not torch.equal(self.ids_BT[:, :T], sub.ids_BT.cpu()):
-            raise RuntimeError("fused update: the micro-batch differs from the experience forward's rows "
-                               "(set algo.fused_update=never and report this)")
-        r = sub.mask_BR.shape[1]
-        return self.out_BR[:, :r], (self.ent_BR[:, :r] if self.ent_BR is not None else None)
-
-
-def actor_forward(actor: torch.nn.Module, cfg: PPOConfig, ids_BT, attn_BT, target_BT, P: int):
-    """The actor's training forward: (log-probs, entropies) of the response columns ``B×R``, with
-    autograd (the entropy in the graph only with an entropy bonus). The update and the fused
-    experience pass both call it."""
-    with autocast(cfg.actor.dtype):
-        logp, ent = root_forward(actor, response_logprobs, ids_BT, attn_BT, target_BT, with_entropy=True,
-                                 entropy_grad=cfg.algo.entropy_coef > 0)
-    return logp[:, P:], ent[:, P:]
-
-
-def critic_forward(critic: torch.nn.Module, cfg: PPOConfig, ids_BT, attn_BT, P: int, R: int):
-    """The critic's forward: (values ``B×R``, None); column j is the value of the state in which
-    response token j is chosen."""
-    with autocast(cfg.actor.dtype):
-        return root_forward(critic, token_values, ids_BT, attn_BT)[:, P - 1:P - 1 + R], None
-
-
-def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict, kl_coef: float,
-                     device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
-    """Backward of the actor's loss on one micro-batch, reduced with the mini-batch's global
-    `counts` (so accumulated micro-batches, on one rank or several, give the mini-batch's gradient).
-    Returned stats are already weighted by the micro-batch's share. With `kept` (fused update) the
-    loss is taken through the experience forward's graph instead of a new forward."""
-    A, P = cfg.algo, sub.P
-    sub = sub.to(device)
-    mask = rlvr.policy_mask(sub)     # response tokens, less the overlong filter's rows
-    w = float(mask.sum()) / counts["num_tokens"]
-    B = mask.shape[0]
-    stats = {}
-    if kept is not None:
-        logp, ent = kept.take(sub)
-    else:
-        target = torch.cat([torch.zeros(B, P, device=device), sub.mask_BR], dim=1)
-        logp, ent = actor_forward(actor, cfg, sub.ids_BT, sub.attn_BT, target, P)
-    pg_BR, pg_stats = rlvr.POLICY_LOSSES[A.policy_loss](logp, sub.old_logp_BR, sub.adv_BR, mask, A)  # ppo|gspo|cispo
-    pg_BR = pg_BR if sub.is_weight_BR is None else pg_BR * sub.is_weight_BR     # TIS/MIS (algo.rollout_is)
-    pg = reduce_loss(pg_BR, mask, A.loss_reduction, **counts)
-    ent_term = reduce_loss(ent, mask, A.loss_reduction, **counts)
-    loss = pg - A.entropy_coef * ent_term
-    if A.kl_use_loss and sub.ref_logp_BR is not None:
-        kl_term = reduce_loss(kl_estimate(logp, sub.ref_logp_BR, A.kl_estimator), mask, A.loss_reduction, **counts)
-        loss = loss + kl_coef * kl_term
-        stats["policy/kl_loss"] = float(kl_term.detach())
-    loss.backward()
-    stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: float(ent_term.detach()),
-                  M.CLIPFRAC: float(pg_stats["clipfrac"]) * w, M.APPROX_KL: float(pg_stats["approx_kl"]) * w})
-    return stats
-
-
-def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict,
-                      device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
-    """Backward of the clipped value loss (token mean over the mini-batch) on one micro-batch
-    (through the experience forward's graph with `kept`)."""
-    A, P = cfg.algo, sub.P
-    sub = sub.to(device)
-    mask = sub.mask_BR
-    w = float(mask.sum()) / counts["num_tokens"]
-    R = mask.shape[1]
-    stats = {}
-    if kept is not None:
-        v, _ = kept.take(sub)
-    else:
-        v, _ = critic_forward(critic, cfg, sub.ids_BT, sub.attn_BT, P, R)
-    v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
-    vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
-    vl.backward()
-    stats[M.VALUE_LOSS] = float(vl.detach())
-    if A.value_clip is not None:
-        clipped = ((v - sub.values_BR).abs() > A.value_clip).float()
-        stats[M.VALUE_CLIPFRAC] = float(masked_mean(clipped, mask)) * w
-    return stats
-
-
-def ptx_step(actor: torch.nn.Module, tok, cfg: PPOConfig, batch: list[dict], n_tok: int) -> dict:
-    """PPO-ptx (Ouyang et al. 2022 Eq. 2): backward of ptx_coef · SFT NLL summed over `batch` and
-    divided by `n_tok` (the token count of the whole micro-batch, when ranks split it)."""
-    loss, _ = root_forward(actor, sft_loss_on_batch, tok, batch, n_tok, cfg.actor.dtype)
-    (cfg.algo.ptx_coef * loss).backward()
-    return {"ptx/loss": float(loss.detach())}
-
-
 # ----------------------------------------------------------------------------------------------
 # Setup and the loop
 # ----------------------------------------------------------------------------------------------
 
+def phases(cfg: PPOConfig) -> tuple[str, ...]:
+    """The memory phases of one PPO step, in order (`turborlhf plan` sizes each one and refuses a
+    config whose phases it does not model): step 1's generation; step 2's forwards (with autograd
+    when a role keeps its graph for a fused update, `use_fused_update`); step 5's updates. In one
+    process (``distributed.backend: local``) the actor trains and steps before the critic trains;
+    on Ray both train at once and step together."""
+    A, D = cfg.algo, cfg.distributed
+    rows = A.prompts_per_step * A.n_samples_per_prompt
+    trained = ("actor", "critic") if A.needs_critic else ("actor",)
+    fused = any(use_fused_update(cfg, rows, SimpleNamespace(role=r, world_size=getattr(D, r).world_size))
+                for r in trained)
+    out = ("generate", "experience" if fused else "experience (no grad)", "train actor")
+    if not A.needs_critic:
+        return out + ("optimizer step",)
+    if D.backend == "local":
+        return out + ("actor step", "train critic", "critic step")
+    return out + ("train critic", "optimizer step")
+
+
 def lora_reference(cfg: PPOConfig) -> bool:
     """With a LoRA actor whose reference is its own starting model, the reference is the actor with
     its adapters disabled (`ActorWorker.ref_logprobs`): no reference worker, no second copy."""
-    from turborlhf.models.reference import same_model
-
     return cfg.actor.lora.rank > 0 and same_model(cfg.reference or cfg.actor.name_or_path, cfg.actor.name_or_path)
 
 
@@ -589,9 +355,6 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, re
     (trainable, gae only, from the RM by default); reward sources (`reward_callables`: the Python
     API's functions, `turborlhf.rewards.callables.RewardCallables`); reference (frozen, only when a
     KL term is on); rollout engines. Returns the `Cluster` (``cluster["actor"]`` etc.)."""
-    from turborlhf.distributed.placement import RoleSpec, launch
-    from turborlhf.trainers import ppo_workers as W
-
     A, c = cfg.algo, str(ckpt) if ckpt else None
     threads = cfg.train.threads or int(os.environ.get("TURBORLHF_THREADS", "0"))
     specs = {"actor": RoleSpec(W.ActorWorker, (cfg, c, total_updates, threads))}
@@ -619,11 +382,11 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
            M.ADV_MEAN: float(masked_mean(exp.adv_BR, exp.mask_BR))}
     if exp.ref_logp_BR is not None:
         out.update({M.KL: float(exp.kl_BR.sum(-1).mean()), M.KL_COEF: kl_coef,
-                    "policy/kl_per_token": float(masked_mean(exp.kl_BR, exp.mask_BR))})
+                    M.KL_PER_TOKEN: float(masked_mean(exp.kl_BR, exp.mask_BR))})
     if exp.values_BR is not None:
         out[M.EXPLAINED_VAR] = _explained_variance(exp.values_BR, exp.returns_BR, exp.mask_BR)
     if exp.source_scores and len(exp.source_scores) > 1:
-        out.update({f"reward/{name}": float(s.mean()) for name, s in exp.source_scores.items()})
+        out.update({f"rollout/reward_{name}_mean": float(s.mean()) for name, s in exp.source_scores.items()})
     return out
 
 

@@ -5,7 +5,8 @@ local``) or inside Ray workers, one object per rank (``backend: ray``); `turborl
 places them and knows nothing of what they do.
 
 Roles and their methods (tensors in and out are CPU tensors; B rows, P prompt columns, R response
-columns, see `turborlhf.trainers.ppo`):
+columns, S = P + R, see `turborlhf.trainers.ppo`). What the trained roles compute is in
+`turborlhf.trainers.ppo_compute`; this module never imports the driver (`turborlhf.trainers.ppo`).
 
 - `ActorWorker`: ``logprobs`` (old log-probs), ``train`` (its share of each mini-batch, gradients
   summed over the data-parallel ranks), ``weights`` (for the rollout engines), ``save``/``export``;
@@ -21,16 +22,33 @@ one rank doing all micro-batches. Stats come back as per-rank sums and are added
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from turborlhf.config import ModelCfg
+from turborlhf.data.loaders import load_sft
+from turborlhf.data.tokenize import encode_examples
+from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.malloc import keep_freed_memory
 from turborlhf.engine.parallel import (allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, root_forward,
                                       shard_fsdp)
+from turborlhf.engine.run import export_model
 from turborlhf.engine.train import (autocast, clip_and_step, make_optimizer, make_scheduler, seed_everything,
                                     set_threads)
-from turborlhf.metrics import M
+from turborlhf.metrics import M, console_logging
+from turborlhf.models.forward import response_logprobs
+from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable, merged_named_parameters
+from turborlhf.models.reference import LoraReference, reference_view
+from turborlhf.models.zoo import resolve_model_path
+from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_columns
+from turborlhf.rollout import make_engine
+from turborlhf.rollout.sync import check_engine, make_canary, trainer_logprobs
+from turborlhf.trainers.ppo_compute import (EmaModel, KeptForward, PtxStream, actor_forward, actor_micro_step,
+                                            critic_forward, critic_micro_step, minibatch_counts, ptx_step, row_shards)
+from turborlhf.trainers.ppo_rlvr import policy_mask
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
 
@@ -48,9 +66,8 @@ def _device(cfg) -> torch.device:
 
 
 def _setup(cfg, threads: int) -> None:
-    from turborlhf.engine.malloc import keep_freed_memory
-
     keep_freed_memory()           # a Ray worker is its own process (in this process: already done)
+    console_logging()             # the same: its messages on its console (Ray forwards them to the driver's)
     set_threads(threads or cfg.train.threads)
     seed_everything(cfg.train.seed)
 
@@ -72,6 +89,11 @@ def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class _Trainable:
     """Shared mechanics of the trained roles (optimizer step with the DP gradient sum, saving)."""
+
+    # The fused update's experience forwards, kept with their autograd graphs from the experience
+    # call (``logprobs``/``values`` with ``keep_graph``) to the next ``train``, which consumes them:
+    # the only state a worker holds between calls besides its model and optimizer (why: `KeptForward`).
+    _kept: Optional[list[KeptForward]] = None
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         _, world = dp_rank_world()
@@ -104,31 +126,27 @@ class _Trainable:
         else:
             opt.load_state_dict(st)
 
-    def _keep_forwards(self, ids_BT: torch.Tensor, forward) -> torch.Tensor:
+    def _keep_forwards(self, ids_BS: torch.Tensor, forward) -> torch.Tensor:
         """Fused update, experience side: `forward(slice)` → (out_BR, ent_BR or None) with autograd
         on each micro-batch; the outputs are kept (with their graphs) for the next `train`, the
         detached outputs are returned on the CPU."""
-        from turborlhf.trainers.ppo import KeptForward
-
         mb = self.cfg.train.micro_batch_size
         self._kept, out = [], []
-        for s in range(0, ids_BT.shape[0], mb):
+        for s in range(0, ids_BS.shape[0], mb):
             sl = slice(s, s + mb)
             o, ent = forward(sl)
-            self._kept.append(KeptForward(ids_BT[sl], o, ent))
+            self._kept.append(KeptForward(ids_BS[sl], o, ent))
             out.append(o.detach().cpu())
         return torch.cat(out)
 
     def _train_minibatches(self, exp, schedule: list, micro_fn, step_fn,
                            mask_of=lambda exp: exp.mask_BR) -> tuple[dict, int]:
         """Run `micro_fn(sub_experience, counts, kept)` on this rank's micro-batches of every
-        mini-batch (a contiguous block of whole micro-batches, as `ppo.row_shards` gave it in the
+        mini-batch (a contiguous block of whole micro-batches, as `row_shards` gave it in the
         experience phase), then `step_fn()`; returns (stats summed over steps, number of optimizer
         steps). `kept` is the micro-batch's `KeptForward` after a fused experience pass (consumed
         here, so the graphs are freed with this update), else None. `mask_of(exp)`: the mask whose
         token counts reduce the losses (the actor's: `ppo_rlvr.policy_mask`, less filtered rows)."""
-        from turborlhf.trainers.ppo import minibatch_counts, row_shards
-
         rank, world = dp_rank_world()
         mb = self.cfg.train.micro_batch_size
         sums: dict[str, float] = {}
@@ -137,7 +155,7 @@ class _Trainable:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
 
-        kept, self._kept = getattr(self, "_kept", None), None
+        kept, self._kept = self._kept, None
         for mini in schedule:
             counts = minibatch_counts(mask_of(exp)[mini], self.cfg)
             shard = row_shards(len(mini), mb, world).get(rank)     # the rows the experience gave this rank
@@ -164,11 +182,6 @@ class ActorWorker(_Trainable):
     """
 
     def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
-        from turborlhf.data.loaders import load_sft
-        from turborlhf.models.load import load_tokenizer, load_trainable
-        from turborlhf.trainers.ppo import EmaModel, PtxStream
-        from turborlhf.trainers.sft import encode_examples
-
         _setup(cfg, threads)
         A = cfg.algo
         self.cfg, self.device = cfg, _device(cfg)
@@ -197,39 +210,31 @@ class ActorWorker(_Trainable):
     def info(self) -> dict:
         return {"ptx_examples": len(self.ptx.examples) if self.ptx else 0, "lr": self.sched.get_last_lr()[0]}
 
-    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int,
+    def logprobs(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, mask_BR: torch.Tensor, P: int,
                  keep_graph: bool = False) -> torch.Tensor:
         """Log-probs ``B×R`` of the response tokens under the current actor (micro-batched).
 
-        keep_graph: fused update (`ppo.use_fused_update`): run with autograd and keep each
+        keep_graph: fused update (`ppo_compute.use_fused_update`): run with autograd and keep each
         micro-batch's log-probs and entropies for the next `train`, which backpropagates through
         them instead of a second forward. The returned tensor is detached either way."""
-        from turborlhf.models.forward import response_logprobs
-        from turborlhf.trainers.ppo import actor_forward
-
-        B, mb = ids_BT.shape[0], self.cfg.train.micro_batch_size
+        B, mb = ids_BS.shape[0], self.cfg.train.micro_batch_size
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
-        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         if not keep_graph:
             with torch.no_grad(), autocast(self.cfg.actor.dtype):
                 return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
                                                          target[s])[0][:, P:].cpu(), B, mb)
-        return self._keep_forwards(ids_BT, lambda s: actor_forward(self.model, self.cfg, ids[s], attn[s], target[s], P))
+        return self._keep_forwards(ids_BS, lambda s: actor_forward(self.model, self.cfg, ids[s], attn[s], target[s], P))
 
     @torch.no_grad()
-    def ref_logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
+    def ref_logprobs(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
         """Reference log-probs ``B×R`` from the LoRA actor with its adapters disabled (the frozen base
         is the initial policy): PPO's reference without a second copy of the model."""
-        from turborlhf.models.reference import LoraReference, reference_view
-
         with reference_view(LoraReference(self.model)):
-            return self.logprobs(ids_BT, attn_BT, mask_BR, P)
+            return self.logprobs(ids_BS, attn_BS, mask_BR, P)
 
     def train(self, exp, schedule: list, kl_coef: float) -> tuple[dict, int]:
         """Policy (+ KL, − entropy, + ptx) updates over `schedule` (mini-batches of row indices)."""
-        from turborlhf.trainers.ppo import actor_micro_step
-        from turborlhf.trainers.ppo_rlvr import policy_mask
-
         def micro(sub, counts, kept):
             return actor_micro_step(self.model, self.cfg, sub, counts, kl_coef, self.device, kept)
 
@@ -244,13 +249,11 @@ class ActorWorker(_Trainable):
 
     def _ptx(self) -> dict:
         """PPO-ptx on one micro-batch of SFT data, split over the ranks with the global token count."""
-        from turborlhf.trainers.ppo import ptx_step
-
         batch = self.ptx.next(self.cfg.train.micro_batch_size)   # every rank advances the same stream
         n_tok = sum(sum(e["loss_mask"]) for e in batch)
         rank, world = dp_rank_world()
         mine = batch[rank::world]
-        return ptx_step(self.model, self.tok, self.cfg, mine, n_tok) if mine else {"ptx/loss": 0.0}
+        return ptx_step(self.model, self.tok, self.cfg, mine, n_tok) if mine else {M.PTX_LOSS: 0.0}
 
     def weights(self) -> Optional[dict[str, torch.Tensor]]:
         """The actor's parameters by HF name (rank 0; None elsewhere), for the rollout engines.
@@ -260,23 +263,17 @@ class ActorWorker(_Trainable):
             return sd if dp_rank_world()[0] == 0 else None
         if dp_rank_world()[0] != 0:
             return None
-        from turborlhf.models.load import merged_named_parameters
-
         return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # LoRA merged
 
     def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
         """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),
         LoRA merged as the engines see it; rank 0 only (None elsewhere)."""
-        from turborlhf.rollout.sync import trainer_logprobs
-
         if is_fsdp(self.model) or dp_rank_world()[0] != 0:
             return None
         return trainer_logprobs(self.model, canary, self.cfg.rollout.dtype)
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
-        from turborlhf.engine.checkpoint import _write_hf
-
         model, opt_state = self._savable(), self._optim_state(self.opt)
         if dp_rank_world()[0] != 0:
             return
@@ -287,8 +284,6 @@ class ActorWorker(_Trainable):
 
     def export(self, out_dir: str) -> None:
         """The final actor (and its EMA under ``<out_dir>/ema``) as HF directories (rank 0)."""
-        from turborlhf.engine.run import export_model
-
         model = self._savable()
         if dp_rank_world()[0] != 0:
             return
@@ -305,9 +300,6 @@ class CriticWorker(_Trainable):
     """The value model (gae only) and its optimizer; initialised from `cfg.critic_init`."""
 
     def __init__(self, cfg, ckpt: Optional[str], total_updates: int, threads: int = 0) -> None:
-        from turborlhf.config import ModelCfg
-        from turborlhf.models.load import load_tokenizer, load_trainable
-
         _setup(cfg, threads)
         self.cfg, self.device = cfg, _device(cfg)
         self.tok = load_tokenizer(cfg.actor.name_or_path)
@@ -321,23 +313,19 @@ class CriticWorker(_Trainable):
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
 
-    def values(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, P: int, R: int,
+    def values(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, P: int, R: int,
                keep_graph: bool = False) -> torch.Tensor:
         """Values ``B×R``: column j is the value of the state in which response token j is chosen.
         keep_graph: as `ActorWorker.logprobs` (the next `train` backpropagates through them)."""
-        from turborlhf.trainers.ppo import critic_forward
-
-        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         fwd = lambda s: critic_forward(self.model, self.cfg, ids[s], attn[s], P, R)      # noqa: E731
         if not keep_graph:
             with torch.no_grad():
                 return _in_chunks(lambda s: fwd(s)[0].cpu(), ids.shape[0], self.cfg.train.micro_batch_size)
-        return self._keep_forwards(ids_BT, fwd)
+        return self._keep_forwards(ids_BS, fwd)
 
     def train(self, exp, schedule: list) -> tuple[dict, int]:
         """Clipped value-loss updates over `schedule`."""
-        from turborlhf.trainers.ppo import critic_micro_step
-
         def micro(sub, counts, kept):
             return critic_micro_step(self.model, self.cfg, sub, counts, self.device, kept)
 
@@ -345,8 +333,6 @@ class CriticWorker(_Trainable):
                                        lambda: {M.VALUE_GRAD_NORM: self._step(self.opt, self.sched)})
 
     def save(self, out_dir: str) -> None:
-        from turborlhf.engine.checkpoint import _write_hf
-
         model, opt_state = self._savable(), self._optim_state(self.opt)
         if dp_rank_world()[0] != 0:
             return
@@ -363,8 +349,6 @@ class _Offload:
     device only inside ``with self._on_device():`` (on a CPU-only worker both places are the CPU)."""
 
     def _on_device(self):
-        import contextlib
-
         @contextlib.contextmanager
         def ctx():
             if self.offload:
@@ -383,8 +367,6 @@ class ReferenceWorker(_Offload):
     """The frozen reference policy (`cfg.reference`, default the actor's initial weights)."""
 
     def __init__(self, cfg, threads: int = 0) -> None:
-        from turborlhf.models.load import load_causal_lm, load_tokenizer
-
         _setup(cfg, threads)
         self.cfg, self.device = cfg, _device(cfg)
         self.offload = cfg.distributed.ref_reward_offload
@@ -398,12 +380,10 @@ class ReferenceWorker(_Offload):
         return [self.model]
 
     @torch.no_grad()
-    def logprobs(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
-        from turborlhf.models.forward import response_logprobs
-
-        B = ids_BT.shape[0]
+    def logprobs(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, mask_BR: torch.Tensor, P: int) -> torch.Tensor:
+        B = ids_BS.shape[0]
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
-        ids, attn = ids_BT.to(self.device), attn_BT.to(self.device)
+        ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         with self._on_device(), autocast(self.cfg.actor.dtype):
             return _in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s])[0][:, P:].cpu(),
                               B, self.cfg.train.micro_batch_size)
@@ -414,9 +394,6 @@ class RewardWorker(_Offload):
 
     def __init__(self, cfg, threads: int = 0, callables=None) -> None:
         """`callables`: the ``kind: callable`` sources' functions (`turborlhf.rewards.callables`)."""
-        from turborlhf.models.load import load_tokenizer
-        from turborlhf.rewards.combine import build_reward
-
         _setup(cfg, threads)
         self.cfg, self.device = cfg, _device(cfg)
         self.offload = cfg.distributed.ref_reward_offload
@@ -433,13 +410,11 @@ class RewardWorker(_Offload):
         return [(n, w) for n, w, _ in self.reward.sources]
 
     @torch.no_grad()
-    def score(self, ids_BT, attn_BT, prompt_ids, response_ids, columns=None) -> tuple[torch.Tensor, dict]:
+    def score(self, ids_BS, attn_BS, prompt_ids, response_ids, columns=None) -> tuple[torch.Tensor, dict]:
         """``(score_B, {source: score_B})`` for the rows, as CPU tensors; ``columns``: per row, the
         prompts file's other fields (passed to reward functions by name)."""
-        from turborlhf.rewards.combine import RewardInputs, rows_to_columns
-
         with self._on_device():
-            total, per = self.reward(RewardInputs(ids_BT.to(self.device), attn_BT.to(self.device), prompt_ids,
+            total, per = self.reward(RewardInputs(ids_BS.to(self.device), attn_BS.to(self.device), prompt_ids,
                                                   response_ids, self.tok, rows_to_columns(columns)))
         return total.cpu(), {k: v.cpu() for k, v in per.items()}
 
@@ -461,12 +436,9 @@ class RolloutWorker:
         self.engine = self._build()
 
     def _build(self):
-        from turborlhf.models.zoo import resolve_model_path
-        from turborlhf.rollout import make_engine
-
-        R = self.cfg.rollout
-        return make_engine(R.engine, str(resolve_model_path(self.path)), dtype=R.dtype, device=R.device,
-                           max_batch_size=R.batch_size)
+        roll = self.cfg.rollout
+        return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
+                           max_batch_size=roll.batch_size)
 
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"
@@ -486,8 +458,6 @@ class RolloutWorker:
 
     def make_canary(self, prompts: list[list[int]]):
         """Fixed canary batch for the weight-sync checks (`turborlhf.rollout.sync.make_canary`)."""
-        from turborlhf.rollout.sync import make_canary
-
         if self.engine is None:
             self.engine = self._build()
         return make_canary(self.engine, prompts)
@@ -495,8 +465,6 @@ class RolloutWorker:
     def check_sync(self, canary, trainer_logprobs: list[list[float]], tol: float) -> dict:
         """Compare this engine's canary log-probs with the trainer's; WeightSyncError if they
         disagree by more than `tol` (the run then stops naming this rollout worker)."""
-        from turborlhf.rollout.sync import check_engine
-
         if self.engine is None:
             self.engine = self._build()
         return check_engine(self.engine, trainer_logprobs, canary, tol).metrics()

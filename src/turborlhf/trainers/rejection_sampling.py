@@ -12,7 +12,7 @@ Each round k = 1 … `rounds`:
    `missing_eos_penalty`, default 0); the prompt is kept if s̃_ij* > `min_score` (if set);
    the winners go to ``<output_dir>/round_<k>/best.jsonl`` with all candidate scores;
 4. SFT: the token-mean NLL of the kept responses, L = −Σ_t log π(y_t | x, y_<t) / Σ_i |y_i|,
-   exactly the loss of `turborlhf sft` (`trainers.sft.sft_loss_on_batch`), `train.epochs` passes
+   exactly the loss of `turborlhf sft` (`trainers.common.sft_loss_on_batch`), `train.epochs` passes
    with a fresh AdamW and schedule per round (OpenRLHF runs `train_sft` anew per iteration);
    with `accumulate` the data are the winners of rounds 1 … k (Llama 2 keeps earlier winners);
 5. sync the new weights into the rollout engine, log, checkpoint (``step-00000k`` = k rounds done).
@@ -28,6 +28,7 @@ before the threshold), ``rollout/best_of_n_gain`` (their difference), the kept f
 from __future__ import annotations
 
 import json
+import logging
 import random
 import signal
 import time
@@ -39,22 +40,30 @@ import torch
 from turborlhf.config import RejectionSamplingConfig
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
-from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
+from turborlhf.data.tokenize import encode_examples, encode_prompt
 from turborlhf.engine.checkpoint import atomic_write_text, load_trainer_state, save_checkpoint
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
-from turborlhf.models.load import (load_tokenizer, load_trainable, merge_lora_for_save,
-                                   merged_named_parameters)
+from turborlhf.models.load import load_tokenizer, load_trainable, merge_lora_for_save
 from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.sft import sft_step
+from turborlhf.trainers.common import sft_step
 
-__all__ = ["train", "select_best", "round_prompts", "encode_samples", "sft_on_rows", "SFTStopped"]
+__all__ = ["phases", "train", "select_best", "round_prompts", "sft_on_rows", "SFTStopped"]
+
+logger = logging.getLogger(__name__)
+
+
+def phases(cfg: RejectionSamplingConfig) -> tuple[str, ...]:
+    """The memory phases of one round, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model): round steps
+    1-2 (sample with the engine, score with the reward model), then step 4's SFT forward/backward and
+    optimizer steps."""
+    return ("generate", "score", "train", "optimizer step")
 
 BEST_SCORE = "rollout/best_score_mean"
 GAIN = "rollout/best_of_n_gain"
@@ -107,13 +116,6 @@ def round_prompts(n_prompts: int, per_round: int, round_idx: int, seed: int) -> 
 # SFT on the winners (round step 4)
 # ----------------------------------------------------------------------------------------------
 
-def encode_samples(tok, rows: list[dict], max_len: int) -> list[dict]:
-    """`trainers.sft.encode_examples` for sampled ``{prompt, response, finished}`` rows, except that
-    a response cut at max_new_tokens (``finished`` False) gets no appended EOS."""
-    return [encode_prompt_response(tok, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
-            for r in rows]
-
-
 class SFTStopped(Exception):
     """`sft_on_rows` stopped part-way on request; ``state`` continues it (`sft_on_rows(resume=...)`)."""
 
@@ -131,9 +133,9 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
     `should_stop()` is asked after every optimizer step but the last; a true answer raises
     `SFTStopped`, whose ``state`` (optimizer, schedule, step, running sums) given back as `resume`
     continues exactly where it stopped."""
-    T = cfg.train
-    enc = encode_samples(tok, rows, cfg.data.max_len)
-    plan = plan_steps([len(e["input_ids"]) for e in enc], T.sequences_per_step, T.epochs, T.max_steps, seed)
+    loop = cfg.train
+    enc = encode_examples(tok, rows, cfg.data.max_len)
+    plan = plan_steps([len(e["input_ids"]) for e in enc], loop.sequences_per_step, loop.epochs, loop.max_steps, seed)
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
     model.train()
@@ -145,14 +147,14 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
     t0 = time.perf_counter()
     for step in range(acc["step"], len(plan)):
         batch = [enc[i] for i in plan[step]]
-        step_loss = sft_step(model, tok, batch, T.micro_batch_size, cfg.model.dtype)
+        step_loss = sft_step(model, tok, batch, loop.micro_batch_size, cfg.model.dtype)
         acc["lr"] = sched.get_last_lr()[0]
         acc["gnorms"].append(clip_and_step(model, optim, sched, cfg.optim.max_grad_norm))
         acc["losses"].append(step_loss)
         acc["n_tok"] += sum(len(e["input_ids"]) for e in batch)
         acc["step"] = step + 1
         if cfg.log.progress and ((step + 1) % cfg.log.every == 0 or step + 1 == len(plan)):
-            print(f"[{tag}] sft {step + 1}/{len(plan)} loss {step_loss:.4f} lr {acc['lr']:.2e}", flush=True)
+            logger.info(f"[{tag}] sft {step + 1}/{len(plan)} loss {step_loss:.4f} lr {acc['lr']:.2e}")
         if step + 1 < len(plan) and should_stop():
             acc["seconds"] += time.perf_counter() - t0
             raise SFTStopped({"optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "acc": acc,
@@ -168,9 +170,10 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
 # ----------------------------------------------------------------------------------------------
 
 def _sampling(cfg: RejectionSamplingConfig, tok, seed: int) -> SamplingParams:
-    R = cfg.rollout
-    return SamplingParams(max_new_tokens=R.max_new_tokens, min_new_tokens=R.min_new_tokens, temperature=R.temperature,
-                          top_p=R.top_p, top_k=R.top_k, stop_token_ids=(tok.eos_token_id,),
+    roll = cfg.rollout
+    return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
+                          temperature=roll.temperature,
+                          top_p=roll.top_p, top_k=roll.top_k, stop_token_ids=(tok.eos_token_id,),
                           n=cfg.algo.n_samples_per_prompt, seed=seed)
 
 
@@ -186,7 +189,7 @@ def _score(rm, rm_tok, same_vocab: bool, prompts: list[str], p_ids: list[list[in
                 for p, r, f, e in zip(p_ids, r_ids, finished, eos_for)]
     else:
         rows = [{"prompt": p, "response": t, "finished": e} for p, t, e in zip(prompts, texts, eos_for)]
-        seqs = [x["input_ids"] for x in encode_samples(rm_tok, rows, 4096)]
+        seqs = [x["input_ids"] for x in encode_examples(rm_tok, rows, 4096)]
     return score_token_ids(rm, rm_tok.pad_token_id, seqs, cfg.model.dtype, A.score_batch_size)
 
 
@@ -261,7 +264,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     out, ckpt = start_run(cfg, resume, "rs")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    A, R = cfg.algo, cfg.rollout
+    A, roll = cfg.algo, cfg.rollout
 
     # 2. prompts (read and checked before any model loads); policy (from the last finished round
     #    when resuming), frozen reward model, rollout engine
@@ -274,13 +277,13 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
                            device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
-    engine = make_engine(R.engine, merge_lora_for_save(model), dtype=R.dtype, device=R.device,
-                         max_batch_size=R.batch_size)
+    engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,
+                         max_batch_size=roll.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
-    prompt_ids = [encode_prompt(tok, p, R.max_prompt_len) for p in prompts]
+    prompt_ids = [encode_prompt(tok, p, roll.max_prompt_len) for p in prompts]
     per_round = min(A.prompts_per_round, len(prompts))
     print_batch_table("rs", [("prompts", len(prompts)), ("rounds", A.rounds), ("prompts_per_round", per_round),
                              ("n_samples_per_prompt", A.n_samples_per_prompt),
@@ -289,14 +292,14 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                              ("micro_batch_size", cfg.train.micro_batch_size),
                              ("rollout_engine", type(engine).__name__),
                              ("rm_scores", "token ids" if same_vocab else "re-encoded text")])
-    canary = start_sync_check(engine, model, prompt_ids, R.verify_sync, R.sync_tolerance)
+    canary = start_sync_check(engine, model, prompt_ids, roll.verify_sync, roll.sync_tolerance)
     start, mid = 0, None
     if ckpt:
         st = load_trainer_state(ckpt)
         set_rng_state(st["rng"])
         start, mid = st["round"], st.get("sft")      # mid: stopped inside round start+1's SFT
-        print(f"[rs] resumed from {ckpt} after round {start}"
-              + (f" and SFT step {mid['sft']['step']} of round {mid['round']}" if mid else ""), flush=True)
+        logger.info(f"[rs] resumed from {ckpt} after round {start}"
+                    + (f" and SFT step {mid['sft']['step']} of round {mid['round']}" if mid else ""))
     log = MetricsLogger(out, "rs", A.rounds, show=(M.REWARD_MEAN, BEST_SCORE, GAIN, KEPT, M.LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
@@ -334,13 +337,13 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                                      f"{e.state['step']}: kept checkpoint {path}; continue with --resume",
                                      signum) from None
         else:
-            print(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged", flush=True)
+            logger.info(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged")
         mid = None
         metrics["train/examples"] = len(train_rows)
         t_train = time.perf_counter() - t0
         # 4.5 weight sync, metrics, checkpoint
         if train_rows:  # push + canary check (merges LoRA); WeightSyncError if the engine disagrees
-            metrics.update(push_weights(engine, model, canary, R.sync_tolerance).metrics())
+            metrics.update(push_weights(engine, model, canary, roll.sync_tolerance).metrics())
         metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
                         M.T_STEP: time.perf_counter() - t_round})
         atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
@@ -350,5 +353,5 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     checkpoint(A.rounds)
     export_model(model, tok, out)
     log.close()
-    print(f"[rs] saved policy to {out}", flush=True)
+    logger.info(f"[rs] saved policy to {out}")
     return out

@@ -11,6 +11,7 @@ one forward pass; the LM head is never computed. The exported directory loads wi
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +30,14 @@ from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
-__all__ = ["train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
+__all__ = ["phases", "train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
+
+logger = logging.getLogger(__name__)
+
+
+def phases(cfg: RMConfig) -> tuple[str, ...]:
+    """The memory phases of one optimizer step, in order (`turborlhf plan` sizes each one and refuses a config whose phases it does not model)."""
+    return ("train", "optimizer step")
 
 
 @torch.no_grad()
@@ -75,7 +83,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     out, ckpt = start_run(cfg, resume, "rm")
     set_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    T = cfg.train
+    loop = cfg.train
 
     # 2. tokenizer; pairs → token ids (read and checked before any model loads); deterministic plan
     tok = load_tokenizer(cfg.model.name_or_path)
@@ -84,15 +92,15 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
         pairs = pairs[:cfg.data.max_samples]
     train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
     test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
-    plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], T.pairs_per_step, T.epochs,
-                      T.max_steps, T.seed)
+    plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], loop.pairs_per_step, loop.epochs,
+                      loop.max_steps, loop.seed)
 
     # 3. scalar model (new head on a causal LM, or a saved RM to continue)
     model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
-    if T.freeze_embeddings:
+    if loop.freeze_embeddings:
         backbone_of(model).get_input_embeddings().weight.requires_grad_(False)
-    print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", T.pairs_per_step),
-                             ("micro_batch_size (pairs)", T.micro_batch_size), ("optimizer_steps", len(plan)),
+    print_batch_table("rm", [("pairs", len(train_enc)), ("pairs_per_step", loop.pairs_per_step),
+                             ("micro_batch_size (pairs)", loop.micro_batch_size), ("optimizer_steps", len(plan)),
                              ("trainable_params", count_parameters(model, trainable_only=True))])
 
     # 4. optimizer, schedule, resume state
@@ -104,19 +112,19 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step),
-                               keep=T.keep_checkpoints)
+                               keep=loop.keep_checkpoints)
 
     # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
-    for step in checkpointed_steps(start, len(plan), checkpoint, T.save_every, "rm"):
+    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "rm"):
         t0 = time.perf_counter()
         batch = [train_enc[i] for i in plan[step]]
         n_pairs = len(batch)
         loss_sum, correct, margin_sum = 0.0, 0.0, 0.0
-        for s in range(0, n_pairs, T.micro_batch_size):
-            mb = batch[s:s + T.micro_batch_size]
+        for s in range(0, n_pairs, loop.micro_batch_size):
+            mb = batch[s:s + loop.micro_batch_size]
             ch, rj = pair_scores(model, tok, mb, cfg.model.dtype)
-            margin = torch.tensor([e["margin"] for e in mb]) if T.margin else None
-            loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=T.center_rewards_coef)
+            margin = torch.tensor([e["margin"] for e in mb]) if loop.margin else None
+            loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=loop.center_rewards_coef)
             (loss_B.sum() / n_pairs).backward()
             loss_sum += float(loss_B.detach().sum())
             correct += float((ch > rj).float().sum().detach())
@@ -128,8 +136,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
         metrics = {M.LOSS: loss_sum / n_pairs, M.RM_ACC: correct / n_pairs, M.RM_MARGIN: margin_sum / n_pairs,
                    M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
         done = step + 1
-        if test_enc and T.eval_every and done % T.eval_every == 0 and done < len(plan):
-            ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * T.micro_batch_size)
+        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+            ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
             metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
         if done % cfg.log.every == 0 or done == len(plan):
             log.log(done, metrics)
@@ -138,13 +146,13 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
     extra = {}
     if test_enc:
-        ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * T.micro_batch_size)
+        ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
         log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
         extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
         (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
-        print(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs", flush=True)
+        logger.info(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs")
     checkpoint(len(plan))
     export_model(model, tok, out, extra_config=extra)
     log.close()
-    print(f"[rm] saved reward model to {out}", flush=True)
+    logger.info(f"[rm] saved reward model to {out}")
     return out
