@@ -58,11 +58,11 @@ def _src():
 # Neutral modules under trainers/ that any trainer may import (they import no trainer).
 NEUTRAL = {"common"}
 # PPO is one trainer in four modules; imports flow driver → roles → compute (+ the RLVR helpers).
-PPO_EDGES = {("ppo", "ppo_workers"), ("ppo", "ppo_compute"), ("ppo", "ppo_rlvr"),
-             ("ppo_workers", "ppo_compute"), ("ppo_workers", "ppo_rlvr"), ("ppo_compute", "ppo_rlvr")}
-# Known back edge, to be removed: ppo_rlvr's dynamic sampling (`collect_rollouts`) calls the
-# driver's `generate`, `score_rows` and `assemble`. Listed so the test fails once it is gone.
-KNOWN_BACK_EDGES = {("ppo_rlvr", "ppo")}
+# The driver (ppo) → its step-1 helpers (ppo_async → ppo_rlvr → ppo_rollout) → the role workers
+# (ppo_workers) → their compute (ppo_compute).
+PPO_EDGES = {("ppo", "ppo_workers"), ("ppo", "ppo_compute"), ("ppo", "ppo_rlvr"), ("ppo", "ppo_async"),
+             ("ppo", "ppo_rollout"), ("ppo_async", "ppo_rlvr"), ("ppo_rlvr", "ppo_rollout"), ("ppo_rlvr", "ppo_compute"),
+             ("ppo_rollout", "ppo_compute"), ("ppo_workers", "ppo_compute")}
 
 
 def _imported_modules(tree) -> list[tuple[str, int, bool]]:
@@ -109,22 +109,16 @@ def test_no_trainer_module_imports_another():
     for (a, b), lines in sorted(_trainer_edges().items()):
         if b in NEUTRAL and a not in NEUTRAL:
             continue
-        if (a, b) in PPO_EDGES or (a, b) in KNOWN_BACK_EDGES:
+        if (a, b) in PPO_EDGES:
             continue
         bad.append(f"trainers/{a}.py imports trainers.{b} (line {lines[0]})")
     assert not bad, "\n".join(bad)
 
 
-def test_known_back_edges_still_exist():
-    """Once ppo_rlvr stops importing the driver, remove it from KNOWN_BACK_EDGES."""
-    edges = _trainer_edges()
-    assert all(e in edges for e in KNOWN_BACK_EDGES), [e for e in KNOWN_BACK_EDGES if e not in edges]
-
-
 def test_ppo_workers_and_compute_never_import_the_driver():
     import ast
 
-    for name in ("ppo_workers", "ppo_compute"):
+    for name in ("ppo_workers", "ppo_compute", "ppo_rollout", "ppo_rlvr", "ppo_async"):
         tree = ast.parse((_src() / "trainers" / f"{name}.py").read_text())
         mods = {m for m, _, _ in _imported_modules(tree)}
         assert "turborlhf.trainers.ppo" not in mods, f"{name} imports the PPO driver"
@@ -134,10 +128,10 @@ def test_ppo_workers_and_compute_never_import_the_driver():
 def test_ppo_modules_import_turborlhf_at_the_top():
     """The PPO modules import turborlhf modules at module level (function-level imports hid the
     circular driver ↔ workers dependency); only heavy optional imports (transformers, torch's
-    distributed checkpointing) may stay inside functions. ppo_rlvr is exempt (its back edge)."""
+    distributed checkpointing) may stay inside functions."""
     import ast
 
-    for name in ("ppo", "ppo_workers", "ppo_compute", "common"):
+    for name in ("ppo", "ppo_workers", "ppo_compute", "ppo_rollout", "ppo_rlvr", "ppo_async", "common"):
         tree = ast.parse((_src() / "trainers" / f"{name}.py").read_text())
         late = [(m, line) for m, line, in_fn in _imported_modules(tree) if in_fn and m.startswith("turborlhf")]
         assert not late, f"trainers/{name}.py imports inside functions: {late}"

@@ -255,7 +255,7 @@ def test_ppo_with_critic_and_warmup_counts_actor_updates(tiny_model, tiny_rm, ti
             "rollout.max_staleness=1", *TIS)
     rows = [r for r in metrics(tmp_path / "ppo") if "rollout/reward_mean" in r]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 1.0]
-    assert "policy/loss" not in rows[0] and all(math.isfinite(r["value/loss"]) for r in rows)
+    assert "policy/loss" not in rows[0] and all(math.isfinite(r["critic/loss"]) for r in rows)
     assert rows[1]["rollout/mismatch_kl"] < 1e-6 < rows[2]["rollout/mismatch_kl"]
 
 

@@ -74,6 +74,8 @@ from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
 from turborlhf.trainers import ppo_workers as W
+from turborlhf.trainers.ppo_async import rollout_pipeline
+from turborlhf.trainers.ppo_rollout import _submit_rows, generate, rollout_items, score_rows
 from turborlhf.trainers.ppo_compute import Experience, row_shards, use_fused_update
 
 __all__ = ["phases", "train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
@@ -126,38 +128,6 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 # 1. Rollouts: seeded work items spread over the rollout engines
 # ----------------------------------------------------------------------------------------------
 
-def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
-    roll = cfg.rollout
-    return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
-                          temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
-                          stop_token_ids=(tok.eos_token_id,),
-                          n=cfg.algo.n_samples_per_prompt, seed=seed, return_logprobs=True)
-
-
-def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int,
-                  attempt: int = 0) -> list[tuple[list, SamplingParams]]:
-    """Split a step's prompts into work items of `distributed.rollout_chunk` prompts (default: one
-    engine batch, ``rollout.batch_size // n_samples_per_prompt``), each with its own seed derived from
-    (train.seed, step, item). Which engine runs an item then changes nothing: the same items give
-    the same responses on one engine or many. `attempt` ≥ 1: a further dynamic-sampling round."""
-    n = cfg.distributed.rollout_chunk or max(1, cfg.rollout.batch_size // cfg.algo.n_samples_per_prompt)
-    base = (cfg.train.seed * 100003 + step) * 1009 + attempt * 10**12
-    return [(prompts[s:s + n], _sampling(cfg, tok, base + k)) for k, s in enumerate(range(0, len(prompts), n))]
-
-
-def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, attempt: int = 0):
-    """Responses for `prompts` (n samples each, consecutive), from the engines' work queue.
-    Returns (response_ids, finished, items per engine rank, the engine's log-probs or None)."""
-    items = rollout_items(cfg, tok, prompts, step, attempt)
-    D = cfg.distributed
-    outs, served = cluster["rollout"].map_dynamic("generate", items, timeout_s=D.rollout_timeout_s,
-                                                  retries=D.rollout_retries)
-    responses = [r for out in outs for r in out[0]]
-    finished = [f for out in outs for f in out[1]]
-    logprobs = None if any(out[2] is None for out in outs) else [lp for out in outs for lp in out[2]]
-    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs
-
-
 def sync_weights(cluster, canary=None, tol: float = 0.05) -> dict:
     """Weight sync: actor rank 0's parameters reach every live rollout engine (one object-store
     copy read by all engines under Ray; a plain dict locally). With a `canary`, every engine's
@@ -199,29 +169,6 @@ def _check_engines(cluster, canary, tol: float) -> dict:
 def _kl_reward_coef(has_reference: bool, A: PPOAlgoCfg, kl_coef: float) -> float:
     """β of the per-token reward penalty: 0 when the KL is a loss term or there is no reference."""
     return 0.0 if (A.kl_use_loss or not has_reference) else kl_coef
-
-
-def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
-    """Send each rank its rows (`row_args(slice)` → positional args, then `extra`); returns a
-    callable that waits and concatenates the per-rank results in row order."""
-    shards = row_shards(B, mb, group.world_size)
-    pending = group.submit_each(method, {r: ((*row_args(s), *extra), {}) for r, s in shards.items()})
-
-    def get():
-        parts = pending.get()
-        if isinstance(parts[0], tuple):          # (scores_B, {source: scores_B}) from reward workers
-            per = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
-            return torch.cat([p[0] for p in parts]), per
-        return torch.cat(parts)
-    return get
-
-
-def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], responses: list[list[int]],
-               columns: Optional[list[dict]] = None):
-    """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B}).
-    ``columns``: per row, the prompts file's other fields (reward functions get them by name)."""
-    return _submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
-                        lambda s: (ids[s], attn[s], prompt_ids[s], responses[s], columns[s] if columns else None))
 
 
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
@@ -469,7 +416,6 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
     # rollout.max_staleness > 0: rollouts of later steps generated while this one trains
-    from turborlhf.trainers.ppo_async import rollout_pipeline
     pipe = rollout_pipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, st)
 
     def checkpoint(step: int) -> Path:

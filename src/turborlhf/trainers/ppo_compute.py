@@ -20,21 +20,47 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from turborlhf.algo import kl_estimate, masked_mean, reduce_loss, value_loss
+from turborlhf.algo import (cispo_policy_loss, gspo_policy_loss, kl_estimate, masked_mean, ppo_policy_loss, reduce_loss,
+                            value_loss)
 from turborlhf.config import PPOConfig
 from turborlhf.engine.parallel import root_forward
 from turborlhf.engine.train import autocast
 from turborlhf.metrics import M
 from turborlhf.models.forward import response_logprobs, token_values
 from turborlhf.trainers.common import sft_loss_on_batch
-from turborlhf.trainers.ppo_rlvr import POLICY_LOSSES, policy_mask
 
 __all__ = ["Experience", "KeptForward", "EmaModel", "PtxStream", "row_shards", "use_fused_update", "minibatch_counts",
-           "actor_forward", "critic_forward", "actor_micro_step", "critic_micro_step", "ptx_step"]
+           "actor_forward", "critic_forward", "actor_micro_step", "critic_micro_step", "ptx_step", "POLICY_LOSSES",
+           "policy_mask"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy losses: one function per variant, (logp_BR, old_logp_BR, adv_BR, mask_BR, algo cfg) →
+# (per-token loss_BR, stats with clipfrac and approx_kl)
+# ----------------------------------------------------------------------------------------------
+
+def _ppo(logp, old, adv, mask, A):
+    return ppo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high, A.dual_clip)
+
+
+def _gspo(logp, old, adv, mask, A):
+    return gspo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high)
+
+
+def _cispo(logp, old, adv, mask, A):
+    return cispo_policy_loss(logp, old, adv, mask, A.eps_clip if A.eps_clip_high is None else A.eps_clip_high)
+
+
+POLICY_LOSSES: dict[str, Callable] = {"ppo": _ppo, "gspo": _gspo, "cispo": _cispo}
+
+
+def policy_mask(exp) -> torch.Tensor:
+    """The actor-loss mask: the overlong filter's when set, else every response token."""
+    return exp.mask_BR if exp.loss_mask_BR is None else exp.loss_mask_BR
 
 
 @dataclass

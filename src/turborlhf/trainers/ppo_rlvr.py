@@ -22,32 +22,14 @@ from typing import Callable, Optional
 import torch
 
 from turborlhf.errors import RunError
-from turborlhf.algo import (cispo_policy_loss, gspo_policy_loss, kept_groups_mask, overlong_penalty, ppo_policy_loss,
-                            rollout_is_weights, rollout_mismatch_stats)
+from turborlhf.algo import kept_groups_mask, overlong_penalty, rollout_is_weights, rollout_mismatch_stats
+from turborlhf.data.tokenize import assemble_prompt_response
+from turborlhf.trainers.ppo_compute import POLICY_LOSSES, policy_mask   # re-exported: the variants' home before
+from turborlhf.trainers.ppo_rollout import generate, score_rows
 
 __all__ = ["POLICY_LOSSES", "Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
            "pad_logprobs", "attach_rollout_fields", "policy_mask", "rlvr_metrics", "mismatch_alarm",
            "RolloutMismatchError", "RolloutMismatchWarning"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Policy losses: one function per variant, (logp_BR, old_logp_BR, adv_BR, mask_BR, algo cfg) →
-# (per-token loss_BR, stats with clipfrac and approx_kl)
-# ----------------------------------------------------------------------------------------------
-
-def _ppo(logp, old, adv, mask, A):
-    return ppo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high, A.dual_clip)
-
-
-def _gspo(logp, old, adv, mask, A):
-    return gspo_policy_loss(logp, old, adv, mask, A.eps_clip, A.eps_clip_high)
-
-
-def _cispo(logp, old, adv, mask, A):
-    return cispo_policy_loss(logp, old, adv, mask, A.eps_clip if A.eps_clip_high is None else A.eps_clip_high)
-
-
-POLICY_LOSSES: dict[str, Callable] = {"ppo": _ppo, "gspo": _gspo, "cispo": _cispo}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,8 +67,6 @@ def _concat(parts: list[Rollouts]) -> Rollouts:
 
 
 def _round(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int, attempt: int) -> Rollouts:
-    from turborlhf.trainers.ppo import generate
-
     G = cfg.algo.n_samples_per_prompt
     responses, finished, per_engine, logprobs = generate(cluster, cfg, tok, [prompt_ids[i] for i in index], step,
                                                          attempt)
@@ -126,7 +106,6 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     dropped groups, so every step trains on the same number of rows. Returns the kept rows (with
     their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
     ``rollout/groups_filled``."""
-    from turborlhf.trainers.ppo import assemble, score_rows
 
     A = cfg.algo
     G, N = A.n_samples_per_prompt, len(index)
@@ -137,7 +116,7 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     dropped: list[Rollouts] = []
     n_dropped = n_kept = rounds = 0
     while True:
-        ids, attn, _, _ = assemble(ro.prompts, ro.responses, tok.pad_token_id)
+        ids, attn, _, _ = assemble_prompt_response(ro.prompts, ro.responses, tok.pad_token_id)
         ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
                                [columns[i] for i in ro.prompt_index] if columns else None)()
         keep = kept_groups_mask(filter_scores(cfg, ro.scores[0], ro), G).tolist()
@@ -247,9 +226,3 @@ def mismatch_alarm(exp, A, step: int) -> Optional[float]:
             raise RolloutMismatchError(msg)
         warnings.warn(msg, RolloutMismatchWarning, stacklevel=2)
     return kl
-
-
-def policy_mask(exp) -> torch.Tensor:
-    """The actor-loss mask: the overlong filter's when set, else every response token."""
-    return exp.mask_BR if exp.loss_mask_BR is None else exp.loss_mask_BR
-

@@ -47,8 +47,8 @@ from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_column
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary, trainer_logprobs
 from turborlhf.trainers.ppo_compute import (EmaModel, KeptForward, PtxStream, actor_forward, actor_micro_step,
-                                            critic_forward, critic_micro_step, minibatch_counts, ptx_step, row_shards)
-from turborlhf.trainers.ppo_rlvr import policy_mask
+                                            critic_forward, critic_micro_step, minibatch_counts, policy_mask, ptx_step,
+                                            row_shards)
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
 
