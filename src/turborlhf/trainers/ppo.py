@@ -35,8 +35,12 @@ columns) and response-coordinate tensors are slices ``[:, P:]``. The value of th
 response token j is chosen is the critic output at column P+j-1. Shapes: B rows (prompts ×
 samples), G samples per prompt, R response tokens (T in `turborlhf.algo`).
 
-Imports flow one way: this driver → `ppo_workers` (the roles) → `ppo_compute` (what the roles
-compute: forwards, micro-batch losses, `Experience`); the workers never import the driver.
+Imports flow one way, and nothing imports this driver back:
+- step 1: `ppo_async` (rollouts generated ahead, ``rollout.max_staleness``) → `ppo_rlvr` (DAPO
+  dynamic sampling, rollout correction) → `ppo_rollout` (sampling parameters, the engines' work
+  queue, row-sharded reward scoring);
+- the roles: `ppo_workers` → `ppo_compute` (what the roles compute: forwards, the policy-loss
+  variants, micro-batch losses, `Experience`).
 
     turborlhf ppo --config configs/tiny/ppo.yaml
     turborlhf ppo --config configs/tiny/grpo.yaml     # critic-free: no critic is built
