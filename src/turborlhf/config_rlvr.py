@@ -38,8 +38,8 @@ class RLVRAlgoFields(BaseModel):
     rollout_is: Literal["none", "tis", "mis"] = Field(
         "none", description="correct the policy loss for the rollout engine's own sampling policy with importance "
                             "weights ρ = π_old/π_engine: tis = min(ρ, threshold) (truncated, Yao et al. 2025), "
-                            "mis = ρ·1(ρ <= threshold) (masked); needs plain sampling (temperature 1, top_p 1, "
-                            "top_k 0)")
+                            "mis = ρ·1(ρ <= threshold) (masked); needs untruncated sampling (top_p 1, "
+                            "top_k 0; any temperature: the trainer scores at it)")
     rollout_is_level: Literal["token", "sequence"] = Field(
         "token", description="ratio per token, or one per response (product of its token ratios)")
     rollout_is_threshold: float = Field(2.0, ge=1.0, description="C of TIS/MIS")
@@ -78,10 +78,9 @@ def check_rlvr(cfg: Any) -> None:
     if R.max_staleness > 0 and cfg.distributed.rollout_sleep:
         raise ValueError(f"rollout.max_staleness={R.max_staleness} keeps the engines generating while the actor "
                          "trains: distributed.rollout_sleep must be false")
-    transformed = R.temperature != 1.0 or R.top_p < 1.0 or R.top_k > 0
+    transformed = R.top_p < 1.0 or R.top_k > 0     # the trainer scores at the temperature, not the truncation
     for name, on in (("rollout_is", A.rollout_is != "none"), ("mismatch_kl_alarm", A.mismatch_kl_alarm is not None)):
         if on and transformed:
             raise ValueError(f"algo.{name} compares the engine's log-probs with the trainer's, but with "
-                             f"rollout.temperature={R.temperature}, top_p={R.top_p}, top_k={R.top_k} the engine "
-                             "samples from a transformed distribution the trainer does not score (it scores at "
-                             "temperature 1): use temperature 1, top_p 1, top_k 0")
+                             f"rollout.top_p={R.top_p}, top_k={R.top_k} the engine samples from a truncated "
+                             "distribution the trainer does not score: use top_p 1, top_k 0")

@@ -39,7 +39,7 @@ def _rule(tmp_path, body: str) -> str:
     (["algo.policy_loss=gspo", "algo.loss_reduction=token_mean"], "algo.loss_reduction"),
     (["algo.policy_loss=cispo", "algo.dual_clip=3.0"], "algo.dual_clip"),
     (["algo.overlong_buffer_len=8"], "algo.overlong_buffer_len"),                 # = rollout.max_new_tokens
-    (["algo.rollout_is=tis", "rollout.temperature=0.7"], "algo.rollout_is"),
+    (["algo.rollout_is=tis", "rollout.top_k=5"], "algo.rollout_is"),
     (["algo.mismatch_kl_alarm=0.01", "rollout.top_p=0.9"], "algo.mismatch_kl_alarm"),
     (["algo.rollout_is_threshold=0.5"], "algo.rollout_is_threshold"),
     (["algo.dynamic_sampling_max_tries=0"], "algo.dynamic_sampling_max_tries"),
@@ -98,6 +98,16 @@ def test_mismatch_metrics_and_rollout_is(tiny_model, tiny_rm, tiny_data, tmp_pat
         # same rollouts as the uncorrected bf16 run (same seeds), different update
         assert rows[0]["rollout/mismatch_kl"] == pytest.approx(bf16[0]["rollout/mismatch_kl"])
         assert max_weight_diff(weights(tmp_path / "bf16"), weights(out)) > 1e-7
+
+
+def test_trainer_scores_at_the_sampling_temperature(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """At temperature 0.6 the fp32 engine's log-probs of its samples equal the trainer's (both of
+    the tempered distribution); the trainer once scored at temperature 1, a mismatch KL of ~0.1
+    nats/token here that TIS would have "corrected"."""
+    rows = _run(tiny_model, tiny_data, tmp_path / "t06", f"reward_model={tiny_rm}", "rollout.temperature=0.6",
+                "algo.rollout_is=tis", "train.max_steps=1")
+    assert rows[0]["rollout/mismatch_kl"] < 1e-6 and abs(rows[0]["rollout/mismatch_max_ratio"] - 1) < 1e-3, rows[0]
+    assert abs(rows[0]["rollout/is_weight_mean"] - 1) < 1e-4
 
 
 def test_mismatch_alarm_warns_or_stops(tiny_model, tiny_rm, tiny_data, tmp_path):

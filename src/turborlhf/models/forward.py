@@ -152,7 +152,8 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
 @_on_model_device
 def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                       target_mask_BT: torch.Tensor, with_entropy: bool = False,
-                      entropy_grad: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      entropy_grad: bool = False, chunk_tokens: int = 1024,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (and entropies) of the tokens where ``target_mask_BT`` is 1.
 
     Args:
@@ -164,6 +165,9 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         entropy_grad: keep the entropy in the autograd graph (for an entropy bonus); otherwise
             it is computed without grad (a metric only).
         chunk_tokens: positions per LM-head chunk; peak extra memory ~ chunk_tokens·V·4 bytes.
+        temperature: the logits are divided by it first: the distribution the rollout engine samples
+            from at that temperature (PPO/GRPO score their samples this way, as verl, OpenRLHF and
+            TRL do). Must be > 0.
 
     Returns:
         ``(logp_BT, entropy_BT or None)`` in fp32, zero where the target mask is 0.
@@ -176,6 +180,8 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
     logps, ents = [], []
     for s in range(0, h_NH.shape[0], chunk_tokens):
         logits = head(h_NH[s:s + chunk_tokens]).float()                      # n×V
+        if temperature != 1.0:
+            logits = logits / temperature
         lse = torch.logsumexp(logits, dim=-1)
         logps.append(logits.gather(-1, labels_N[s:s + chunk_tokens, None]).squeeze(-1) - lse)
         if with_entropy:

@@ -35,7 +35,7 @@ from turborlhf.trainers.common import sft_loss_on_batch
 
 __all__ = ["Experience", "KeptForward", "EmaModel", "PtxStream", "row_shards", "use_fused_update", "minibatch_counts",
            "actor_forward", "critic_forward", "actor_micro_step", "critic_micro_step", "ptx_step", "POLICY_LOSSES",
-           "policy_mask"]
+           "policy_mask", "sampling_temperature"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,13 +229,21 @@ class KeptForward:
         return self.out_BR[:, :r], (self.ent_BR[:, :r] if self.ent_BR is not None else None)
 
 
+def sampling_temperature(cfg: PPOConfig) -> float:
+    """The temperature the policy's log-probs are taken at: the rollout's sampling temperature (1
+    for greedy rollouts), so the trainer's π(a|s) is the distribution the samples came from and
+    the engine's own log-probs (rollout correction) compare like with like."""
+    t = cfg.rollout.temperature
+    return t if t > 0 else 1.0
+
+
 def actor_forward(actor: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, target_BS, P: int):
-    """The actor's training forward: (log-probs, entropies) of the response columns ``B×R``, with
-    autograd (the entropy in the graph only with an entropy bonus). The update and the fused
-    experience pass both call it."""
+    """The actor's training forward: (log-probs, entropies) of the response columns ``B×R`` at the
+    sampling temperature (`sampling_temperature`), with autograd (the entropy in the graph only with
+    an entropy bonus). The update and the fused experience pass both call it."""
     with autocast(cfg.actor.dtype):
         logp, ent = root_forward(actor, response_logprobs, ids_BS, attn_BS, target_BS, with_entropy=True,
-                                 entropy_grad=cfg.algo.entropy_coef > 0)
+                                 entropy_grad=cfg.algo.entropy_coef > 0, temperature=sampling_temperature(cfg))
     return logp[:, P:], ent[:, P:]
 
 

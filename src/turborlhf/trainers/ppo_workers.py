@@ -48,7 +48,7 @@ from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary, trainer_logprobs
 from turborlhf.trainers.ppo_compute import (EmaModel, KeptForward, PtxStream, actor_forward, actor_micro_step,
                                             critic_forward, critic_micro_step, minibatch_counts, policy_mask, ptx_step,
-                                            row_shards)
+                                            row_shards, sampling_temperature)
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
 
@@ -222,8 +222,9 @@ class ActorWorker(_Trainable):
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         if not keep_graph:
             with torch.no_grad(), autocast(self.cfg.actor.dtype):
-                return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s],
-                                                         target[s])[0][:, P:].cpu(), B, mb)
+                return _in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s], target[s],
+                                                         temperature=sampling_temperature(self.cfg))[0][:, P:].cpu(),
+                                  B, mb)
         return self._keep_forwards(ids_BS, lambda s: actor_forward(self.model, self.cfg, ids[s], attn[s], target[s], P))
 
     @torch.no_grad()
@@ -385,7 +386,8 @@ class ReferenceWorker(_Offload):
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         with self._on_device(), autocast(self.cfg.actor.dtype):
-            return _in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s])[0][:, P:].cpu(),
+            return _in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s],
+                                                          temperature=sampling_temperature(self.cfg))[0][:, P:].cpu(),
                               B, self.cfg.train.micro_batch_size)
 
 
