@@ -17,12 +17,15 @@ stage from its last checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 from turborlhf.config import (PipelineConfig, PPOConfig, RMConfig, SFTConfig, _deep_update, config_to_dict,
                               validate_section)
 from turborlhf.metrics import format_duration
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["run"]
 
@@ -73,9 +76,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     for stage in cfg.stages:
         done = stage_dirs[stage] / ".done"
         if resume and done.exists():
-            print(f"[pipeline] {stage}: done before, skipped", flush=True)
+            logger.info(f"[pipeline] {stage}: done before, skipped")
             continue
-        print(f"\n[pipeline] ===== {stage} =====", flush=True)
+        logger.info(f"\n[pipeline] ===== {stage} =====")
         t0 = time.perf_counter()
         if stage == "prepare":
             _prepare(cfg, model, data)
@@ -99,7 +102,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)
         done.write_text(json.dumps({"seconds": timings[stage]}))
-        print(f"[pipeline] {stage} took {format_duration(timings[stage])}", flush=True)
+        logger.info(f"[pipeline] {stage} took {format_duration(timings[stage])}")
     total = time.perf_counter() - t_all
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -109,7 +112,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     from turborlhf.report import print_summary
 
     print_summary(summary)
-    print(f"[pipeline] finished in {format_duration(total)}; summary: {summary_path}", flush=True)
+    logger.info(f"[pipeline] finished in {format_duration(total)}; summary: {summary_path}")
     return summary
 
 
@@ -120,4 +123,4 @@ def _prepare(cfg: PipelineConfig, model: str, data: Path) -> None:
     tok = load_tokenizer(model)
     report = prepare_hh(cfg.prepare.input, data, tok, test_fraction=cfg.prepare.test_fraction,
                         strict=cfg.prepare.strict)
-    print(f"[prepare] {json.dumps({k: v for k, v in report.items() if not isinstance(v, (dict, list))})}", flush=True)
+    logger.info(f"[prepare] {json.dumps({k: v for k, v in report.items() if not isinstance(v, (dict, list))})}")

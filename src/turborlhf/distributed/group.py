@@ -21,10 +21,13 @@ rank when its rank died or stopped answering (only safe for idempotent, seeded w
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["WorkerError", "WorkerDiedError", "WorkerTimeoutError", "Host", "LocalGroup", "RayGroup", "Pending"]
 
@@ -377,7 +380,7 @@ class RayGroup:
                 tries[i] += 1
                 if tries[i] > retries or not self.alive_ranks():
                     raise err
-                print(f"[distributed] {err}; retrying the item on another {self.role} worker", flush=True)
+                logger.info(f"[distributed] {err}; retrying the item on another {self.role} worker")
                 queue.appendleft(i)
         return results, served_by
 

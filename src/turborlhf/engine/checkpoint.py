@@ -19,6 +19,7 @@ Layout of a run directory::
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ import torch
 
 from turborlhf.engine.train import rng_state, set_rng_state
 from turborlhf.models.load import is_lora, merge_lora_for_save
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
            "trainer_state", "restore"]
@@ -241,5 +244,5 @@ def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, schedu
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
-    print(f"[{tag}] resumed from {ckpt} at step {state['step']}", flush=True)
+    logger.info(f"[{tag}] resumed from {ckpt} at step {state['step']}")
     return state["step"]

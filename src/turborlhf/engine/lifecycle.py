@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import signal
 import sys
 import threading
@@ -28,6 +29,8 @@ import yaml
 from turborlhf.config import Cfg, config_to_dict
 from turborlhf.engine.checkpoint import latest_checkpoint
 from turborlhf.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
            "allow_config_change", "config_changes", "RESUME_EXEMPT", "run_to_end"]
@@ -121,8 +124,8 @@ def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
         raise ConfigChanged(f"--resume from {ckpt} with a changed config ({listing}); run with the config in "
                             f"{saved}, or pass --resume-changed to continue with the new one")
     (out / "config.before-resume.yaml").write_text(saved.read_text())
-    print(f"[{tag}] --resume-changed: continuing {ckpt} with {listing} (previous config kept in "
-          f"{out / 'config.before-resume.yaml'})", file=sys.stderr, flush=True)
+    logger.warning(f"[{tag}] --resume-changed: continuing {ckpt} with {listing} (previous config kept in "
+                   f"{out / 'config.before-resume.yaml'})")
 
 
 def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
@@ -140,8 +143,7 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     out = Path(cfg.output_dir)
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:
-        print(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0",
-              file=sys.stderr, flush=True)
+        logger.warning(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
     if ckpt is not None:
         _check_resume_config(cfg, out, ckpt, tag)
     return setup_run(cfg, str(out)), ckpt

@@ -7,6 +7,7 @@ native bf16 only, ~2-4× faster matmuls on AVX-512-BF16/AMX CPUs and on GPUs), e
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from turborlhf.errors import RunError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "CPUOffloadAdamW", "make_scheduler",
            "clip_and_step", "NonFiniteError", "trainable_parameters", "rng_state", "set_rng_state",
@@ -147,7 +150,7 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
     if force_offload or getattr(cfg, "offload", False):
         if force_offload or any(p.device.type != "cpu" for p in params):
             return CPUOffloadAdamW(groups, **kw)          # its fp32 copies are CPU tensors: fused works
-        print("[optim] offload: the parameters are in CPU memory already, nothing to offload", flush=True)
+        logger.info("[optim] offload: the parameters are in CPU memory already, nothing to offload")
     state_dtype = getattr(cfg, "state_dtype", "fp32")
     if state_dtype == "auto":      # a config that did not go through resolve_hardware: follow the compute choice
         from turborlhf.engine.hardware import compute_dtype

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -26,6 +27,8 @@ import torch
 from turborlhf.models.forward import sequence_logps
 from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm
 from turborlhf.models.zoo import ModelFetchError, resolve_model_path
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps", "LoraReference", "reference_view",
            "same_model", "reuses_policy"]
@@ -81,9 +84,9 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     if path.exists():
         blob = torch.load(path, weights_only=False)
         if blob.get("key") == key:
-            print(f"[{tag}] reference log-probs loaded from {path}", flush=True)
+            logger.info(f"[{tag}] reference log-probs loaded from {path}")
             return blob["logps"]
-        print(f"[{tag}] {path} belongs to other data or another reference; recomputing", flush=True)
+        logger.info(f"[{tag}] {path} belongs to other data or another reference; recomputing")
     n = sum(len(v) for v in seq_sets.values())
     if initial_policy is not None:
         with adapters_disabled(initial_policy):
@@ -97,7 +100,7 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     os.close(fd)
     torch.save({"key": key, "reference": reference, "dtype": dtype, "logps": logps}, tmp)
     os.replace(tmp, path)
-    print(f"[{tag}] reference log-probs of {n} sequences in {time.perf_counter() - t0:.1f}s → {path}", flush=True)
+    logger.info(f"[{tag}] reference log-probs of {n} sequences in {time.perf_counter() - t0:.1f}s → {path}")
     return logps
 
 

