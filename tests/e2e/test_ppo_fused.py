@@ -16,10 +16,11 @@ def _ppo(tiny_model, tiny_rm, tiny_data, out, *extra):
 
 def _count_forwards(monkeypatch) -> dict:
     """Counts model forwards per role (actor = causal LM, critic = scalar head) inside the workers."""
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo.actor import ActorWorker
+    from turborlhf.trainers.ppo.critic import CriticWorker
 
     counts = {"actor": 0, "critic": 0}
-    for cls, role in ((ppo_workers.ActorWorker, "actor"), (ppo_workers.CriticWorker, "critic")):
+    for cls, role in ((ActorWorker, "actor"), (CriticWorker, "critic")):
         init = cls.__init__
 
         def wrapped(self, *a, _init=init, _role=role, **kw):

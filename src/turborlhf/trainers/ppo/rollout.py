@@ -1,8 +1,8 @@
 """The rollout side of the PPO driver: sampling parameters and seeded work items of a step
 (`rollout_items`), generation on the rollout engines' work queue (`generate`), and row-sharded
 calls into role workers, reward scoring among them (`score_rows`). Used by the driver
-(`turborlhf.trainers.ppo`), DAPO's dynamic sampling (`turborlhf.trainers.ppo_rlvr`) and the
-asynchronous rollouts (`turborlhf.trainers.ppo_async`); it imports none of them."""
+(`driver`), DAPO's dynamic sampling (`rlvr`) and the asynchronous rollouts (`async_rollout`);
+it imports none of them, only `experience`."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -11,7 +11,7 @@ import torch
 
 from turborlhf.config import PPOConfig
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.ppo_compute import row_shards
+from turborlhf.trainers.ppo.experience import row_shards
 
 __all__ = ["rollout_items", "generate", "score_rows"]
 

@@ -1,0 +1,44 @@
+"""`turborlhf ppo` (and `grpo`, `rloo`): PPO for language models, as a package read from the driver
+down. The public API is `train` and `train_steps`; the other names below are re-exported for
+the tests, `turborlhf plan` and the Python API.
+
+Module map (imports run one way, top to bottom; no module imports one above it, none imports
+another trainer):
+
+    driver          the step, top to bottom: generate, experience, rewards and advantages,
+                    update, weight sync; the run around it (resume, checkpoints, metrics)
+      │
+      ├─ async_rollout   rollouts generated ahead (``rollout.max_staleness``) → rlvr
+      ├─ rlvr            DAPO dynamic sampling, score shaping, rollout correction → rollout
+      ├─ rollout         sampling parameters, the engines' work queue, row-sharded calls
+      ├─ actor           ActorWorker: forward, micro-step, mini-batch loop, policy losses, EMA, ptx → roles
+      ├─ critic          CriticWorker: forward, micro-step, mini-batch loop → roles
+      └─ roles           the trained roles' base (optimizer step, saving, the fused update's kept
+      │                  forwards) and the frozen roles: reference, reward, rollout workers
+      ▼
+    experience      Experience, its layout, the mini-batch schedule, each rank's rows, the loss counts
+      ▼
+    turborlhf.algo  the maths (losses, advantages, KL)
+
+One step's path (`driver._step`), each module entered once and left for the one below:
+1. `driver._step` → `rlvr.collect_rollouts` → `rollout.generate` (the rollout workers' ``generate``);
+2. `driver.make_experience` → `rollout` row-sharded calls to the workers: ``ActorWorker.logprobs``
+   (`actor.actor_forward`; kept under a name for a fused update), ``ReferenceWorker.logprobs``,
+   ``CriticWorker.values``, ``RewardWorker.score``;
+3-4. `driver.score_and_advantages` → `driver.ADVANTAGE_ESTIMATORS` → `turborlhf.algo`;
+5. `driver.ppo_update` → `experience.minibatch_schedule`, then ``ActorWorker.train`` (its
+   mini-batch loop: `experience.rank_micro_batches`, `experience.minibatch_counts`,
+   `actor.actor_micro_step` → `actor.POLICY_LOSSES` → `turborlhf.algo` losses) and
+   ``CriticWorker.train`` (the same with `critic.critic_micro_step` → `turborlhf.algo.value_loss`);
+6. `driver.sync_weights` → the rollout workers' ``load_weights``.
+"""
+from turborlhf.engine.lifecycle import RunInterrupted
+from turborlhf.trainers.ppo.driver import (ADVANTAGE_ESTIMATORS, build_roles, lora_reference, make_experience,
+                                           merge_rank_stats, phases, ppo_update, score_and_advantages, sync_weights,
+                                           train, train_steps)
+from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
+from turborlhf.trainers.ppo.rollout import generate, rollout_items
+
+__all__ = ["phases", "train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
+           "minibatch_schedule", "merge_rank_stats", "rollout_items", "generate", "sync_weights", "build_roles",
+           "ADVANTAGE_ESTIMATORS", "RunInterrupted", "lora_reference", "use_fused_update"]
