@@ -20,16 +20,17 @@ another trainer):
       ▼
     turborlhf.algo  the maths (losses, advantages, KL)
 
-One step's path (`driver._step`), each module entered once and left for the one below:
-1. `driver._step` → `rlvr.collect_rollouts` → `rollout.generate` (the rollout workers' ``generate``);
-2. `driver.make_experience` → `rollout` row-sharded calls to the workers: ``ActorWorker.logprobs``
-   (`actor.actor_forward`; kept under a name for a fused update), ``ReferenceWorker.logprobs``,
-   ``CriticWorker.values``, ``RewardWorker.score``;
+One step's path (`driver._step`, steps numbered as in `driver`):
+1. `driver` → `rlvr.collect_rollouts` → `rollout.generate` → the rollout workers (`roles`);
+2. `driver.make_experience` → `rollout.submit_rows`, row-sharded calls to the workers:
+   ``ActorWorker.logprobs`` (`actor.actor_forward`; kept under a name for a fused update),
+   ``ReferenceWorker.logprobs`` / ``RewardWorker.score`` (`roles`), ``CriticWorker.values``;
 3-4. `driver.score_and_advantages` → `driver.ADVANTAGE_ESTIMATORS` → `turborlhf.algo`;
-5. `driver.ppo_update` → `experience.minibatch_schedule`, then ``ActorWorker.train`` (its
-   mini-batch loop: `experience.rank_micro_batches`, `experience.minibatch_counts`,
-   `actor.actor_micro_step` → `actor.POLICY_LOSSES` → `turborlhf.algo` losses) and
-   ``CriticWorker.train`` (the same with `critic.critic_micro_step` → `turborlhf.algo.value_loss`);
+5. to the loss, each module entered once: `driver.ppo_update` → ``ActorWorker.train`` (`actor`:
+   its mini-batch loop over `experience.minibatch_schedule`'s mini-batches, this rank's
+   micro-batches from `experience.rank_micro_batches`, `actor.actor_micro_step` →
+   `actor.POLICY_LOSSES`) → `turborlhf.algo.losses`; the critic likewise (`critic.critic_micro_step`
+   → `turborlhf.algo.value_loss`);
 6. `driver.sync_weights` → the rollout workers' ``load_weights``.
 """
 from turborlhf.engine.lifecycle import RunInterrupted

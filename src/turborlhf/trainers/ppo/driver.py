@@ -77,7 +77,7 @@ from turborlhf.trainers.ppo.async_rollout import rollout_pipeline
 from turborlhf.trainers.ppo.critic import CriticWorker
 from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker
-from turborlhf.trainers.ppo.rollout import _submit_rows, score_rows
+from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
 __all__ = ["phases", "train", "train_steps", "make_experience", "score_and_advantages", "ppo_update", "merge_rank_stats",
            "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
@@ -177,21 +177,21 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     then rewards and advantages on the driver (`score_and_advantages`). ``keep_as`` = (actor,
     critic): the name under which a role keeps its forward's graph for the coming update (the
     fused update's handle, `experience.use_fused_update`; None: not kept); the driver passes the
-    same names to `ppo_update`. `rollout_logps`: the
-    engine's, per row; `scores`: (raw, per source) if already scored (dynamic sampling); ``columns``:
-    per row, the prompts file's other fields, for reward functions (`turborlhf.rewards.functions`)."""
+    same names to `ppo_update`. `rollout_logps`: the engine's, per row; `scores`: (raw, per
+    source) if already scored (dynamic sampling); ``columns``: per row, the prompts file's other
+    fields, for reward functions (`turborlhf.rewards.functions`)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
     rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
-    old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, keep_as[0])
+    old = submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, keep_as[0])
     ref = None
     if cluster.get("reference"):
-        ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
+        ref = submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
     elif cfg.algo.needs_reference and lora_reference(cfg):
-        ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
-    val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, keep_as[1]) if cluster.get("critic") else None
+        ref = submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
+    val = submit_rows(cluster["critic"], "values", B, mb, rows, P, R, keep_as[1]) if cluster.get("critic") else None
     raw_scores, per_source = scores or score_rows(cluster, cfg, ids, attn, prompt_ids, responses, columns)()
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,

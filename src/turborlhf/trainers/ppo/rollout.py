@@ -13,7 +13,7 @@ from turborlhf.config import PPOConfig
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.ppo.experience import row_shards
 
-__all__ = ["rollout_items", "generate", "score_rows"]
+__all__ = ["rollout_items", "generate", "submit_rows", "score_rows"]
 
 
 def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
@@ -48,7 +48,7 @@ def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, 
     return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs
 
 
-def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
+def submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
     """Send each rank its rows (`row_args(slice)` → positional args, then `extra`); returns a
     callable that waits and concatenates the per-rank results in row order."""
     shards = row_shards(B, mb, group.world_size)
@@ -67,5 +67,5 @@ def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], 
                columns: Optional[list[dict]] = None):
     """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B}).
     ``columns``: per row, the prompts file's other fields (reward functions get them by name)."""
-    return _submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
+    return submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
                         lambda s: (ids[s], attn[s], prompt_ids[s], responses[s], columns[s] if columns else None))
