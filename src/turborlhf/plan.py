@@ -385,9 +385,9 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
 
 
 def _fused_update(cfg, rows: int, role: str) -> bool:
-    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo_compute.use_fused_update`,
+    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo.experience.use_fused_update`,
     imported lazily: it pulls in torch)."""
-    from turborlhf.trainers.ppo_compute import use_fused_update
+    from turborlhf.trainers.ppo.experience import use_fused_update
 
     d = getattr(cfg, "distributed", None)
     world = getattr(getattr(d, role, None), "world_size", 1) if d is not None else 1

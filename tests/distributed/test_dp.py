@@ -47,7 +47,8 @@ def _experience(tiny_model):
 def _train(cfg, exp, out_file: str) -> None:
     from turborlhf.engine.parallel import dp_rank_world, full_state_dict
     from turborlhf.trainers.ppo import merge_rank_stats, minibatch_schedule
-    from turborlhf.trainers.ppo_workers import ActorWorker, CriticWorker
+    from turborlhf.trainers.ppo.actor import ActorWorker
+    from turborlhf.trainers.ppo.critic import CriticWorker
 
     schedule = minibatch_schedule(exp.mask_BR.shape[0], cfg.algo, torch.Generator().manual_seed(1))
     actor, critic = ActorWorker(cfg, None, 8, threads=1), CriticWorker(cfg, None, 8, threads=1)

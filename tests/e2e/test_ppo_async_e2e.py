@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (``rollout.max_staleness``, `turborlhf.trainers.ppo_async`) on the tiny GRPO
+"""Asynchronous rollouts (``rollout.max_staleness``, `turborlhf.trainers.ppo.async_rollout`) on the tiny GRPO
 config: 0 is the synchronous trainer exactly; 1 trains on rollouts of the weights before the last
 update (staleness metric, IS correction fields, different weights); a run stopped after a step
 with a pending rollout and resumed equals the uninterrupted one and does not regenerate it; a
@@ -98,7 +98,7 @@ def test_staleness_0_is_the_sync_trainer_and_1_is_one_step_off(tiny_model, tiny_
 
 def test_resume_keeps_the_pending_rollouts(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):
     from turborlhf.engine.checkpoint import load_trainer_state
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo import roles
 
     out = tmp_path / "run"
     extra = ["train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=4", "rollout.max_staleness=1", *TIS]
@@ -111,8 +111,8 @@ def test_resume_keeps_the_pending_rollouts(tiny_model, tiny_rm, tiny_data, tmp_p
     # crash after step 2, resume: the rollouts of step 3 come from the checkpoint (θ_1's), not from θ_2
     rewind_to(out, 2)
     calls = []
-    real = ppo_workers.RolloutWorker.generate
-    monkeypatch.setattr(ppo_workers.RolloutWorker, "generate",
+    real = roles.RolloutWorker.generate
+    monkeypatch.setattr(roles.RolloutWorker, "generate",
                         lambda self, prompts, params: calls.append(params.seed) or real(self, prompts, params))
     resumed = _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
     assert max_weight_diff(final, weights(out)) == 0.0
@@ -137,9 +137,9 @@ def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, t
 
     extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS]
     _run(tiny_model, tiny_rm, tiny_data, tmp_path / "ref", *extra)
-    from turborlhf.trainers import ppo
+    from turborlhf.trainers.ppo import driver
 
-    real = ppo.ppo_update
+    real = driver.ppo_update
     n = []
 
     def update_then_signal(*a, **k):           # SIGTERM while step 1 trains (step 2's rollouts pending)
@@ -149,11 +149,11 @@ def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, t
         return real(*a, **k)
 
     out = tmp_path / "term"
-    ppo.ppo_update = update_then_signal
+    driver.ppo_update = update_then_signal
     try:
         assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra)) == 143     # 128 + SIGTERM
     finally:
-        ppo.ppo_update = real
+        driver.ppo_update = real
     from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
 
     st = load_trainer_state(latest_checkpoint(out))
@@ -168,11 +168,11 @@ def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, t
 
 def test_stuck_rollout_raises_the_named_timeout(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
     from turborlhf.distributed.group import WorkerError, WorkerTimeoutError
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo import roles
     from turborlhf.trainers.ppo import train
-    from turborlhf.trainers.ppo_async import RolloutTimeoutError
+    from turborlhf.trainers.ppo.async_rollout import RolloutTimeoutError
 
-    real = ppo_workers.RolloutWorker.generate
+    real = roles.RolloutWorker.generate
     release = threading.Event()
     n = []
 
@@ -182,7 +182,7 @@ def test_stuck_rollout_raises_the_named_timeout(tiny_model, tiny_rm, tiny_data, 
             release.wait(60)
         return real(self, prompts, params)
 
-    monkeypatch.setattr(ppo_workers.RolloutWorker, "generate", stuck_after_first)
+    monkeypatch.setattr(roles.RolloutWorker, "generate", stuck_after_first)
     args = _args(tiny_model, tiny_rm, tiny_data, tmp_path / "stuck", "rollout.max_staleness=1", *TIS,
                  "distributed.timeout_s=2")
     t0 = time.monotonic()
@@ -261,14 +261,14 @@ def test_ppo_with_critic_and_warmup_counts_actor_updates(tiny_model, tiny_rm, ti
 def test_a_bad_push_is_still_caught(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
     """The canary check after each push works as in the synchronous trainer: an engine that drops a
     tensor update stops the run with WeightSyncError naming the rollout worker."""
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo import roles
 
-    real = ppo_workers.RolloutWorker.load_weights
+    real = roles.RolloutWorker.load_weights
 
     def stale_embedding(self, state):
         real(self, {k: (v + 0.5 if "embed_tokens" in k else v) for k, v in state.items()})
 
-    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
+    monkeypatch.setattr(roles.RolloutWorker, "load_weights", stale_embedding)
     assert main(_args(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "rollout.max_staleness=1", *TIS)) == 1
     assert "rollout failed in check_sync: WeightSyncError" in capsys.readouterr().err
 
@@ -277,7 +277,7 @@ def test_local_roles_are_entered_by_one_thread_at_a_time():
     """`_Serialized`: the background generation thread and the trainer never run inside the same
     local role object at once (without the lock the two calls below overlap)."""
     from turborlhf.distributed.group import LocalGroup
-    from turborlhf.trainers.ppo_async import _Serialized
+    from turborlhf.trainers.ppo.async_rollout import _Serialized
 
     class Slow:
         inside, overlapped = 0, False

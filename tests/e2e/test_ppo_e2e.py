@@ -52,19 +52,19 @@ def test_ppo_options_adaptive_kl_samples_entropy(tiny_model, tiny_rm, tiny_data,
 def test_ppo_stops_when_a_weight_push_goes_wrong(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch, capsys):
     """Every push is checked on the canary batch: an engine that silently drops a tensor update
     stops the run with an error naming the rollout worker and the log-prob discrepancy."""
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo import roles
 
-    real = ppo_workers.RolloutWorker.load_weights
+    real = roles.RolloutWorker.load_weights
 
     def stale_embedding(self, state):           # a sync bug: one tensor is never refreshed
         real(self, {k: (v + 0.5 if "embed_tokens" in k else v) for k, v in state.items()})
 
-    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", stale_embedding)
+    monkeypatch.setattr(roles.RolloutWorker, "load_weights", stale_embedding)
     with pytest.raises(AssertionError, match="exited with 1"):
         _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "bad", "train.max_steps=1")
     assert re.search(r"rollout failed in check_sync: WeightSyncError: \w+Engine: weights out of sync with the "
                      r"trainer after a push", capsys.readouterr().err)
-    monkeypatch.setattr(ppo_workers.RolloutWorker, "load_weights", real)
+    monkeypatch.setattr(roles.RolloutWorker, "load_weights", real)
     _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "good", "train.max_steps=1")
     row = [r for r in metrics(tmp_path / "good") if "sync/logprob_mean_diff" in r][-1]
     assert row["sync/logprob_mean_diff"] <= 0.05

@@ -16,10 +16,11 @@ def _ppo(tiny_model, tiny_rm, tiny_data, out, *extra):
 
 def _count_forwards(monkeypatch) -> dict:
     """Counts model forwards per role (actor = causal LM, critic = scalar head) inside the workers."""
-    from turborlhf.trainers import ppo_workers
+    from turborlhf.trainers.ppo.actor import ActorWorker
+    from turborlhf.trainers.ppo.critic import CriticWorker
 
     counts = {"actor": 0, "critic": 0}
-    for cls, role in ((ppo_workers.ActorWorker, "actor"), (ppo_workers.CriticWorker, "critic")):
+    for cls, role in ((ActorWorker, "actor"), (CriticWorker, "critic")):
         init = cls.__init__
 
         def wrapped(self, *a, _init=init, _role=role, **kw):
@@ -86,3 +87,31 @@ def test_fused_auto_only_without_extra_memory(tiny_model):
     assert use_fused_update(cfg("algo.fused_update=both"), 4, Critic)
     assert not use_fused_update(cfg("algo.fused_update=both"), 8, Critic)
     assert use_fused_update(cfg("algo.fused_update=always"), 8, Critic)
+
+
+def test_kept_forward_is_named_by_the_driver():
+    """The fused update's kept forwards are an explicit handle: `train` gets them only under the
+    name the experience call kept them as; another name, or more micro-batches than kept
+    forwards, fails loudly, and an update without a name drops them (their graphs are freed)."""
+    from types import SimpleNamespace
+
+    from turborlhf.trainers.ppo.roles import Trainable
+
+    w = Trainable()
+    w.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=2))
+    ids = torch.arange(10).view(5, 2)
+    x = torch.ones(5, 3, requires_grad=True)
+    out = w._keep_forwards("step 0", ids, lambda s: (x[s] * 2, None))
+    assert torch.equal(out, torch.full((5, 3), 2.0)) and not out.requires_grad
+    with pytest.raises(RuntimeError, match="'step 1'"):
+        w._take_kept("step 1")
+    assert w._kept is None                                   # a wrong name drops them too
+    w._keep_forwards("step 0", ids, lambda s: (x[s] * 2, None))
+    assert w._take_kept(None) is None and w._kept is None
+    w._keep_forwards("step 0", ids, lambda s: (x[s] * 2, None))
+    kept = w._take_kept("step 0")
+    assert w._kept is None
+    assert [(k.ids_BS[0, 0].item(), k.ids_BS.shape[0]) for k in (kept.next(), kept.next(), kept.next())] == \
+        [(0, 2), (4, 2), (8, 1)]                             # the micro-batches in order
+    with pytest.raises(RuntimeError, match="more micro-batches"):
+        kept.next()

@@ -13,7 +13,7 @@ from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli
 from turborlhf.cli import main
 from turborlhf.config import PPOAlgoCfg, PPOConfig, load_config
 from turborlhf.trainers.ppo import ADVANTAGE_ESTIMATORS
-from turborlhf.trainers.ppo_compute import EmaModel
+from turborlhf.trainers.ppo.actor import EmaModel
 
 GRPO_YAML = REPO / "configs/tiny/grpo.yaml"
 

@@ -9,7 +9,7 @@ import torch
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
 from turborlhf.cli import main
 from turborlhf.config import ConfigError, PPOConfig, load_config
-from turborlhf.trainers.ppo_rlvr import RolloutMismatchError, RolloutMismatchWarning
+from turborlhf.trainers.ppo.rlvr import RolloutMismatchError, RolloutMismatchWarning
 
 GRPO_YAML = REPO / "configs/tiny/grpo.yaml"
 
@@ -137,7 +137,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model, tiny_data, t
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.models.load import load_tokenizer
     from turborlhf.trainers.ppo import build_roles
-    from turborlhf.trainers.ppo_rlvr import collect_rollouts, filter_scores
+    from turborlhf.trainers.ppo.rlvr import collect_rollouts, filter_scores
 
     cfg = load_config(PPOConfig, GRPO_YAML, _args(tiny_model, tiny_data, tmp_path / "x", _rule(tmp_path, HALF_CONSTANT),
                                                   "reward_model=null", "algo.dynamic_sampling=true",

@@ -2,7 +2,6 @@
 the PPO driver calls; the maths is in `turborlhf.algo`, the equations and the peers' names in
 docs/algorithms/critic_free.md.
 
-- `POLICY_LOSSES`: the per-token policy loss, ``algo.policy_loss`` = ppo | gspo | cispo;
 - `collect_rollouts`: step 1 of the PPO step, generation, with DAPO dynamic sampling
   (``algo.dynamic_sampling``): groups whose scores are all equal are dropped and more prompts
   sampled, at most ``dynamic_sampling_max_tries`` rounds;
@@ -17,18 +16,17 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from turborlhf.errors import RunError
 from turborlhf.algo import kept_groups_mask, overlong_penalty, rollout_is_weights, rollout_mismatch_stats
 from turborlhf.data.tokenize import assemble_prompt_response
-from turborlhf.trainers.ppo_compute import POLICY_LOSSES, policy_mask   # re-exported: the variants' home before
-from turborlhf.trainers.ppo_rollout import generate, score_rows
+from turborlhf.trainers.ppo.rollout import generate, score_rows
 
-__all__ = ["POLICY_LOSSES", "Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
-           "pad_logprobs", "attach_rollout_fields", "policy_mask", "rlvr_metrics", "mismatch_alarm",
+__all__ = ["Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
+           "pad_logprobs", "attach_rollout_fields", "rlvr_metrics", "mismatch_alarm",
            "RolloutMismatchError", "RolloutMismatchWarning"]
 
 

@@ -1,46 +1,42 @@
-"""`turborlhf ppo`: PPO for language models (Ouyang et al. 2022; Ziegler et al. 2019), with GAE and a
-critic, or critic-free with GRPO / Dr. GRPO / RLOO / REINFORCE++ advantages. Implementation details
-after OpenRLHF and "The N+ Implementation Details of RLHF with PPO"; equations and the differences
-from TRL/OpenRLHF in docs/algorithms/ppo.md and docs/algorithms/critic_free.md.
+"""The PPO driver: one step, top to bottom (`_step`), and the run around it (`train_steps`).
+PPO for language models (Ouyang et al. 2022; Ziegler et al. 2019), with GAE and a critic, or
+critic-free with GRPO / Dr. GRPO / RLOO / REINFORCE++ advantages. Implementation details after
+OpenRLHF and "The N+ Implementation Details of RLHF with PPO"; equations and the differences from
+TRL/OpenRLHF in docs/algorithms/ppo.md and docs/algorithms/critic_free.md.
 
 Per step (one rollout batch of `prompts_per_step × n_samples_per_prompt` responses, the samples of
 a prompt consecutive):
 
-1. generate with the rollout engine (its bf16 actor copy; + DAPO dynamic sampling: `ppo_rlvr`);
-2. experience: old log-probs (actor), reference log-probs (only if a KL term is on),
-   values (critic, only for GAE), scores = Σ weight·score over the reward sources
+1. generate with the rollout engines (their actor copy; + DAPO dynamic sampling:
+   `rlvr.collect_rollouts`; ahead of time with ``rollout.max_staleness``: `async_rollout`);
+2. experience (`make_experience`): old log-probs (actor), reference log-probs (only if a KL term
+   is on), values (critic, only for GAE), scores = Σ weight·score over the reward sources
    (`turborlhf.rewards.combine`: reward models, Python rules, remote `serve-rm` servers);
-3. rewards: score (normalised, EOS-penalised, clipped), for group estimators replaced by its
-   group baseline (GRPO/Dr. GRPO/RLOO/REINFORCE++-baseline), placed at the last response token,
-   minus β·KL(actor‖ref) at every token unless the KL is a loss term (`kl_use_loss`);
+3. rewards (`score_and_advantages`): score (normalised, EOS-penalised, clipped), for group
+   estimators replaced by its group baseline (GRPO/Dr. GRPO/RLOO/REINFORCE++-baseline), placed at
+   the last response token, minus β·KL(actor‖ref) at every token unless the KL is a loss term
+   (`kl_use_loss`);
 4. advantages: `ADVANTAGE_ESTIMATORS[algo.advantage_estimator]`: GAE(γ, λ) (whitened), or the
    reward-to-go of the token rewards (whitened only for REINFORCE++);
-5. train: `ppo_epochs` passes over `num_mini_batches` mini-batches: policy loss (`algo.policy_loss`)
-   (+ β·KL loss, − entropy bonus, + ptx_coef · SFT loss on one PPO-ptx micro-batch) for the actor,
-   reduced by `algo.loss_reduction` with the mini-batch's global counts; clipped value loss for
-   the critic; the actor's EMA (`ema_beta`) follows each actor step;
-   with a single pass over a single mini-batch (``algo.fused_update``) actor and critic
-   backpropagate through their step-2 forward instead of running it again (no forward twice);
+5. train (`ppo_update`): `ppo_epochs` passes over `num_mini_batches` mini-batches
+   (`experience.minibatch_schedule`); the actor (`actor.ActorWorker.train`: policy loss
+   `algo.policy_loss` + β·KL loss − entropy bonus + ptx_coef · SFT loss on one PPO-ptx
+   micro-batch, reduced by `algo.loss_reduction` with the mini-batch's global counts; its EMA
+   follows each step) and the critic (`critic.CriticWorker.train`: clipped value loss) at once;
+   with a single pass over a single mini-batch (``algo.fused_update``) a role backpropagates
+   through its step-2 forward instead of running it again: step 2 asks it to keep that forward
+   under a name (``keep_as``), step 5 passes the name back (``kept``);
 6. sync the new actor weights (actor rank 0) into every rollout engine; log; checkpoint.
 
-Who does what: the models live in role workers (`turborlhf.trainers.ppo_workers`: actor, critic,
-reward, reference, rollout), placed by `turborlhf.distributed` in this process
-(``distributed.backend: local``) or on a Ray cluster (``ray``; several workers per role = data
-parallel, several rollout engines fed by a work queue). This driver sends them batches and
-computes rewards, advantages and the mini-batch plan with pure functions (docs/distributed.md).
+Who does what: the models live in role workers (`actor`, `critic`, and `roles` for reward,
+reference and rollout), placed by `turborlhf.distributed` in this process (``distributed.backend:
+local``) or on a Ray cluster (``ray``; several workers per role = data parallel, several rollout
+engines fed by a work queue). This driver sends them batches and computes rewards, advantages and
+the mini-batch plan with pure functions (docs/distributed.md). Tensor layout and shapes:
+`experience`.
 
-Tensor layout (`turborlhf.data.tokenize.assemble_prompt_response`): prompts left-padded to P
-columns, responses right-padded to R columns, so ``ids_BS = [prompt_BP | response_BR]`` (S = P + R
-columns) and response-coordinate tensors are slices ``[:, P:]``. The value of the state in which
-response token j is chosen is the critic output at column P+j-1. Shapes: B rows (prompts ×
-samples), G samples per prompt, R response tokens (T in `turborlhf.algo`).
-
-Imports flow one way, and nothing imports this driver back:
-- step 1: `ppo_async` (rollouts generated ahead, ``rollout.max_staleness``) → `ppo_rlvr` (DAPO
-  dynamic sampling, rollout correction) → `ppo_rollout` (sampling parameters, the engines' work
-  queue, row-sharded reward scoring);
-- the roles: `ppo_workers` → `ppo_compute` (what the roles compute: forwards, the policy-loss
-  variants, micro-batch losses, `Experience`).
+Imports flow one way (the package docstring draws the map): this driver → the workers and step-1
+helpers → `experience` → `turborlhf.algo`; nothing imports this driver back.
 
     turborlhf ppo --config configs/tiny/ppo.yaml
     turborlhf ppo --config configs/tiny/grpo.yaml     # critic-free: no critic is built
@@ -63,11 +59,11 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             leave_one_out_advantages, masked_mean, masked_whiten)
 from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
-from turborlhf.data.tokenize import assemble_prompt_response, encode_prompt
+from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import WorkerError
 from turborlhf.distributed.placement import RoleSpec, launch
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, run_to_end, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -75,21 +71,18 @@ from turborlhf.models.load import load_tokenizer
 from turborlhf.models.reference import same_model
 from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
-from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers import ppo_rlvr as rlvr     # policy-loss variants, dynamic sampling, rollout correction
-from turborlhf.trainers import ppo_workers as W
-from turborlhf.trainers.ppo_async import rollout_pipeline
-from turborlhf.trainers.ppo_rollout import _submit_rows, generate, rollout_items, score_rows
-from turborlhf.trainers.ppo_compute import Experience, row_shards, use_fused_update
+import turborlhf.trainers.ppo.rlvr as rlvr     # dynamic sampling, score shaping, rollout correction
+from turborlhf.trainers.ppo.actor import ActorWorker
+from turborlhf.trainers.ppo.async_rollout import rollout_pipeline
+from turborlhf.trainers.ppo.critic import CriticWorker
+from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
+from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker
+from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
-__all__ = ["phases", "train", "train_steps", "Experience", "assemble", "make_experience", "score_and_advantages", "ppo_update",
-           "minibatch_schedule", "merge_rank_stats", "rollout_items", "generate", "sync_weights", "build_roles",
-           "ADVANTAGE_ESTIMATORS", "RunInterrupted"]
+__all__ = ["phases", "train", "train_steps", "make_experience", "score_and_advantages", "ppo_update", "merge_rank_stats",
+           "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
 
 logger = logging.getLogger(__name__)
-
-assemble = assemble_prompt_response     # the batch layout of the module docstring (ppo_rlvr uses this name)
-
 
 # ----------------------------------------------------------------------------------------------
 # Advantage estimators: one function per variant, (scores_B, kl_BR, values_BR, mask_BR, β, cfg)
@@ -177,25 +170,28 @@ def _kl_reward_coef(has_reference: bool, A: PPOAlgoCfg, kl_coef: float) -> float
 
 def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], responses: list[list[int]],
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
-                    fused: tuple[bool, bool] = (False, False), rollout_logps: Optional[list[list[float]]] = None,
+                    keep_as: tuple[Optional[str], Optional[str]] = (None, None),
+                    rollout_logps: Optional[list[list[float]]] = None,
                     scores: Optional[tuple] = None, columns: Optional[list[dict]] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
-    then rewards and advantages on the driver (`score_and_advantages`). ``fused`` = (actor,
-    critic) keep their forward's graph for the coming update (`use_fused_update`). `rollout_logps`: the
-    engine's, per row; `scores`: (raw, per source) if already scored (dynamic sampling); ``columns``:
-    per row, the prompts file's other fields, for reward functions (`turborlhf.rewards.functions`)."""
+    then rewards and advantages on the driver (`score_and_advantages`). ``keep_as`` = (actor,
+    critic): the name under which a role keeps its forward's graph for the coming update (the
+    fused update's handle, `experience.use_fused_update`; None: not kept); the driver passes the
+    same names to `ppo_update`. `rollout_logps`: the engine's, per row; `scores`: (raw, per
+    source) if already scored (dynamic sampling); ``columns``: per row, the prompts file's other
+    fields, for reward functions (`turborlhf.rewards.functions`)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
     rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
-    old = _submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, fused[0])
+    old = submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, keep_as[0])
     ref = None
     if cluster.get("reference"):
-        ref = _submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
+        ref = submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)
     elif cfg.algo.needs_reference and lora_reference(cfg):
-        ref = _submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
-    val = _submit_rows(cluster["critic"], "values", B, mb, rows, P, R, fused[1]) if cluster.get("critic") else None
+        ref = submit_rows(cluster["actor"], "ref_logprobs", B, mb, rows_mask, P)
+    val = submit_rows(cluster["critic"], "values", B, mb, rows, P, R, keep_as[1]) if cluster.get("critic") else None
     raw_scores, per_source = scores or score_rows(cluster, cfg, ids, attn, prompt_ids, responses, columns)()
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,
@@ -231,17 +227,6 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
 # 5. PPO update: the driver plans the mini-batches, actor and critic workers train at once
 # ----------------------------------------------------------------------------------------------
 
-def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> list[torch.Tensor]:
-    """Row indices of every mini-batch of the update: `ppo_epochs` shuffles of the B rows, each cut
-    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it. A single pass
-    over a single mini-batch keeps the rows in order (a shuffle would change nothing but the
-    micro-batch grouping, and the fused update needs the experience's grouping)."""
-    n_mini = min(A.num_mini_batches, B)
-    if A.ppo_epochs == 1 and n_mini == 1:
-        return [torch.arange(B)]
-    return [mini for _ in range(A.ppo_epochs) for mini in torch.randperm(B, generator=generator).chunk(n_mini)]
-
-
 def merge_rank_stats(results: list[tuple[dict, int]]) -> tuple[dict, int]:
     """Per-rank (stat sums, optimizer steps) → one: losses and fractions are already weighted by
     the global counts, so ranks add; gradient norms are the same on every rank (rank 0's)."""
@@ -257,14 +242,17 @@ def merge_rank_stats(results: list[tuple[dict, int]]) -> tuple[dict, int]:
 
 
 def ppo_update(cluster, cfg: PPOConfig, exp: Experience, train_actor: bool, generator: torch.Generator,
-               kl_coef: float) -> dict:
-    """`ppo_epochs` × `num_mini_batches` optimizer steps of actor and critic; returns mean stats."""
+               kl_coef: float, kept: tuple[Optional[str], Optional[str]] = (None, None)) -> dict:
+    """`ppo_epochs` × `num_mini_batches` optimizer steps of actor and critic (each runs its own
+    mini-batch loop over the shared `minibatch_schedule`); returns mean stats. `kept` = (actor,
+    critic): the names their experience forwards were kept under (`make_experience`'s
+    ``keep_as``), or None."""
     schedule = minibatch_schedule(exp.mask_BR.shape[0], cfg.algo, generator)
     pending = []
     if train_actor:
-        pending.append(cluster["actor"].submit("train", exp, schedule, kl_coef))
+        pending.append(cluster["actor"].submit("train", exp, schedule, kl_coef, kept[0]))
     if cluster.get("critic") is not None:
-        pending.append(cluster["critic"].submit("train", exp, schedule))
+        pending.append(cluster["critic"].submit("train", exp, schedule, kept[1]))
     sums: dict[str, float] = {}
     for p in pending:
         stats, _ = merge_rank_stats(p.get())
@@ -308,13 +296,13 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, re
     KL term is on); rollout engines. Returns the `Cluster` (``cluster["actor"]`` etc.)."""
     A, c = cfg.algo, str(ckpt) if ckpt else None
     threads = cfg.train.threads or int(os.environ.get("TURBORLHF_THREADS", "0"))
-    specs = {"actor": RoleSpec(W.ActorWorker, (cfg, c, total_updates, threads))}
+    specs = {"actor": RoleSpec(ActorWorker, (cfg, c, total_updates, threads))}
     if A.needs_critic:
-        specs["critic"] = RoleSpec(W.CriticWorker, (cfg, c, total_updates, threads))
-    specs["reward"] = RoleSpec(W.RewardWorker, (cfg, threads, reward_callables))
+        specs["critic"] = RoleSpec(CriticWorker, (cfg, c, total_updates, threads))
+    specs["reward"] = RoleSpec(RewardWorker, (cfg, threads, reward_callables))
     if A.needs_reference and not lora_reference(cfg):
-        specs["reference"] = RoleSpec(W.ReferenceWorker, (cfg, threads))
-    specs["rollout"] = RoleSpec(W.RolloutWorker, (cfg, c, threads))
+        specs["reference"] = RoleSpec(ReferenceWorker, (cfg, threads))
+    specs["rollout"] = RoleSpec(RolloutWorker, (cfg, c, threads))
     return launch(cfg.distributed, specs, threads=threads)
 
 
@@ -458,7 +446,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
           samples_f, canary=None, columns: Optional[list[dict]] = None, pipe=None) -> tuple[int, dict]:
     """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics.
     ``columns``: per prompt of the run, the prompts file's other fields (for reward functions); ``pipe``:
-    the `ppo_async.RolloutPipeline` (``rollout.max_staleness > 0``) that holds this step's rollouts."""
+    the `async_rollout.RolloutPipeline` (``rollout.max_staleness > 0``) that holds this step's rollouts."""
     A = cfg.algo
     t_step = time.perf_counter()
     # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
@@ -478,13 +466,14 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     train_actor = step >= A.critic_warmup_steps
     fused = (train_actor and use_fused_update(cfg, len(rows_prompts), cluster["actor"]),
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
-    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, fused,
+    kept = tuple(f"step {step}" if f else None for f in fused)   # the fused update's handles (actor, critic)
+    exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, kept,
                           ro.logprobs, ro.scores, rows_columns)
     t_exp = time.perf_counter() - t0
     rlvr.mismatch_alarm(exp, A, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
     t0 = time.perf_counter()
-    stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value)
+    stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
     if train_actor and pipe is not None:

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from turborlhf.distributed.group import LocalGroup, WorkerTimeoutError
-from turborlhf.trainers import ppo_rlvr as rlvr
+import turborlhf.trainers.ppo.rlvr as rlvr
 
 __all__ = ["RolloutBatch", "RolloutPipeline", "RolloutTimeoutError", "actor_version", "rollout_pipeline"]
 
@@ -73,7 +73,7 @@ def actor_version(step: int, critic_warmup_steps: int) -> int:
 class RolloutBatch:
     """A generated, not yet trained rollout batch.
 
-    step: the PPO step (0-based) that trains on it; rollouts: `ppo_rlvr.Rollouts` (rows of
+    step: the PPO step (0-based) that trains on it; rollouts: `rlvr.Rollouts` (rows of
     prompts, responses, finished flags, engine log-probs, scores if already scored, metrics);
     version: `actor_version` of the weights that generated it; seconds: generation wall time."""
 
@@ -108,8 +108,8 @@ class RolloutPipeline:
 
     Args:
         cfg: the `PPOConfig` (``rollout.max_staleness`` = k ≥ 1).
-        cluster: the run's roles (`turborlhf.trainers.ppo.build_roles`).
-        tok, prompt_ids, plan, columns: as `turborlhf.trainers.ppo_rlvr.collect_rollouts` takes
+        cluster: the run's roles (`turborlhf.trainers.ppo.driver.build_roles`).
+        tok, prompt_ids, plan, columns: as `rlvr.collect_rollouts` takes
             them (``plan[step]``: the step's prompt indices).
         start: the first step this process trains (the resumed step, or 0).
         saved: `state()` of the checkpoint resumed from, or None.

@@ -1,8 +1,8 @@
 """The rollout side of the PPO driver: sampling parameters and seeded work items of a step
 (`rollout_items`), generation on the rollout engines' work queue (`generate`), and row-sharded
 calls into role workers, reward scoring among them (`score_rows`). Used by the driver
-(`turborlhf.trainers.ppo`), DAPO's dynamic sampling (`turborlhf.trainers.ppo_rlvr`) and the
-asynchronous rollouts (`turborlhf.trainers.ppo_async`); it imports none of them."""
+(`driver`), DAPO's dynamic sampling (`rlvr`) and the asynchronous rollouts (`async_rollout`);
+it imports none of them, only `experience`."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -11,9 +11,9 @@ import torch
 
 from turborlhf.config import PPOConfig
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.ppo_compute import row_shards
+from turborlhf.trainers.ppo.experience import row_shards
 
-__all__ = ["rollout_items", "generate", "score_rows"]
+__all__ = ["rollout_items", "generate", "submit_rows", "score_rows"]
 
 
 def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
@@ -48,7 +48,7 @@ def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, 
     return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs
 
 
-def _submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
+def submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
     """Send each rank its rows (`row_args(slice)` → positional args, then `extra`); returns a
     callable that waits and concatenates the per-rank results in row order."""
     shards = row_shards(B, mb, group.world_size)
@@ -67,5 +67,5 @@ def score_rows(cluster, cfg: PPOConfig, ids, attn, prompt_ids: list[list[int]], 
                columns: Optional[list[dict]] = None):
     """Submit the rows to the reward workers; returns a callable giving (scores_B, {source: scores_B}).
     ``columns``: per row, the prompts file's other fields (reward functions get them by name)."""
-    return _submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
+    return submit_rows(cluster["reward"], "score", ids.shape[0], cfg.train.micro_batch_size,
                         lambda s: (ids[s], attn[s], prompt_ids[s], responses[s], columns[s] if columns else None))
