@@ -46,6 +46,7 @@ there is one pending batch at a time, so k > 1 adds staleness but no further ove
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -56,7 +57,10 @@ from typing import Any, Optional
 from turborlhf.distributed.group import LocalGroup, WorkerTimeoutError
 import turborlhf.trainers.ppo.rlvr as rlvr
 
-__all__ = ["RolloutBatch", "RolloutPipeline", "RolloutTimeoutError", "actor_version", "rollout_pipeline"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutBatch", "SyncRollouts", "RolloutPipeline", "RolloutTimeoutError", "actor_version",
+           "rollout_pipeline"]
 
 
 class RolloutTimeoutError(WorkerTimeoutError):
@@ -81,6 +85,41 @@ class RolloutBatch:
     rollouts: rlvr.Rollouts
     version: int
     seconds: float
+
+
+class SyncRollouts:
+    """``rollout.max_staleness: 0``, the synchronous trainer: `take` generates the step's rollouts
+    now (then puts the engines to sleep where ``distributed.rollout_sleep`` frees their memory for
+    the update); nothing is pending, saved or measured beyond that. Same interface as
+    `RolloutPipeline`, so the PPO step has one path."""
+
+    def __init__(self, cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
+                 columns: Optional[list[dict]]) -> None:
+        self.cfg, self.cluster, self.tok, self.prompt_ids, self.plan, self.columns = (cfg, cluster, tok, prompt_ids,
+                                                                                      plan, columns)
+
+    def take(self, step: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        ro = rlvr.collect_rollouts(self.cluster, self.cfg, self.tok, self.prompt_ids, self.plan[step], step,
+                                   self.columns)
+        seconds = time.perf_counter() - t0
+        self.cluster["rollout"].run_alive("sleep")
+        return RolloutBatch(step, ro, actor_version(step, self.cfg.algo.critic_warmup_steps), seconds)
+
+    def wait(self) -> None:
+        """Nothing is ever pending."""
+
+    def pushed(self, step: int) -> None:
+        """The engines' weights are the actor's after every push."""
+
+    def metrics(self, batch: RolloutBatch) -> dict:
+        return {}
+
+    def state(self) -> Optional[dict]:
+        return None
+
+    def close(self) -> None:
+        """Nothing to give back."""
 
 
 class _Serialized:
@@ -151,11 +190,11 @@ class RolloutPipeline:
             else:
                 dropped.append(b["step"])
         if dropped:
-            print(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
-                  f"(rollout.max_staleness={self.k} does not train them next); they are generated again", flush=True)
+            logger.info(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
+                        f"(rollout.max_staleness={self.k} does not train them next); they are generated again")
         if self.ready:
-            print(f"[ppo] --resume: training on the saved rollouts of step(s) "
-                  f"{', '.join(str(s + 1) for s in sorted(self.ready))} (not generated again)", flush=True)
+            logger.info(f"[ppo] --resume: training on the saved rollouts of step(s) "
+                        f"{', '.join(str(s + 1) for s in sorted(self.ready))} (not generated again)")
 
     def state(self) -> dict:
         """Picklable state for the checkpoint: every generated, untrained batch (call `wait` first)."""
@@ -237,14 +276,15 @@ class RolloutPipeline:
 
 
 def rollout_pipeline(cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
-                     columns: Optional[list[dict]], start: int, state: dict) -> Optional[RolloutPipeline]:
-    """The run's `RolloutPipeline` with ``rollout.max_staleness > 0`` (given the checkpoint's trainer
-    `state`, ``{}`` for a fresh run, it trains on the saved rollouts), else None; then, on a resume,
-    it names the saved rollouts it drops (they are generated again)."""
+                     columns: Optional[list[dict]], start: int, state: dict) -> "RolloutPipeline | SyncRollouts":
+    """Where the run's rollouts come from: a `RolloutPipeline` with ``rollout.max_staleness > 0``
+    (given the checkpoint's trainer `state`, ``{}`` for a fresh run, it trains on the saved
+    rollouts), else `SyncRollouts`; on a resume to ``max_staleness: 0`` it names the saved rollouts
+    it drops (they are generated again)."""
     saved = state.get(RolloutPipeline.STATE_KEY)
     if cfg.rollout.max_staleness:
         return RolloutPipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, saved)
     if saved and saved["batches"]:
-        print("[ppo] --resume: rollout.max_staleness=0: dropping the saved rollouts of step(s) "
-              f"{', '.join(str(b['step'] + 1) for b in saved['batches'])}; they are generated again", flush=True)
-    return None
+        logger.info("[ppo] --resume: rollout.max_staleness=0: dropping the saved rollouts of step(s) "
+                    f"{', '.join(str(b['step'] + 1) for b in saved['batches'])}; they are generated again")
+    return SyncRollouts(cfg, cluster, tok, prompt_ids, plan, columns)

@@ -73,7 +73,7 @@ from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 import turborlhf.trainers.ppo.rlvr as rlvr     # dynamic sampling, score shaping, rollout correction
 from turborlhf.trainers.ppo.actor import ActorWorker
-from turborlhf.trainers.ppo.async_rollout import rollout_pipeline
+from turborlhf.trainers.ppo.async_rollout import RolloutPipeline, rollout_pipeline
 from turborlhf.trainers.ppo.critic import CriticWorker
 from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker
@@ -402,12 +402,12 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         gen.set_state(st["gen"])
         start = st["step"]
         sync_weights(cluster)   # the engines hold the checkpoint's actor (a LoRA checkpoint: they started from the base)
-        print(f"[ppo] resumed from {ckpt} at step {start}", flush=True)
+        logger.info(f"[ppo] resumed from {ckpt} at step {start}")
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
-    # rollout.max_staleness > 0: rollouts of later steps generated while this one trains
+    # the step's rollouts: generated now, or (rollout.max_staleness > 0) while earlier steps train
     pipe = rollout_pipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, st)
 
     def checkpoint(step: int) -> Path:
@@ -415,9 +415,10 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                    for role in ("actor", "critic") if cluster.get(role) is not None}
         state = {"kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
                  "rng": rng_state(), "gen": gen.get_state(), "step": step}
-        if pipe is not None:        # the generated, untrained rollouts go with the checkpoint
-            pipe.wait()
-            state[pipe.STATE_KEY] = pipe.state()
+        pipe.wait()
+        pending = pipe.state()              # the generated, untrained rollouts go with the checkpoint
+        if pending is not None:
+            state[RolloutPipeline.STATE_KEY] = pending
         return save_checkpoint(out, step, writers, tok, state, keep=cfg.train.keep_checkpoints)
 
     try:
@@ -433,34 +434,27 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                           f"{last if last else 'none'}" + (" (continue with --resume)" if last else ""),
                           e.role, e.rank, e.method) from e
     finally:
-        if pipe is not None:
-            pipe.close()
+        pipe.close()
         samples_f.close()
         log.close()
-    print(f"[ppo] saved actor to {out}" + (f" and its EMA to {out / 'ema'}" if A.ema_beta is not None else ""),
-          flush=True)
+    logger.info(f"[ppo] saved actor to {out}" + (f" and its EMA to {out / 'ema'}" if A.ema_beta is not None else ""))
     return out
 
 
 def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, reward_stats, gen, log,
-          samples_f, canary=None, columns: Optional[list[dict]] = None, pipe=None) -> tuple[int, dict]:
+          samples_f, canary, columns: Optional[list[dict]], pipe) -> tuple[int, dict]:
     """One PPO step (numbered as in the module docstring); returns the number of steps done and its metrics.
     ``columns``: per prompt of the run, the prompts file's other fields (for reward functions); ``pipe``:
-    the `async_rollout.RolloutPipeline` (``rollout.max_staleness > 0``) that holds this step's rollouts."""
+    where the step's rollouts come from (`async_rollout.rollout_pipeline`)."""
     A = cfg.algo
     t_step = time.perf_counter()
-    # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic sampling)
-    t0 = time.perf_counter()
-    if pipe is None:
-        ro = rlvr.collect_rollouts(cluster, cfg, tok, prompt_ids, plan[step], step, columns)
-    else:                           # generated in the background (or restored), then step+k launched
-        batch = pipe.take(step)
-        ro = batch.rollouts
+    # 1. generate (the n samples of a prompt consecutive) on the engines' work queue (+ dynamic
+    #    sampling): now, or earlier in the background (then step + max_staleness is launched)
+    batch = pipe.take(step)
+    ro = batch.rollouts
     rows_prompts, responses, finished, per_engine = ro.prompts, ro.responses, ro.finished, ro.per_engine
     rows_columns = [columns[i] for i in ro.prompt_index] if columns else None
-    t_gen = time.perf_counter() - t0 if pipe is None else batch.seconds
-    if pipe is None:                # async: the engines are generating the next steps' rollouts
-        cluster["rollout"].run_alive("sleep")
+    t_gen = batch.seconds
     # 2-4. experience, rewards, advantages
     t0 = time.perf_counter()
     train_actor = step >= A.critic_warmup_steps
@@ -476,14 +470,13 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
-    if train_actor and pipe is not None:
+    if train_actor:
         pipe.wait()                 # the engines finish the pending rollouts before they take new weights
     t0 = time.perf_counter()
     sync_metrics = {}
     if train_actor:  # push, then the canary check on every engine (WeightSyncError if one disagrees)
         sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance)
-        if pipe is not None:
-            pipe.pushed(step)
+        pipe.pushed(step)
     t_sync = time.perf_counter() - t0
     metrics = _rollout_metrics(exp, kl_ctl.value)
     if M.KL in metrics:
@@ -494,8 +487,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                     M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
                     float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})
-    if pipe is not None:
-        metrics.update(pipe.metrics(batch))
+    metrics.update(pipe.metrics(batch))
     if len(per_engine) > 1:
         metrics.update({f"rollout/engine{r}_items": float(n) for r, n in enumerate(per_engine)})
     done = step + 1
