@@ -43,7 +43,14 @@ def test_prepare_gsm8k_cli_reports_bad_lines(sample, tmp_path, capsys):
     first = rows[0]
     assert first["prompt"] == [{"role": "user", "content": first["question"] + "\n\n" + GSM8K_INSTRUCTION}]
     assert first["solution"].endswith("#### 72") and first["question"].startswith("Natalia sold clips")
+    sft = [r for _, r in read_jsonl(out / "sample_sft.jsonl")]                 # cold-start SFT rows
+    assert [r["prompt"] for r in sft] == [r["prompt"] for r in rows]
+    assert sft[0]["response"] == ("Natalia sold 48/2 = 24 clips in May.\n"
+                                  "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
+    assert sft[3]["response"] == "2 * 540 = 1080\n#### 1080"
+    assert all("<<" not in r["response"] for r in sft)
     report = json.loads((out / "sample_report.json").read_text())
+    assert report["files"] == ["sample_prompts.jsonl", "sample_sft.jsonl", "sample_report.json"]
     assert report["lines_read"] == 8 and report["prompts_written"] == 4
     assert {k: v["lines"] for k, v in report["problems"].items() if v["count"]} == {
         "bad_json": [4], "missing_key": [5], "empty_question": [6], "no_final_answer": [7]}

@@ -14,7 +14,16 @@ line per problem::
 
 The prompt is a message list, so the trainer renders it with the policy's own chat template
 (`turborlhf.data.loaders`); ``answer`` (and the rest) reach reward functions as columns, e.g.
-``gsm8k_accuracy`` (`turborlhf.rewards.verifiers`). Plus ``<name>_report.json``.
+``gsm8k_accuracy`` (`turborlhf.rewards.verifiers`).
+
+Also ``<name>_sft.jsonl``, the same prompts with the reference solution as the response, for a
+cold-start SFT before RL (DeepSeek-AI 2025, arXiv:2501.12948, section 2.3.1)::
+
+    {"prompt": [...same...], "response": "Natalia sold 48/2 = 24 clips in May.\n...\n#### 72"}
+
+The solution's calculator annotations (``<<48/2=24>>``) are removed and its last line is
+``#### <number>`` without separators: the format `gsm8k_format` rewards. Plus
+``<name>_report.json``.
 
 Problems (a line gets one, nothing dropped silently): ``bad_json``, ``missing_key`` (not an
 object, or ``question``/``answer`` absent or not strings), ``empty_question``,
@@ -32,13 +41,14 @@ from turborlhf.data.chat import Message
 from turborlhf.data.errors import DataError, Problem, format_problems, group_problems
 from turborlhf.data.jsonl import JsonLineError, read_jsonl, write_jsonl, write_text_atomic
 
-__all__ = ["GSM8K_INSTRUCTION", "PROBLEM_KINDS", "gsm8k_messages", "convert_gsm8k", "prepare_gsm8k",
+__all__ = ["GSM8K_INSTRUCTION", "PROBLEM_KINDS", "gsm8k_messages", "convert_gsm8k", "sft_response", "prepare_gsm8k",
            "split_name", "write_report", "summarize"]
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step. Then write the final answer as a number on the last line, "
                      "in the form \"#### <number>\".")
 PROBLEM_KINDS = ("bad_json", "missing_key", "empty_question", "no_final_answer")
 _FINAL_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+_CALC_RE = re.compile(r"<<[^<>]*>>")          # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
 
 
 def gsm8k_messages(question: str) -> list[Message]:
@@ -60,6 +70,13 @@ def convert_gsm8k(obj: Any, line: int = 0) -> dict | Problem:
         return Problem(line, "no_final_answer", "answer does not end with '#### <number>'")
     return {"prompt": gsm8k_messages(question), "answer": m.group(1).replace(",", ""), "solution": solution,
             "question": question}
+
+
+def sft_response(solution: str, answer: str) -> str:
+    """A GSM8K reference solution as a training response: calculator annotations removed, the
+    last line ``#### <answer>`` (`answer` as `convert_gsm8k` gives it: no separators)."""
+    work = _FINAL_RE.sub("", _CALC_RE.sub("", solution).strip()).rstrip()
+    return f"{work}\n#### {answer}" if work else f"#### {answer}"
 
 
 def split_name(path: str | Path) -> str:
@@ -92,12 +109,14 @@ def prepare_gsm8k(input_path: str | Path, output_dir: str | Path, strict: bool =
         raise DataError(f"{input_path}: no records")
     out, name = Path(output_dir), split_name(input_path)
     written = write_jsonl(out / f"{name}_prompts.jsonl", rows)
+    write_jsonl(out / f"{name}_sft.jsonl",
+                [{"prompt": r["prompt"], "response": sft_response(r["solution"], r["answer"])} for r in rows])
     grouped = group_problems(problems)
     report = {"dataset": "gsm8k", "source": str(input_path), "output_dir": str(out), "lines_read": n_read,
               "prompts_written": written, "problems_total": len(problems),
               "problems": {k: {"count": len(grouped.get(k, [])), "lines": grouped.get(k, [])} for k in PROBLEM_KINDS},
               "problem_details": [{"line": p.line, "kind": p.kind, "detail": p.detail} for p in problems],
-              "files": [f"{name}_prompts.jsonl", f"{name}_report.json"]}
+              "files": [f"{name}_prompts.jsonl", f"{name}_sft.jsonl", f"{name}_report.json"]}
     assert n_read == written + len(problems)  # nothing silently dropped
     write_report(out, name, report)
     return report
