@@ -15,8 +15,17 @@ default. Scores (`turborlhf.rewards.verifiers`):
 - ``response_length_mean`` (tokens, EOS included), ``eos_fraction`` (responses that ended
   before ``--max-new-tokens``).
 
+Other verifiers: ``--reward NAME`` scores with any reward function instead
+(`turborlhf.rewards.functions.load_reward_function`: a built-in name such as
+``reasoning_gym_score`` or ``module:function``); ``accuracy`` is then the mean of its scores, every
+column of the prompt file reaches it (``answer``, ``metadata``...), and the GSM8K-only keys
+(``strict_accuracy``, ``format_rate``) are null::
+
+    turborlhf eval-math --policy P --data runs/rg/chain_sum_prompts.jsonl --reward reasoning_gym_score
+
 Input lines: GSM8K's ``{question, answer}`` (answer = solution ending ``#### <number>``, or the
-number) or the prompt files of ``prepare-data gsm8k`` (``{prompt, answer}``). Bad lines are
+number) or prompt files with an answer column (``prepare-data gsm8k`` or ``reasoning-gym``:
+``{prompt, answer, ...}``). Bad lines are
 skipped with one warning naming their line numbers (`turborlhf.data.loaders`). With ``--json``
 stdout carries exactly one JSON object; logs go to stderr.
 """
@@ -33,7 +42,8 @@ __all__ = ["main", "eval_math", "load_problems"]
 
 
 def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
-    """The first `n` (0 = all) problems of `path` as ``{"prompt": rendered str, "answer": str}``.
+    """The first `n` (0 = all) problems of `path` as ``{"prompt": rendered str, "answer": str}``
+    (a prompt file's other columns kept).
 
     Raises:
         DataError: no usable line (`turborlhf.data.loaders`); FileNotFoundError.
@@ -54,7 +64,7 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
                 raise _Bad(row.kind, row.detail)
             return [{"prompt": render_prompt(tokenizer, row["prompt"]), "answer": row["answer"]}]
         if "prompt" in obj and isinstance(obj.get("answer"), (str, int, float)) and not isinstance(obj["answer"], bool):
-            return [{"prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
+            return [{**obj, "prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
         raise _Bad("missing_key", "need 'question'+'answer' (GSM8K) or 'prompt'+'answer'")
 
     problems = _load(path, parse, False, tokenizer)
@@ -68,7 +78,7 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
               max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None,
-              device: str = "auto") -> dict:
+              device: str = "auto", reward: Optional[str] = None) -> dict:
     """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
 
     Args:
@@ -77,10 +87,14 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
         max_new_tokens: tokens per response; temperature: 0 = greedy.
         engine: rollout engine kind (`turborlhf.rollout.make_engine`); dtype: its weights; device:
             where it runs (``auto``: cuda, then mps, then cpu).
+        reward: score with this reward function (module docstring) instead of GSM8K's verifiers.
 
     Returns:
-        ``accuracy``, ``strict_accuracy``, ``format_rate``, ``n``, ``response_length_mean``,
-        ``eos_fraction`` and the settings, with timings in seconds.
+        ``accuracy``, ``strict_accuracy``, ``format_rate`` (None with `reward`), ``n``,
+        ``response_length_mean``, ``eos_fraction`` and the settings, with timings in seconds.
+
+    Raises:
+        DataError: no usable problem; FileNotFoundError; RewardFunctionError: a bad `reward`.
     """
     from turborlhf.engine.train import set_threads
     from turborlhf.evaluate import generate_responses
@@ -88,6 +102,9 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
 
+    from turborlhf.rewards.functions import load_reward_function
+
+    score_fn = load_reward_function(reward) if reward else None     # a bad name fails before any work
     set_threads()
     t0 = time.perf_counter()
     path = str(resolve_model_path(policy))
@@ -99,17 +116,22 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
                                                    engine, max_prompt_len, batch_size, dtype, device)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
-    acc = gsm8k_accuracy(prompts, texts, answer=answers)
-    strict = gsm8k_strict_accuracy(prompts, texts, answer=answers)
-    fmt = gsm8k_format(prompts, texts)
-    lens = [len(r) for r in response_ids]
     k = len(problems)
-    res = {"accuracy": sum(acc) / k, "strict_accuracy": sum(strict) / k, "format_rate": sum(fmt) / k, "n": k,
+    if score_fn is None:
+        acc = gsm8k_accuracy(prompts, texts, answer=answers)
+        strict, fmt = sum(gsm8k_strict_accuracy(prompts, texts, answer=answers)) / k, gsm8k_format(prompts, texts)
+    else:
+        columns = {c: [p.get(c) for p in problems] for c in problems[0] if c != "prompt"}
+        acc, strict, fmt = [float(x) for x in score_fn(prompts, texts, **columns)], None, [None] * k
+    lens = [len(r) for r in response_ids]
+    res = {"accuracy": sum(acc) / k, "strict_accuracy": strict,
+           "format_rate": None if score_fn else sum(fmt) / k, "n": k,
            "response_length_mean": sum(lens) / k, "eos_fraction": sum(finished) / k,
-           "policy": policy, "data": data, "engine": engine, "temperature": temperature,
+           "policy": policy, "data": data, "reward": reward or "gsm8k", "engine": engine, "temperature": temperature,
            "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
            "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
-    print(f"[eval-math] accuracy {res['accuracy']:.3f}, format {res['format_rate']:.3f} on {k} problems "
+    shown = "" if score_fn else f", format {res['format_rate']:.3f}"
+    print(f"[eval-math] accuracy {res['accuracy']:.3f}{shown} on {k} problems "
           f"({sum(lens)} tokens in {t_gen:.0f}s)", flush=True)
     if samples_out:
         with open(samples_out, "w") as f:
@@ -134,16 +156,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="engine precision (auto: bf16 only where the CPU computes it natively, else fp32)")
+    p.add_argument("--reward", help="score with this reward function (built-in name or module:function) "
+                                    "instead of GSM8K's verifiers, e.g. reasoning_gym_score")
     p.add_argument("--samples-out", help="write prompt, response, answer, correct, format per problem (JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
     from turborlhf.data.errors import DataError
+    from turborlhf.rewards.functions import RewardFunctionError
 
     with contextlib.redirect_stdout(sys.stderr):
         try:
             res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
-                            a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device)
-        except (DataError, FileNotFoundError) as e:
+                            a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device,
+                            reward=a.reward)
+        except (DataError, FileNotFoundError, RewardFunctionError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if a.json:

@@ -80,14 +80,41 @@ def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")]) == 2
 
 
-def test_demo_math_config_is_valid():
-    """configs/gsm8k_smollm2/grpo.yaml: GRPO with DAPO-style settings, verifiers that resolve by name."""
-    from turborlhf.config import PPOConfig, load_config
-    from turborlhf.rewards.functions import load_reward_function
-    from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_soft_format
+def test_eval_math_scores_with_any_reward_and_its_columns(tiny_model, tmp_path, capsys):
+    """--reward NAME: a prompt file's every column reaches the reward function; accuracy is the
+    mean of its scores and the GSM8K-only keys are null; a bad name is one line, exit 2."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i), "level": i}) + "\n" for i in range(3)))
+    fn = tmp_path / "score.py"
+    fn.write_text("def level(prompts, completions, answer, level, **columns):\n"
+                  "    assert answer == [str(x) for x in level]\n"
+                  "    return [x / 4 for x in level]\n")
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--max-new-tokens", "4",
+                 "--reward", f"{fn}:level", "--json", "--dtype", "fp32"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["accuracy"] == (0 + 1 + 2) / 4 / 3 and res["n"] == 3 and res["reward"] == f"{fn}:level"
+    assert res["strict_accuracy"] is None and res["format_rate"] is None
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--reward", "no_such_reward"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_reward" in err and "Traceback" not in err
 
+
+def test_demo_math_configs_are_valid_and_chained():
+    """configs/gsm8k_smollm2: the cold-start SFT trains on the prepared solutions and writes what
+    GRPO starts from; GRPO has DAPO-style settings and verifiers that resolve by name, with the
+    format term worth less than a correct answer (the 0.5 partial-credit term was reward-hacked)."""
+    from turborlhf.config import PPOConfig, SFTConfig, load_config
+    from turborlhf.rewards.functions import load_reward_function
+    from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format
+
+    sft = load_config(SFTConfig, REPO / "configs/gsm8k_smollm2/sft.yaml", [])
     cfg = load_config(PPOConfig, REPO / "configs/gsm8k_smollm2/grpo.yaml", [])
+    assert sft.data.train_file == "runs/gsm8k/data/train_sft.jsonl" and cfg.actor.name_or_path == sft.output_dir
+    assert cfg.data.prompts_file == "runs/gsm8k/data/train_prompts.jsonl"
     A = cfg.algo
     assert (A.advantage_estimator, A.n_samples_per_prompt, A.loss_reduction) == ("grpo", 8, "token_mean")
-    assert A.eps_clip_high > A.eps_clip and A.kl_coef <= 0.01 and cfg.output_dir == "runs/gsm8k/policy"
-    assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_soft_format]
+    assert A.eps_clip_high > A.eps_clip and A.kl_coef <= 0.01 and A.dynamic_sampling
+    assert cfg.output_dir == "runs/gsm8k/policy"
+    assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_format]
+    weights = {r.name: r.weight for r in cfg.rewards}
+    assert weights["format"] < weights["accuracy"] / 2
