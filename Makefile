@@ -24,15 +24,19 @@ model: install
 demo: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/demo.yaml
 
-# RL with verifiable rewards: GRPO on GSM8K, evaluated on held-out test problems before and after
-MATH_EVAL := --data data/gsm8k/test-1000.jsonl.gz --n 200 --max-new-tokens 256 --json
+# RL with verifiable rewards on GSM8K: cold-start SFT, then GRPO, evaluated on held-out test
+# problems before, after the SFT and after GRPO (so each stage's part is visible)
+MATH_EVAL := --data data/gsm8k/test-1000.jsonl.gz --n 200 --max-new-tokens 256 --batch-size 64 --json
 demo-math: model
 	$(VENV)/bin/turborlhf prepare-data gsm8k --input data/gsm8k/train.jsonl.gz --output-dir runs/gsm8k/data
 	$(VENV)/bin/turborlhf eval-math --policy smollm2-135m-instruct $(MATH_EVAL) > runs/gsm8k/eval_before.json
+	$(VENV)/bin/turborlhf sft --config configs/gsm8k_smollm2/sft.yaml
+	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/sft $(MATH_EVAL) > runs/gsm8k/eval_sft.json
 	$(VENV)/bin/turborlhf ppo --config configs/gsm8k_smollm2/grpo.yaml
 	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/policy $(MATH_EVAL) > runs/gsm8k/eval_after.json
-	@echo "before: $$(cat runs/gsm8k/eval_before.json)"
-	@echo "after:  $$(cat runs/gsm8k/eval_after.json)"
+	@echo "before:    $$(cat runs/gsm8k/eval_before.json)"
+	@echo "after SFT: $$(cat runs/gsm8k/eval_sft.json)"
+	@echo "after:     $$(cat runs/gsm8k/eval_after.json)"
 
 full: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/full.yaml
