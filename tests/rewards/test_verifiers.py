@@ -4,7 +4,8 @@ import pytest
 
 from turborlhf.rewards.functions import RewardFunctionError, call_reward_function, load_reward_function
 from turborlhf.rewards.verifiers import (BUILTIN_REWARDS, extract_hash_answer, extract_last_number, gsm8k_accuracy,
-                                         gsm8k_format, gsm8k_strict_accuracy, numbers_equal, think_answer_format)
+                                         gsm8k_format, gsm8k_strict_accuracy, numbers_equal, think_answer_format,
+                                         answer_tag_format)
 
 
 @pytest.mark.parametrize("text, want", [
@@ -63,6 +64,12 @@ def test_gsm8k_soft_format_is_partial_credit_towards_the_format():
     assert gsm8k_soft_format([""] * 6, completions) == [1.0, 0.75, 0.75, 0.75, 0.0, 0.0]
     assert [s == 1.0 for s in gsm8k_soft_format([""] * 6, completions)] == \
         [f == 1.0 for f in gsm8k_format([""] * 6, completions)]
+
+
+def test_answer_tag_format():
+    texts = ["2 + 3 = 5, so\n<answer>5</answer>", "<answer>5</answer>\n", "<answer>5</answer> because",
+             "<answer>4</answer><answer>5</answer>", "<answer> </answer>", "5", "<answer>5"]
+    assert answer_tag_format([""] * len(texts), texts) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_think_answer_format():

@@ -20,6 +20,7 @@ prompt). Name one in a config without a file path, by its short name or its impo
 | ``gsm8k_soft_format`` | partial credit towards ``gsm8k_format``: 0.5 for a ``#### <number>`` line, +0.25 if it is the only ``####``, +0.25 if it is the last line | shaped like open-r1's ``tag_count_reward`` |
 | ``math_accuracy`` | `math-verify` finds the response's answer mathematically equal to ``answer`` (LaTeX or plain; ``\\boxed{}`` preferred, else the last expression) | Hugging Face Math-Verify, as TRL/open-r1 ``accuracy_reward`` |
 | ``think_answer_format`` | the response is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`` | open-r1 ``format_reward`` (DeepSeek-R1-Zero template) |
+| ``answer_tag_format`` | the response ends with its only ``<answer>...</answer>``, not empty (reasoning before it is free) | the answer format of reasoning-gym's default system prompt |
 | ``reasoning_gym_score`` | the task's own ``score_answer`` on the ``<answer>...</answer>`` text (partial credit in [0, 1] for some tasks) | reasoning-gym (Stojanovski et al. 2025) |
 
 Numbers compare exactly as decimals after removing ``$``, thousands separators and a trailing
@@ -39,13 +40,14 @@ from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "numbers_equal", "gsm8k_accuracy",
            "gsm8k_strict_accuracy", "gsm8k_format", "gsm8k_soft_format", "math_accuracy", "think_answer_format",
-           "reasoning_gym_score"]
+           "answer_tag_format", "reasoning_gym_score"]
 
 # a number as people write it: optional sign and $, thousands separators or plain digits, decimals
 _NUM = r"-?\$?\s?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
 _HASH_RE = re.compile(rf"####\s*\**\s*({_NUM})")
 _NUM_RE = re.compile(_NUM)
 _FORMAT_LINE_RE = re.compile(rf"^\s*####\s*\**\s*(?:{_NUM})\s*\**\s*\.?\s*$")
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_ANSWER_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
 
 
@@ -159,6 +161,18 @@ def think_answer_format(prompts: list[str], completions: list[str], **columns) -
     return [float(_THINK_ANSWER_RE.match(c.strip()) is not None) for c in completions]
 
 
+def answer_tag_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """1.0 where the response ends with ``<answer>…</answer>`` holding some text, and has no other
+    ``<answer>`` tag (the format reasoning-gym's default system prompt asks for, which
+    `reasoning_gym_score` reads); else 0.0. What comes before the tag is not checked."""
+    out = []
+    for c in completions:
+        found = _ANSWER_TAG_RE.findall(c)
+        out.append(float(len(found) == 1 and c.count("<answer>") == 1 and c.rstrip().endswith("</answer>")
+                         and bool(found[0].strip())))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _math_verify():
     try:
@@ -258,5 +272,6 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "gsm8k_soft_format": gsm8k_soft_format,
     "math_accuracy": math_accuracy,
     "think_answer_format": think_answer_format,
+    "answer_tag_format": answer_tag_format,
     "reasoning_gym_score": reasoning_gym_score,
 }
