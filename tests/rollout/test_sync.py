@@ -134,6 +134,9 @@ def test_wrong_length_scores_fail(model):
 
 
 def test_start_sync_check(prompts, capsys):
+    from turborlhf.metrics import console_logging
+
+    console_logging()                         # as every command does; the file alone has no handler otherwise
     model = tiny_llama(0)
     eng = FastEngine(model, dtype="fp32")
     assert start_sync_check(eng, model, prompts, verify=False) is None
@@ -149,6 +152,22 @@ def test_canary_keeps_only_the_end_of_long_prompts(model):
     long = [list(range(3, 3 + 70)), list(range(5, 25))]
     canary = make_canary(FastEngine(model, dtype="fp32"), long, n=2, response_tokens=4, prompt_tokens=32)
     assert canary.prompts == (tuple(long[0][-32:]), tuple(long[1]))
+
+
+def test_canary_rows_differ_for_templated_prompts():
+    """Prompts that share a system prompt and an appended instruction (GSM8K's) give distinct
+    canary rows: the shared start and end are removed before the window is taken."""
+    from turborlhf.rollout.sync import canary_windows
+
+    head, tail = [1, 2, 3], [7, 8, 9, 10]
+    ps = [head + [20 + i] * (5 + i) + tail for i in range(3)]
+    assert canary_windows(ps, 4) == [[20] * 4, [21] * 4, [22] * 4]
+    assert canary_windows(ps, 16) == [[20] * 5, [21] * 6, [22] * 7]
+    assert canary_windows([[1, 2, 3]] * 2, 2) == [[2, 3], [2, 3]]          # nothing differs: unchanged
+    assert canary_windows([[5, 6, 7]], 2) == [[6, 7]]                      # one prompt: its end
+    assert canary_windows([[1, 2], [1, 2, 3, 2]], 4) == [[1, 2], [1, 2, 3, 2]]   # a prompt would be emptied
+    with pytest.raises(ValueError):
+        canary_windows([], 4)
 
 
 # ------------------------------------------------------------ realistic faults at the default tolerance
