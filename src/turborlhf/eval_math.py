@@ -56,6 +56,8 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
     require_chat_template(tokenizer)
 
     def parse(obj: dict) -> list[dict]:
+        if "prompt" in obj and isinstance(obj.get("answer"), (str, int, float)) and not isinstance(obj["answer"], bool):
+            return [{**obj, "prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
         if "question" in obj and isinstance(obj.get("answer"), (int, float, str)) and "####" not in str(obj["answer"]):
             obj = {**obj, "answer": f"#### {obj['answer']}"}         # the bare final number
         if "question" in obj:
@@ -63,8 +65,6 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
             if isinstance(row, Problem):
                 raise _Bad(row.kind, row.detail)
             return [{"prompt": render_prompt(tokenizer, row["prompt"]), "answer": row["answer"]}]
-        if "prompt" in obj and isinstance(obj.get("answer"), (str, int, float)) and not isinstance(obj["answer"], bool):
-            return [{**obj, "prompt": _prompt(obj["prompt"], tokenizer), "answer": str(obj["answer"])}]
         raise _Bad("missing_key", "need 'question'+'answer' (GSM8K) or 'prompt'+'answer'")
 
     problems = _load(path, parse, False, tokenizer)

@@ -84,16 +84,19 @@ def test_eval_math_scores_with_any_reward_and_its_columns(tiny_model, tmp_path, 
     """--reward NAME: a prompt file's every column reaches the reward function; accuracy is the
     mean of its scores and the GSM8K-only keys are null; a bad name is one line, exit 2."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i), "level": i}) + "\n" for i in range(3)))
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i), "level": i, "question": f"q{i}"}) + "\n"
+                            for i in range(3)))                    # a prompt file with a question column
+    samples = tmp_path / "samples.jsonl"
     fn = tmp_path / "score.py"
     fn.write_text("def level(prompts, completions, answer, level, **columns):\n"
                   "    assert answer == [str(x) for x in level]\n"
                   "    return [x / 4 for x in level]\n")
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--max-new-tokens", "4",
-                 "--reward", f"{fn}:level", "--json", "--dtype", "fp32"]) == 0
+                 "--reward", f"{fn}:level", "--json", "--dtype", "fp32", "--samples-out", str(samples)]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["accuracy"] == (0 + 1 + 2) / 4 / 3 and res["n"] == 3 and res["reward"] == f"{fn}:level"
     assert res["strict_accuracy"] is None and res["format_rate"] is None
+    assert [json.loads(l)["prompt"] for l in samples.read_text().splitlines()] == ["Say 0.", "Say 1.", "Say 2."]
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--reward", "no_such_reward"]) == 2
     err = capsys.readouterr().err
     assert "no_such_reward" in err and "Traceback" not in err
