@@ -108,6 +108,9 @@ def test_reasoning_gym_score_uses_the_tasks_scorer(tmp_path):
     assert prepare_reasoning_gym("basic_arithmetic", 4, 7, tmp_path / "again") and \
         [r for _, r in read_jsonl(tmp_path / "again/basic_arithmetic_prompts.jsonl")] == rows   # seeded
     cols = {k: [r[k] for r in rows] for k in ("answer", "metadata", "question")}
+    sft = [r for _, r in read_jsonl(tmp_path / "basic_arithmetic_sft.jsonl")]       # cold-start rows score 1
+    assert [r["prompt"] for r in sft] == [r["prompt"] for r in rows]
+    assert reasoning_gym_score([""] * 4, [r["response"] for r in sft], **cols) == [1.0] * 4
     right = [f"<think>x</think><answer>{r['answer']}</answer>" for r in rows]
     wrong = [f"<answer>{int(r['answer']) + 1}</answer>" for r in rows]
     assert reasoning_gym_score([""] * 4, right, **cols) == [1.0] * 4
