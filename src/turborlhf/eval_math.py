@@ -100,9 +100,8 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     from turborlhf.evaluate import generate_responses
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
+    from turborlhf.rewards.functions import call_reward_function, load_reward_function
     from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
-
-    from turborlhf.rewards.functions import load_reward_function
 
     score_fn = load_reward_function(reward) if reward else None     # a bad name fails before any work
     set_threads()
@@ -116,27 +115,27 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
                                                    engine, max_prompt_len, batch_size, dtype, device)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
-    k = len(problems)
     if score_fn is None:
         acc = gsm8k_accuracy(prompts, texts, answer=answers)
-        strict, fmt = sum(gsm8k_strict_accuracy(prompts, texts, answer=answers)) / k, gsm8k_format(prompts, texts)
+        strict, fmt = gsm8k_strict_accuracy(prompts, texts, answer=answers), gsm8k_format(prompts, texts)
     else:
         columns = {c: [p.get(c) for p in problems] for c in problems[0] if c != "prompt"}
-        acc, strict, fmt = [float(x) for x in score_fn(prompts, texts, **columns)], None, [None] * k
-    lens = [len(r) for r in response_ids]
-    res = {"accuracy": sum(acc) / k, "strict_accuracy": strict,
-           "format_rate": None if score_fn else sum(fmt) / k, "n": k,
+        acc, strict, fmt = call_reward_function(score_fn, prompts, texts, reward, columns), None, None
+    k, lens = len(problems), [len(r) for r in response_ids]
+    rate = lambda xs: None if xs is None else sum(xs) / k           # noqa: E731
+    res = {"accuracy": rate(acc), "strict_accuracy": rate(strict), "format_rate": rate(fmt), "n": k,
            "response_length_mean": sum(lens) / k, "eos_fraction": sum(finished) / k,
            "policy": policy, "data": data, "reward": reward or "gsm8k", "engine": engine, "temperature": temperature,
            "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
            "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
-    shown = "" if score_fn else f", format {res['format_rate']:.3f}"
+    shown = "" if fmt is None else f", format {res['format_rate']:.3f}"
     print(f"[eval-math] accuracy {res['accuracy']:.3f}{shown} on {k} problems "
           f"({sum(lens)} tokens in {t_gen:.0f}s)", flush=True)
     if samples_out:
         with open(samples_out, "w") as f:
-            for p, t, a, c, fm in zip(prompts, texts, answers, acc, fmt):
-                f.write(json.dumps({"prompt": p, "response": t, "answer": a, "correct": c, "format": fm}) + "\n")
+            for i, (p, t, a, c) in enumerate(zip(prompts, texts, answers, acc)):
+                row = {"prompt": p, "response": t, "answer": a, "correct": c, "format": fmt[i] if fmt else None}
+                f.write(json.dumps(row) + "\n")
     return res
 
 
