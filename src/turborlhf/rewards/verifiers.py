@@ -47,7 +47,6 @@ _NUM = r"-?\$?\s?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
 _HASH_RE = re.compile(rf"####\s*\**\s*({_NUM})")
 _NUM_RE = re.compile(_NUM)
 _FORMAT_LINE_RE = re.compile(rf"^\s*####\s*\**\s*(?:{_NUM})\s*\**\s*\.?\s*$")
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_ANSWER_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
 
 
@@ -165,12 +164,8 @@ def answer_tag_format(prompts: list[str], completions: list[str], **columns) -> 
     """1.0 where the response ends with ``<answer>…</answer>`` holding some text, and has no other
     ``<answer>`` tag (the format reasoning-gym's default system prompt asks for, which
     `reasoning_gym_score` reads); else 0.0. What comes before the tag is not checked."""
-    out = []
-    for c in completions:
-        found = _ANSWER_TAG_RE.findall(c)
-        out.append(float(len(found) == 1 and c.count("<answer>") == 1 and c.rstrip().endswith("</answer>")
-                         and bool(found[0].strip())))
-    return out
+    return [float(c.count("<answer>") == 1 and c.rstrip().endswith("</answer>") and bool(_extract_answer_tag(c)))
+            for c in completions]
 
 
 @functools.lru_cache(maxsize=1)

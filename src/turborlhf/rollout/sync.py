@@ -46,8 +46,8 @@ from .base import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "canary_windows", "trainer_logprobs", "policy_weights",
-           "verify_sync", "push_weights", "start_sync_check", "default_tolerance"]
+__all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "canary_windows", "trainer_logprobs",
+           "policy_weights", "verify_sync", "push_weights", "start_sync_check", "default_tolerance"]
 
 
 def default_tolerance(dtype) -> float:
@@ -116,7 +116,7 @@ def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 8, response_t
     Short windows keep the check cheap (every weight is exercised by any tokens; 16 instead of 32
     prompt tokens took it from 1.15 to 0.87 s per push on SmolLM2, trainer and engine side
     together, with the same statistic). Raises ValueError if `prompts` is empty."""
-    ps = canary_windows(prompts[:n] if isinstance(prompts, list) else list(prompts)[:n], prompt_tokens)
+    ps = canary_windows(list(prompts)[:n], prompt_tokens)
     out = engine.generate(ps, SamplingParams(max_new_tokens=response_tokens, min_new_tokens=response_tokens,
                                              temperature=0.0, seed=0))  # seeded: leaves the global RNG alone
     return Canary(tuple(tuple(p) for p in ps), tuple(tuple(r) for r in out.response_ids))
