@@ -8,10 +8,10 @@ scores an answer with ``score_answer(answer, entry)``. This writes ``<task>_prom
                 {"role": "user", "content": question}],
      "answer": str, "metadata": {..., "source_dataset": task}, "question": str}
 
-``<task>_sft.jsonl`` (the same prompts with ``"response": "<answer>" + answer + "</answer>"``, for a
-short cold-start SFT that teaches the answer format: the untrained SmolLM2-135M never wrote the
-tag in 192 samples) and ``<task>_report.json``; the ``reasoning_gym_score`` reward (`turborlhf.rewards.verifiers`)
-reads ``answer``/``metadata``/``question`` and scores the ``<answer>…</answer>`` of a response.
+``<task>_sft.jsonl`` (the same prompts with ``"response": "<answer>" + answer + "</answer>"``,
+for a short cold-start SFT that teaches the answer format: the untrained SmolLM2-135M never wrote
+the tag in 192 samples) and ``<task>_report.json``; the ``reasoning_gym_score`` reward
+(`turborlhf.rewards.verifiers`) reads ``answer``/``metadata``/``question`` and scores the ``<answer>…</answer>`` of a response.
 The same (task, n, seed) always writes the same problems. Metadata goes through JSON (tuples
 become lists); an entry whose metadata is not JSON-serialisable raises ``ValueError``.
 

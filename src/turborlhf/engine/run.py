@@ -50,9 +50,10 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
     ``rollout.dtype`` (for that device) and ``optim.state_dtype`` (bf16 moments where the models
-    compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with `show=False`); `setup_run` saves them in
-    ``hardware.json``. Explicit values are kept (`choose_precision` warns once where an explicit
-    bf16 is emulated). Raises `HardwareError` for a device this host lacks."""
+    compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with
+    `show=False`); `setup_run` saves them in ``hardware.json``. Explicit values are kept
+    (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
+    a device this host lacks."""
     from turborlhf.config import SYNC_TOLERANCE, ModelCfg, OptimCfg, RolloutCfg
     from turborlhf.engine.hardware import choose_precision, resolve_device
 
