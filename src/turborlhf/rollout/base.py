@@ -53,12 +53,15 @@ class RolloutOutput:
     finished:     per request, True if a stop token ended the response.
     logprobs:     per request, log-probability of each sampled token under the engine's
                   (temperature-scaled) sampling distribution, if requested; else None.
+    tool_mask:    per request and token, True where a rollout tool (`turborlhf.rollout.tools`)
+                  wrote the token rather than the model sampling it; None when no tool ran.
     """
 
     response_ids: list[list[int]]
     finished: list[bool]
     logprobs: Optional[list[list[float]]] = None
     timings: dict = field(default_factory=dict)
+    tool_mask: Optional[list[list[bool]]] = None
 
 
 @runtime_checkable
@@ -66,7 +69,9 @@ class RolloutEngine(Protocol):
     """What a trainer needs from a generation engine."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample responses for token-id prompts. Raises ValueError on empty prompts."""
+        """Sample responses for token-id prompts. Raises ValueError on empty prompts.
+        FastEngine and HFEngine also take ``tool=`` (`turborlhf.rollout.tools`), whose tokens
+        they flag in `RolloutOutput.tool_mask`; vLLMEngine does not."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:

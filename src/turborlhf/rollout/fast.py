@@ -65,6 +65,7 @@ from .base import RolloutOutput, SamplingParams
 from .llama_ops import (_load_state_dict, _pack, _quantize_int8, _rms, _rope_inv_freq, _rope_signed,  # noqa: F401
                         decode_mask, is_supported, mkldnn_packing_available)
 from .sampling import sample
+from .tools import Tool
 
 __all__ = ["FastEngine", "is_supported"]
 
@@ -572,9 +573,12 @@ class FastEngine:
         return F.linear(h, self.lm_head_VE).float()
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 tool: Optional[Tool] = None) -> RolloutOutput:
         """See `RolloutEngine.generate`. Raises ValueError on empty prompts or prompts that do
-        not fit `max_position_embeddings` with `max_new_tokens`."""
+        not fit `max_position_embeddings` with `max_new_tokens`. With a `tool`
+        (`turborlhf.rollout.tools`) the tokens it writes are decoded like sampled ones (one step
+        each, log-prob 0) and flagged in `RolloutOutput.tool_mask`."""
         prompts = check_prompts(prompts, self.vocab_size)
         t0 = time.perf_counter()
         reqs = [p for p in prompts for _ in range(params.n)]
@@ -585,6 +589,7 @@ class FastEngine:
         resp: list[list[int]] = []
         fin: list[bool] = []
         lps: list[list[float]] = []
+        tms: list[list[bool]] = []
         timings = {"prefill_s": 0.0, "decode_s": 0.0, "steps": 0}
         # more requests than one batch: batch them by prompt length (stable, so the samples of a
         # prompt stay together), so a short prompt is not left-padded to the longest of a random
@@ -593,15 +598,17 @@ class FastEngine:
                  else list(range(len(reqs))))
         with torch.inference_mode():
             for s in range(0, len(reqs), self.max_batch_size):
-                r, f, lp = self._generate_chunk([reqs[i] for i in order[s: s + self.max_batch_size]], params, gen,
-                                                timings)
+                r, f, lp, tm = self._generate_chunk([reqs[i] for i in order[s: s + self.max_batch_size]], params,
+                                                    gen, timings, tool)
                 resp += r
                 fin += f
                 lps += lp
+                tms += tm
         back = sorted(range(len(order)), key=order.__getitem__)          # inverse permutation
-        resp, fin, lps = [resp[i] for i in back], [fin[i] for i in back], [lps[i] for i in back]
+        resp, fin, lps, tms = ([xs[i] for i in back] for xs in (resp, fin, lps, tms))
         timings["generate_s"] = time.perf_counter() - t0
-        return RolloutOutput(resp, fin, lps if params.return_logprobs else None, timings=timings)
+        return RolloutOutput(resp, fin, lps if params.return_logprobs else None, timings=timings,
+                             tool_mask=tms if tool is not None else None)
 
     def _compiled_call(self, ids_B, pos_B, col_1, K, V, maskadd_BT):
         """The compiled step, timing each new (batch, cache-length) bucket's first call (cold
@@ -680,7 +687,7 @@ class FastEngine:
         return K, V, logits_BV, pos_B, start_B
 
     def _generate_chunk(self, reqs: list[list[int]], params: SamplingParams, gen: torch.Generator,
-                        timings: dict):
+                        timings: dict, tool: Optional[Tool] = None):
         tp = time.perf_counter()
         N = len(reqs)
         new = params.max_new_tokens
@@ -702,12 +709,25 @@ class FastEngine:
         out_fin = torch.zeros(N, dtype=torch.bool)
         stop_t = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
         has_stop = stop_t.numel() > 0
+        # tool calls: after a trigger token the tool may queue tokens for that request, which then
+        # replace the sampled ones, one per step (the KV cache sees them like sampled tokens)
+        trig_t = torch.tensor(sorted(tool.trigger_ids), dtype=torch.long) if tool is not None else None
+        forced: dict[int, list[int]] = {}                          # request index -> tokens to write
+        out_tool = torch.zeros(N, new, dtype=torch.bool)
         timings["prefill_s"] += time.perf_counter() - tp
         td = time.perf_counter()
         col_1 = torch.zeros(1, dtype=torch.long)
         for t in range(new):
             suppress = stop_t if (has_stop and t < params.min_new_tokens) else None
             ids_B, lp_B = self._sample(logits_BV, params, suppress, gen)
+            if forced:
+                for b, req in enumerate(rows_B.tolist()):
+                    queue = forced.get(req)
+                    if queue:
+                        ids_B[b], lp_B[b] = queue.pop(0), 0.0
+                        out_tool[req, t] = True
+                        if not queue:
+                            del forced[req]
             live = ~done_B
             r = rows_B[live]
             out_tok[r, t] = ids_B[live]
@@ -718,6 +738,13 @@ class FastEngine:
                     out_len[rows_B[hit]] = t + 1
                     out_fin[rows_B[hit]] = True
                     done_B = done_B | hit
+            if trig_t is not None:
+                called = ~done_B & torch.isin(ids_B, trig_t)
+                for b in torch.nonzero(called).squeeze(1).tolist():
+                    req = int(rows_B[b])
+                    add = None if out_tool[req, t] else tool(out_tok[req, : t + 1].tolist())
+                    if add:
+                        forced[req] = list(add)
             if t == new - 1 or bool(done_B.all()):
                 break
             # ---- drop finished rows once at least half of the batch is finished
@@ -740,8 +767,9 @@ class FastEngine:
             pos_B = pos_B + 1
             timings["steps"] += 1
         timings["decode_s"] += time.perf_counter() - td
-        resp, fin, lps = [], [], []
+        resp, fin, lps, tms = [], [], [], []
         lens = out_len.tolist()
+        tool_l = out_tool.tolist()
         toks = out_tok.tolist()
         lpl = out_lp.tolist() if params.return_logprobs else None
         fins = out_fin.tolist()
@@ -750,7 +778,8 @@ class FastEngine:
             resp.append(toks[i][:n_i])
             fin.append(fins[i])
             lps.append(lpl[i][:n_i] if lpl is not None else [])
-        return resp, fin, lps
+            tms.append(tool_l[i][:n_i])
+        return resp, fin, lps, tms
 
     # ------------------------------------------------------------------ scoring
     def score_logprobs(self, prompts: Sequence[Sequence[int]],

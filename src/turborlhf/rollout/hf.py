@@ -50,8 +50,10 @@ class HFEngine:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
-        """See `RolloutEngine.generate`. Raises ValueError on empty prompts."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, tool=None) -> RolloutOutput:
+        """See `RolloutEngine.generate`. Raises ValueError on empty prompts. A `tool`
+        (`turborlhf.rollout.tools`) writes its tokens through a logits processor that leaves only
+        the tool's next token possible (log-prob 0, flagged in `RolloutOutput.tool_mask`)."""
         from transformers import GenerationConfig
 
         prompts = check_prompts(prompts, self.config.vocab_size)
@@ -67,7 +69,7 @@ class HFEngine:
             return_dict_in_generate=True, bos_token_id=None,
         )
         reqs = [p for p in prompts for _ in range(params.n)]  # samples of a prompt consecutive
-        resp, fin, lps = [], [], []
+        resp, fin, lps, tms = [], [], [], []
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
@@ -76,7 +78,9 @@ class HFEngine:
                 L = max(len(p) for p in chunk)
                 ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk], device=self.device)
                 mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg)
+                forcing = _ToolForcing(tool, L, len(chunk)) if tool is not None else None
+                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg,
+                                          logits_processor=[forcing] if forcing is not None else None)
                 new = out.sequences[:, L:]
                 if params.return_logprobs:
                     scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # B×T×V
@@ -88,8 +92,11 @@ class HFEngine:
                     fin.append(done)
                     if params.return_logprobs:
                         lps.append(lp[i, : len(toks)].tolist())
+                    if forcing is not None:
+                        tms.append([(i, t) in forcing.forced for t in range(len(toks))])
         return RolloutOutput(resp, fin, lps if params.return_logprobs else None,
-                             timings={"generate_s": time.perf_counter() - t0})
+                             timings={"generate_s": time.perf_counter() - t0},
+                             tool_mask=tms if tool is not None else None)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -130,3 +137,28 @@ class HFEngine:
                     lg = logits[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
                     out.append(lg.gather(-1, torch.tensor(list(r), device=self.device)[:, None]).squeeze(-1).tolist())
         return out
+
+
+class _ToolForcing:
+    """A `transformers` logits processor that runs a rollout tool (`turborlhf.rollout.tools`) for
+    the rows of one `generate` call: after a trigger token the tool's tokens are queued, then each
+    is made the only possible next token. `forced`: the (row, response position) pairs it wrote."""
+
+    def __init__(self, tool, prompt_len: int, rows: int):
+        self.tool, self.L = tool, prompt_len
+        self.queue: list[list[int]] = [[] for _ in range(rows)]
+        self.forced: set[tuple[int, int]] = set()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.L                  # response position being chosen
+        if t > 0:
+            for b, last in enumerate(input_ids[:, -1].tolist()):
+                if not self.queue[b] and (b, t - 1) not in self.forced and last in self.tool.trigger_ids:
+                    self.queue[b] = list(self.tool(input_ids[b, self.L:].tolist()) or [])
+        for b, q in enumerate(self.queue):
+            if q:
+                tok = q.pop(0)
+                scores[b] = float("-inf")
+                scores[b, tok] = 0.0
+                self.forced.add((b, t))
+        return scores

@@ -1,0 +1,97 @@
+"""Rollout tools: the calculator's arithmetic and triggers, and both engines writing a tool's
+tokens into the response (same tokens, same mask, the continuation conditioned on them)."""
+import pytest
+import torch
+
+from test_engines import GREEDY, hf_greedy
+from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+from turborlhf.rollout import SamplingParams
+from turborlhf.rollout.fast import FastEngine
+from turborlhf.rollout.hf import HFEngine
+from turborlhf.rollout.tools import Calculator, evaluate_arithmetic, format_number, make_tool
+
+
+@pytest.mark.parametrize("expr,value", [
+    ("48/2", 24), ("0.2*50", 10), ("2 x 3", 6), ("3×4", 12), ("1,000+5", 1005), ("$5*3", 15), ("(3+4)*2", 14),
+    ("-2+10", 8), ("7-10", -3), ("2**3", 8), ("10/4", 2.5),
+])
+def test_arithmetic(expr, value):
+    assert evaluate_arithmetic(expr) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("expr", ["10/0", "2**100**100", "9**99", "__import__('os')", "a+b", "", "3 +", "1e400",
+                                  "(" * 50 + "1" + ")" * 50, "x"])
+def test_not_arithmetic(expr):
+    assert evaluate_arithmetic(expr) is None
+
+
+def test_format_number():
+    assert [format_number(v) for v in (24.0, 0.2, 10 / 3, -3.0, 2.50)] == ["24", "0.2", "3.3333", "-3", "2.5"]
+
+
+def test_calculator_triggers_only_on_an_open_annotation():
+    tok = make_tiny_tokenizer()
+    calc = make_tool("calculator", tok)
+    assert isinstance(calc, Calculator) and calc.trigger_ids
+
+    def call(text):
+        out = calc(tok.encode(text, add_special_tokens=False))
+        return None if out is None else tok.decode(out)
+
+    assert call("She sold 48/2 = <<48/2=") == "24>>"
+    assert call("<<0.2*50=") == "10>>"
+    assert call("so 3 + 4 =") is None                     # prose, no annotation
+    assert call("<<48/2=24>>24 and 5 =") is None          # the last annotation is closed
+    assert call("<<apples+pears=") is None                # not arithmetic
+    assert call("<<10/0=") is None
+    assert calc.calls == 2
+    assert make_tool("none", tok) is None and make_tool(None, tok) is None
+    with pytest.raises(ValueError, match="unknown rollout tool 'abacus'"):
+        make_tool("abacus", tok)
+
+
+class FixedTool:
+    """After each trigger token the model sampled, write FORCED (the engines must not call the
+    tool on the tokens it wrote)."""
+
+    FORCED = [7, 8, 9]
+
+    def __init__(self, trigger: int):
+        self.trigger_ids = frozenset([trigger])
+        self.calls = []
+
+    def __call__(self, response_ids):
+        self.calls.append(list(response_ids))
+        return list(self.FORCED)
+
+
+def expected_with_tool(model, prompt, trigger, n_new):
+    """Greedy reference built from unforced HF generation: sample until the trigger, write the
+    tool's tokens, continue from the longer context."""
+    resp, mask = [], []
+    while len(resp) < n_new:
+        nxt = hf_greedy(model, prompt + resp, 1)[0]
+        resp.append(nxt)
+        mask.append(False)
+        if nxt == trigger:
+            for t in FixedTool.FORCED:
+                resp.append(t)
+                mask.append(True)
+    return resp[:n_new], mask[:n_new]
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_engine_writes_tool_tokens(engine, model, prompts):
+    plain = FastEngine(model, dtype="fp32").generate(prompts, GREEDY)
+    counts = torch.bincount(torch.tensor([t for r in plain.response_ids for t in r]))
+    trigger = int(counts.argmax())                          # the token greedy decoding emits most
+    tool = FixedTool(trigger)
+    eng = FastEngine(model, dtype="fp32", max_batch_size=2) if engine == "fast" else HFEngine(model, dtype="fp32")
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, return_logprobs=True)
+    out = eng.generate(prompts, params, tool=tool)
+    assert tool.calls, "the trigger never fired: the test would prove nothing"
+    for p, r, m, lp in zip(prompts, out.response_ids, out.tool_mask, out.logprobs):
+        want_r, want_m = expected_with_tool(model, p, trigger, 16)
+        assert r == want_r and m == want_m
+        assert all(x == 0.0 for x, forced in zip(lp, m) if forced)
+    assert eng.generate(prompts, params).tool_mask is None
