@@ -220,6 +220,17 @@ class PPORolloutCfg(RolloutCfg):
                              "trains on step n (k=1: one-step-off-policy), so a batch is trained up to k actor updates "
                              "after the weights that sampled it; needs algo.rollout_is (the IS correction of decoupled "
                              "PPO); 0 = synchronous (docs/distributed.md)")
+    tool: Literal["none", "calculator"] = Field(
+        "none", description="a tool the engine calls while sampling (turborlhf.rollout.tools): calculator = GSM8K's "
+                            "<<expression=value>> calculator; the tokens a tool writes get no actor loss; fast and hf "
+                            "engines only")
+
+    @model_validator(mode="after")
+    def _check_tool(self):
+        if self.tool != "none" and self.engine == "vllm":
+            raise ValueError(f"rollout.tool={self.tool} needs rollout.engine fast, hf or auto (vLLM's sampling loop "
+                             "has no hook for a tool)")
+        return self
 
 
 class DataFormatCfg(Cfg):

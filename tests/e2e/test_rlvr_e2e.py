@@ -227,3 +227,68 @@ def test_rlvr_options_resume_exactly(tiny_model, tiny_data, tmp_path):
     rewind_to(out, 1)
     _run(tiny_model, tiny_data, out, *extra, "--resume")
     assert max_weight_diff(final, weights(out)) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout tools (rollout.tool): the tokens a tool writes get no actor loss and stay out of the
+# engine-vs-trainer statistics
+# ----------------------------------------------------------------------------------------------
+
+def test_tool_tokens_leave_the_loss_and_the_mismatch_statistics():
+    from turborlhf.config import PPOAlgoCfg
+    from turborlhf.trainers.ppo.actor import policy_mask
+    from turborlhf.trainers.ppo.experience import Experience
+    from turborlhf.trainers.ppo.rlvr import attach_rollout_fields, pad_tool_mask, rlvr_metrics
+
+    mask = torch.tensor([[1., 1., 1., 1.], [1., 1., 0., 0.]])
+    old = torch.full((2, 4), -1.0) * mask
+    engine = old.clone()
+    engine[0, 1:3] = 0.0                                  # the tool's tokens: placeholder log-prob 0
+    tool = pad_tool_mask([[False, True, True, False], [False]], 4)
+    exp = Experience(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6), 2, mask, torch.tensor([True, False]),
+                     old, None, None, torch.zeros(2), torch.zeros(2), torch.zeros(2, 4))
+    A = PPOAlgoCfg(rollout_is="tis", overlong_filter=True)
+    attach_rollout_fields(exp, A, engine, tool)
+    # row 0 loses its tool tokens, row 1 (no EOS) the whole row
+    assert policy_mask(exp).tolist() == [[1., 0., 0., 1.], [0., 0., 0., 0.]]
+    assert exp.tool_mask_BR.sum(-1).tolist() == [2, 0]
+
+    class Cfg:          # rlvr_metrics reads cfg.algo and, for the overlong penalty, cfg.rollout
+        algo = A
+    m = rlvr_metrics(exp, Cfg)
+    assert m["rollout/mismatch_kl"] == 0.0 and m["rollout/mismatch_max_ratio"] == 1.0
+    assert m["rollout/overlong_filtered_frac"] == 0.5
+    assert m["rollout/is_weight_mean"] == 1.0 and m["rollout/tool_tokens_mean"] == 1.0
+
+
+class _FirstTokenTool:
+    """Writes [7, 8] after each response's first sampled token."""
+
+    def __init__(self, tokenizer):
+        self.trigger_ids = frozenset(range(tokenizer.vocab_size + 64))
+
+    def __call__(self, response_ids):
+        return [7, 8] if len(response_ids) == 1 else None
+
+
+def test_grpo_with_a_rollout_tool(tiny_model, tiny_data, tmp_path, monkeypatch):
+    from turborlhf.trainers.ppo import roles
+
+    monkeypatch.setattr(roles, "make_tool", lambda name, tok: _FirstTokenTool(tok))
+    out = tmp_path / "tool"
+    rows = _run(tiny_model, tiny_data, out, _rule(tmp_path, "[float(len(r) % 2) for r in responses]"),
+                "reward_model=null", "rollout.tool=calculator", "algo.mismatch_kl_alarm=0.001",
+                "algo.mismatch_kl_action=error")
+    assert len(rows) == 2
+    for r in rows:
+        # 2 tool tokens a row (fewer only where EOS came first); the engine's placeholder log-prob 0
+        # of those would read as a KL of several nats if they were compared
+        assert 1.0 < r["rollout/tool_tokens_mean"] <= 2.0
+        assert r["rollout/mismatch_kl"] < 1e-4
+    assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-7
+
+
+def test_rollout_tool_needs_an_engine_with_a_hook(tmp_path):
+    args = _args("m", tmp_path, tmp_path / "x", "reward_model=rm", "rollout.tool=calculator", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match=r"rollout\.tool"):
+        load_config(PPOConfig, GRPO_YAML, args)

@@ -66,7 +66,8 @@ POLICY_LOSSES: dict[str, Callable] = {"ppo": _ppo, "gspo": _gspo, "cispo": _cisp
 
 
 def policy_mask(exp: Experience) -> torch.Tensor:
-    """The actor-loss mask: the overlong filter's when set, else every response token."""
+    """The actor-loss mask: every response token, less those a rollout tool wrote and the overlong
+    filter's rows (`rlvr.attach_rollout_fields`)."""
     return exp.mask_BR if exp.loss_mask_BR is None else exp.loss_mask_BR
 
 

@@ -172,14 +172,16 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
                     finished: list[bool], kl_coef: float, reward_stats: Optional[RunningMoments],
                     keep_as: tuple[Optional[str], Optional[str]] = (None, None),
                     rollout_logps: Optional[list[list[float]]] = None,
-                    scores: Optional[tuple] = None, columns: Optional[list[dict]] = None) -> Experience:
+                    scores: Optional[tuple] = None, columns: Optional[list[dict]] = None,
+                    tool_mask: Optional[list[list[bool]]] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
     then rewards and advantages on the driver (`score_and_advantages`). ``keep_as`` = (actor,
     critic): the name under which a role keeps its forward's graph for the coming update (the
     fused update's handle, `experience.use_fused_update`; None: not kept); the driver passes the
     same names to `ppo_update`. `rollout_logps`: the engine's, per row; `scores`: (raw, per
     source) if already scored (dynamic sampling); ``columns``: per row, the prompts file's other
-    fields, for reward functions (`turborlhf.rewards.functions`)."""
+    fields, for reward functions (`turborlhf.rewards.functions`); ``tool_mask``: per row, the tokens
+    ``rollout.tool`` wrote (no actor loss)."""
     mb = cfg.train.micro_batch_size
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
@@ -196,12 +198,14 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     return score_and_advantages(cfg.algo, ids, attn, P, mask, finished, old(), ref() * mask if ref else None,
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,
                                 None if rollout_logps is None else rlvr.pad_logprobs(rollout_logps, R),
-                                rlvr.score_shaping(cfg, mask.sum(-1)))
+                                rlvr.score_shaping(cfg, mask.sum(-1)),
+                                None if tool_mask is None else rlvr.pad_tool_mask(tool_mask, R))
 
 
 def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[bool], old_logp_BR,
                          ref_logp_BR, values_BR, raw_scores_B, per_source: dict, kl_coef: float,
-                         reward_stats: Optional[RunningMoments], rollout_logp_BR=None, shaping_B=None) -> Experience:
+                         reward_stats: Optional[RunningMoments], rollout_logp_BR=None, shaping_B=None,
+                         tool_mask_BR=None) -> Experience:
     """Scores (normalised, + `shaping_B` (overlong penalty), EOS-penalised, clipped), per-token KL,
     the advantage estimator's advantages and returns, and `rlvr.attach_rollout_fields`: pure tensor maths."""
     eos = torch.tensor(finished, dtype=torch.bool)
@@ -219,7 +223,7 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
                      per_source)
     exp.adv_BR, exp.returns_BR = ADVANTAGE_ESTIMATORS[A.advantage_estimator](
         scores, kl, values_BR, mask, _kl_reward_coef(ref_logp_BR is not None, A, kl_coef), A)
-    rlvr.attach_rollout_fields(exp, A, rollout_logp_BR)
+    rlvr.attach_rollout_fields(exp, A, rollout_logp_BR, tool_mask_BR)
     return exp
 
 
@@ -462,7 +466,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
     kept = tuple(f"step {step}" if f else None for f in fused)   # the fused update's handles (actor, critic)
     exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, kept,
-                          ro.logprobs, ro.scores, rows_columns)
+                          ro.logprobs, ro.scores, rows_columns, ro.tool_mask)
     t_exp = time.perf_counter() - t0
     rlvr.mismatch_alarm(exp, A, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)

@@ -51,14 +51,15 @@ class Experience:
     returns_BR: Optional[torch.Tensor] = None
     rollout_logp_BR: Optional[torch.Tensor] = None   # the rollout engine's log-probs of the sampled tokens
     is_weight_BR: Optional[torch.Tensor] = None      # TIS/MIS weights of the policy loss (algo.rollout_is)
-    loss_mask_BR: Optional[torch.Tensor] = None      # actor-loss mask (algo.overlong_filter); None = mask_BR
+    loss_mask_BR: Optional[torch.Tensor] = None      # actor-loss mask (no tool tokens, overlong filter); None = mask_BR
+    tool_mask_BR: Optional[torch.Tensor] = None      # bool: written by rollout.tool, not sampled (None: no tool)
 
     def rows(self, idx: torch.Tensor) -> "Experience":
         """Sub-batch of rows (trimmed to its own longest response)."""
         sub = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         r = int(sub["mask_BR"].sum(-1).max().clamp(min=1))
         for k in ("mask_BR", "old_logp_BR", "ref_logp_BR", "values_BR", "kl_BR", "adv_BR", "returns_BR",
-                  "rollout_logp_BR", "is_weight_BR", "loss_mask_BR"):
+                  "rollout_logp_BR", "is_weight_BR", "loss_mask_BR", "tool_mask_BR"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :r]
         sub["ids_BS"] = sub["ids_BS"][:, :self.P + r]

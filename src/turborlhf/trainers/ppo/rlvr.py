@@ -46,12 +46,14 @@ class Rollouts:
     per_engine: list[int]                    # work items served per rollout engine
     scores: Optional[tuple] = None           # (raw_scores_B, {source: scores_B}) when already scored
     metrics: dict = field(default_factory=dict)
+    tool_mask: Optional[list[list[bool]]] = None   # per token, True where rollout.tool wrote it (None: no tool)
 
     def rows(self, idx: list[int]) -> "Rollouts":
         pick = lambda xs: [xs[i] for i in idx]                                  # noqa: E731
         scores = None if self.scores is None else (self.scores[0][idx], {k: v[idx] for k, v in self.scores[1].items()})
         return Rollouts(pick(self.prompt_index), pick(self.prompts), pick(self.responses), pick(self.finished),
-                        None if self.logprobs is None else pick(self.logprobs), self.per_engine, scores)
+                        None if self.logprobs is None else pick(self.logprobs), self.per_engine, scores,
+                        tool_mask=None if self.tool_mask is None else pick(self.tool_mask))
 
 
 def _concat(parts: list[Rollouts]) -> Rollouts:
@@ -60,16 +62,18 @@ def _concat(parts: list[Rollouts]) -> Rollouts:
     raw = torch.cat([p.scores[0] for p in parts])
     per = {k: torch.cat([p.scores[1][k] for p in parts]) for k in parts[0].scores[1]}
     per_engine = [sum(n) for n in zip(*(p.per_engine for p in parts))]
+    tool_mask = None if any(p.tool_mask is None for p in parts) else cat("tool_mask")
     return Rollouts(cat("prompt_index"), cat("prompts"), cat("responses"), cat("finished"), logprobs, per_engine,
-                    (raw, per))
+                    (raw, per), tool_mask=tool_mask)
 
 
 def _round(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int, attempt: int) -> Rollouts:
     G = cfg.algo.n_samples_per_prompt
-    responses, finished, per_engine, logprobs = generate(cluster, cfg, tok, [prompt_ids[i] for i in index], step,
-                                                         attempt)
+    responses, finished, per_engine, logprobs, tool_mask = generate(cluster, cfg, tok, [prompt_ids[i] for i in index],
+                                                                    step, attempt)
     rows = [i for i in index for _ in range(G)]
-    return Rollouts(rows, [prompt_ids[i] for i in rows], responses, finished, logprobs, per_engine)
+    return Rollouts(rows, [prompt_ids[i] for i in rows], responses, finished, logprobs, per_engine,
+                    tool_mask=tool_mask)
 
 
 def refill_prompts(n_prompts: int, n: int, seed: int, step: int, attempt: int) -> list[int]:
@@ -160,19 +164,40 @@ def pad_logprobs(logprobs: list[list[float]], R: int) -> torch.Tensor:
     return out
 
 
-def attach_rollout_fields(exp, A, rollout_logp_BR: Optional[torch.Tensor]) -> None:
-    """Set the experience's engine log-probs, TIS/MIS weights (``algo.rollout_is``) and the
-    overlong filter's loss mask (``algo.overlong_filter``: rows without EOS get no actor loss)."""
+def pad_tool_mask(tool_mask: list[list[bool]], R: int) -> torch.Tensor:
+    """Per-row tool masks → bool ``B×R`` (False after each response)."""
+    out = torch.zeros(len(tool_mask), R, dtype=torch.bool)
+    for i, m in enumerate(tool_mask):
+        if m:
+            out[i, :len(m)] = torch.tensor(m[:R], dtype=torch.bool)
+    return out
+
+
+def sampled_mask(exp) -> torch.Tensor:
+    """The response tokens the policy sampled (those a rollout tool wrote out). Engine-vs-trainer
+    statistics read these only: a tool token's engine log-prob is a placeholder 0."""
+    return exp.mask_BR if exp.tool_mask_BR is None else exp.mask_BR * (~exp.tool_mask_BR).to(exp.mask_BR.dtype)
+
+
+def attach_rollout_fields(exp, A, rollout_logp_BR: Optional[torch.Tensor],
+                          tool_mask_BR: Optional[torch.Tensor] = None) -> None:
+    """Set the experience's loss mask (tokens written by a rollout tool out, ``tool_mask_BR``; with
+    ``algo.overlong_filter`` rows without EOS out too), engine log-probs and TIS/MIS weights
+    (``algo.rollout_is``)."""
+    if tool_mask_BR is not None:
+        exp.tool_mask_BR = tool_mask_BR & exp.mask_BR.bool()
+        if bool(exp.tool_mask_BR.any()):
+            exp.loss_mask_BR = sampled_mask(exp)
+    if A.overlong_filter:
+        exp.loss_mask_BR = sampled_mask(exp) * exp.eos_B[:, None].to(exp.mask_BR.dtype)
     if rollout_logp_BR is not None:
         exp.rollout_logp_BR = rollout_logp_BR * exp.mask_BR
     if A.rollout_is != "none":
         if rollout_logp_BR is None:
             raise RuntimeError(f"algo.rollout_is={A.rollout_is} needs the rollout engine's log-probs, and this "
                                "engine returned none")
-        exp.is_weight_BR, _ = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR, A.rollout_is,
-                                                 A.rollout_is_threshold, A.rollout_is_level)
-    if A.overlong_filter:
-        exp.loss_mask_BR = exp.mask_BR * exp.eos_B[:, None].to(exp.mask_BR.dtype)
+        exp.is_weight_BR, _ = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp),
+                                                 A.rollout_is, A.rollout_is_threshold, A.rollout_is_level)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,19 +218,21 @@ def rlvr_metrics(exp, cfg) -> dict:
     overlong penalty and filtered fraction, each only where it applies."""
     A, out = cfg.algo, {}
     if exp.rollout_logp_BR is not None:
-        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR)
+        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp))
         out.update({"rollout/mismatch_kl": m["kl"], "rollout/mismatch_k1": m["k1"],
                     "rollout/mismatch_max_ratio": m["max_ratio"], "rollout/mismatch_min_ratio": m["min_ratio"]})
     if exp.is_weight_BR is not None:
-        _, s = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR, A.rollout_is,
+        _, s = rollout_is_weights(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp), A.rollout_is,
                                   A.rollout_is_threshold, A.rollout_is_level)
         out.update({"rollout/is_weight_mean": float(s["is_weight_mean"]),
                     "rollout/is_clipfrac": float(s["is_clipfrac"])})
     shaping = score_shaping(cfg, exp.mask_BR.sum(-1))
     if shaping is not None:
         out["rollout/overlong_penalty"] = float(shaping.mean())
-    if exp.loss_mask_BR is not None:
+    if A.overlong_filter:
         out["rollout/overlong_filtered_frac"] = float((~exp.eos_B).float().mean())
+    if exp.tool_mask_BR is not None:
+        out["rollout/tool_tokens_mean"] = float(exp.tool_mask_BR.sum(-1).float().mean())
     return out
 
 
@@ -215,7 +242,7 @@ def mismatch_alarm(exp, A, step: int) -> Optional[float]:
     and the trainer's log-probs exceeds it. Returns the KL (None without engine log-probs)."""
     if exp.rollout_logp_BR is None:
         return None
-    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, exp.mask_BR)["kl"]
+    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp))["kl"]
     if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
         msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
                "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "

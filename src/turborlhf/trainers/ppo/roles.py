@@ -42,6 +42,7 @@ from turborlhf.models.zoo import resolve_model_path
 from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_columns
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary
+from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
@@ -317,6 +318,8 @@ class RolloutWorker:
         lora_ckpt = ckpt and (Path(ckpt) / "actor" / "adapter_config.json").exists()
         self.path = str(Path(ckpt) / "actor") if ckpt and not lora_ckpt else cfg.actor.name_or_path
         self.engine = self._build()
+        tool = getattr(cfg.rollout, "tool", "none")
+        self.tool = make_tool(tool, load_tokenizer(cfg.actor.name_or_path)) if tool != "none" else None
 
     def _build(self):
         roll = self.cfg.rollout
@@ -326,13 +329,16 @@ class RolloutWorker:
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"
 
-    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], list[bool], Optional[list]]:
-        """Responses (stop token included), finished flags and the engine's log-probs of the sampled
-        tokens (None unless ``params.return_logprobs``), samples of a prompt consecutive."""
+    def generate(self, prompts: list[list[int]], params) -> tuple[list[list[int]], list[bool], Optional[list],
+                                                                  Optional[list]]:
+        """Responses (stop token included), finished flags, the engine's log-probs of the sampled
+        tokens (None unless ``params.return_logprobs``) and the tool mask (True where
+        ``rollout.tool`` wrote the token; None without a tool), samples of a prompt consecutive."""
         if self.engine is None:
             self.engine = self._build()
-        out = self.engine.generate(prompts, params)
-        return out.response_ids, out.finished, out.logprobs
+        out = (self.engine.generate(prompts, params, tool=self.tool) if self.tool is not None
+               else self.engine.generate(prompts, params))
+        return out.response_ids, out.finished, out.logprobs, out.tool_mask
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         if self.engine is None:

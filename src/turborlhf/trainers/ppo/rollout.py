@@ -37,7 +37,8 @@ def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int,
 
 def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, attempt: int = 0):
     """Responses for `prompts` (n samples each, consecutive), from the engines' work queue.
-    Returns (response_ids, finished, items per engine rank, the engine's log-probs or None)."""
+    Returns (response_ids, finished, items per engine rank, the engine's log-probs or None, the
+    tool mask or None)."""
     items = rollout_items(cfg, tok, prompts, step, attempt)
     D = cfg.distributed
     outs, served = cluster["rollout"].map_dynamic("generate", items, timeout_s=D.rollout_timeout_s,
@@ -45,7 +46,8 @@ def generate(cluster, cfg: PPOConfig, tok, prompts: list[list[int]], step: int, 
     responses = [r for out in outs for r in out[0]]
     finished = [f for out in outs for f in out[1]]
     logprobs = None if any(out[2] is None for out in outs) else [lp for out in outs for lp in out[2]]
-    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs
+    tool_mask = None if any(out[3] is None for out in outs) else [m for out in outs for m in out[3]]
+    return responses, finished, [served.count(r) for r in range(cluster["rollout"].world_size)], logprobs, tool_mask
 
 
 def submit_rows(group, method: str, B: int, mb: int, row_args: Callable, *extra):
