@@ -15,6 +15,13 @@ default. Scores (`turborlhf.rewards.verifiers`):
 - ``response_length_mean`` (tokens, EOS included), ``eos_fraction`` (responses that ended
   before ``--max-new-tokens``).
 
+The calculator: on GSM8K every policy answers with GSM8K's calculator at hand (``--tool auto``,
+`turborlhf.rollout.tools.Calculator`): where a response writes ``<<expression=``, the value and
+``>>`` are appended, as GSM8K's reference solutions annotate every step. A policy that never
+writes one answers exactly as without it (the starting model), and one trained on the annotated
+solutions (``make demo-math``) gets exact arithmetic. ``--tool none`` evaluates without it;
+``tool`` and ``tool_calls`` in the result say which ran and how often it answered.
+
 Other verifiers: ``--reward NAME`` scores with any reward function instead
 (`turborlhf.rewards.functions.load_reward_function`: a built-in name such as
 ``reasoning_gym_score`` or ``module:function``); ``accuracy`` is then the mean of its scores, every
@@ -78,7 +85,7 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
               max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None,
-              device: str = "auto", reward: Optional[str] = None) -> dict:
+              device: str = "auto", reward: Optional[str] = None, tool: str = "auto") -> dict:
     """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
 
     Args:
@@ -88,10 +95,15 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
         engine: rollout engine kind (`turborlhf.rollout.make_engine`); dtype: its weights; device:
             where it runs (``auto``: cuda, then mps, then cpu).
         reward: score with this reward function (module docstring) instead of GSM8K's verifiers.
+        tool: rollout tool while answering (`turborlhf.rollout.tools`): ``auto`` = the calculator
+            when scoring GSM8K (it acts only on a ``<<expression=`` the model writes, so a policy
+            that never writes one answers exactly as without it), none with `reward`; ``none``;
+            ``calculator``.
 
     Returns:
         ``accuracy``, ``strict_accuracy``, ``format_rate`` (None with `reward`), ``n``,
-        ``response_length_mean``, ``eos_fraction`` and the settings, with timings in seconds.
+        ``response_length_mean``, ``eos_fraction``, ``tool`` and ``tool_calls`` (results the tool
+        wrote) and the settings, with timings in seconds.
 
     Raises:
         DataError: no usable problem; FileNotFoundError; RewardFunctionError: a bad `reward`.
@@ -101,6 +113,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rewards.functions import call_reward_function, load_reward_function
+    from turborlhf.rollout.tools import make_tool
     from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
 
     score_fn = load_reward_function(reward) if reward else None     # a bad name fails before any work
@@ -111,8 +124,12 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     problems = load_problems(data, tok, n)
     prompts, answers = [p["prompt"] for p in problems], [p["answer"] for p in problems]
     t_gen = time.perf_counter()
+    tool = ("calculator" if reward is None else "none") if tool == "auto" else tool
+    if tool != "none" and engine == "vllm":
+        raise ValueError(f"--tool {tool} needs --engine fast, hf or auto (vLLM's sampling loop has no hook for it)")
+    tool_fn = make_tool(tool, tok)
     _, response_ids, finished = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
-                                                   engine, max_prompt_len, batch_size, dtype, device)
+                                                   engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     if score_fn is None:
@@ -125,6 +142,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     rate = lambda xs: None if xs is None else sum(xs) / k           # noqa: E731
     res = {"accuracy": rate(acc), "strict_accuracy": rate(strict), "format_rate": rate(fmt), "n": k,
            "response_length_mean": sum(lens) / k, "eos_fraction": sum(finished) / k,
+           "tool": tool, "tool_calls": getattr(tool_fn, "calls", 0),
            "policy": policy, "data": data, "reward": reward or "gsm8k", "engine": engine, "temperature": temperature,
            "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
            "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
@@ -157,6 +175,10 @@ def main(argv: list[str]) -> int:
                    help="engine precision (auto: bf16 only where the CPU computes it natively, else fp32)")
     p.add_argument("--reward", help="score with this reward function (built-in name or module:function) "
                                     "instead of GSM8K's verifiers, e.g. reasoning_gym_score")
+    p.add_argument("--tool", default="auto", choices=["auto", "none", "calculator"],
+                   help="tool the policy may call while answering: auto = the calculator on GSM8K (GSM8K's "
+                        "<<expression=value>> annotations; inert for a policy that never writes one), none with "
+                        "--reward")
     p.add_argument("--samples-out", help="write prompt, response, answer, correct, format per problem (JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
@@ -167,8 +189,8 @@ def main(argv: list[str]) -> int:
         try:
             res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
                             a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device,
-                            reward=a.reward)
-        except (DataError, FileNotFoundError, RewardFunctionError) as e:
+                            reward=a.reward, tool=a.tool)
+        except (DataError, FileNotFoundError, RewardFunctionError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if a.json:

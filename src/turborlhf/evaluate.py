@@ -73,9 +73,10 @@ def length_strata(pairs: list[dict], correct: list[bool]) -> dict:
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
-                       dtype: str = "auto", device="cpu") -> tuple:
+                       dtype: str = "auto", device="cpu", tool=None) -> tuple:
     """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` and
-    `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`)."""
+    `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
+    rollout tool (`turborlhf.rollout.tools`) or None."""
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.rollout import make_engine
     from turborlhf.rollout.base import SamplingParams
@@ -87,7 +88,7 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     t0 = time.perf_counter()
     logger.info(f"[generate] {len(ids)} prompts, batches of {batch_size}...")
     # one call: the engine batches the prompts by length (less padding than fixed chunks)
-    out = eng.generate(ids, params)
+    out = eng.generate(ids, params, tool=tool) if tool is not None else eng.generate(ids, params)
     dt = time.perf_counter() - t0
     n_tok = sum(len(r) for r in out.response_ids)
     logger.info(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")

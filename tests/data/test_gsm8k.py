@@ -45,10 +45,9 @@ def test_prepare_gsm8k_cli_reports_bad_lines(sample, tmp_path, capsys):
     assert first["solution"].endswith("#### 72") and first["question"].startswith("Natalia sold clips")
     sft = [r for _, r in read_jsonl(out / "sample_sft.jsonl")]                 # cold-start SFT rows
     assert [r["prompt"] for r in sft] == [r["prompt"] for r in rows]
-    assert sft[0]["response"] == ("Natalia sold 48/2 = 24 clips in May.\n"
-                                  "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
-    assert sft[3]["response"] == "2 * 540 = 1080\n#### 1080"
-    assert all("<<" not in r["response"] for r in sft)
+    assert sft[0]["response"] == ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"      # annotations kept
+                                  "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert sft[3]["response"] == "2 * 540 = 1080\n#### 1080"                                  # "#### 1,080"
     report = json.loads((out / "sample_report.json").read_text())
     assert report["files"] == ["sample_prompts.jsonl", "sample_sft.jsonl", "sample_report.json"]
     assert report["lines_read"] == 8 and report["prompts_written"] == 4

@@ -68,6 +68,7 @@ def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"accuracy", "format_rate", "n", "response_length_mean", "strict_accuracy", "eos_fraction"} <= set(res)
     assert res["n"] == 4 and 1 <= res["response_length_mean"] <= 8 and res["temperature"] == 0.0
+    assert res["tool"] == "calculator" and res["tool_calls"] == 0      # GSM8K: the calculator, never called here
     rows = [json.loads(l) for l in samples.read_text().splitlines()]
     texts, answers = [r["response"] for r in rows], [r["answer"] for r in rows]
     assert answers == ["11", "22", "33", "44"] and "#### <number>" in rows[0]["prompt"]
@@ -77,6 +78,14 @@ def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--n", "4", "--max-new-tokens", "8",
                  "--json", "--samples-out", str(tmp_path / "again.jsonl"), "--dtype", "fp32"]) == 0
     assert [json.loads(l)["response"] for l in (tmp_path / "again.jsonl").read_text().splitlines()] == texts
+    capsys.readouterr()
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--n", "4", "--max-new-tokens", "8",
+                 "--json", "--dtype", "fp32", "--tool", "none"]) == 0
+    off = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert off["tool"] == "none" and off["accuracy"] == res["accuracy"]
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--tool", "calculator",
+                 "--engine", "vllm"]) == 2
+    assert "needs --engine fast, hf or auto" in capsys.readouterr().err
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")]) == 2
 
 
@@ -95,7 +104,7 @@ def test_eval_math_scores_with_any_reward_and_its_columns(tiny_model, tmp_path, 
                  "--reward", f"{fn}:level", "--json", "--dtype", "fp32", "--samples-out", str(samples)]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["accuracy"] == (0 + 1 + 2) / 4 / 3 and res["n"] == 3 and res["reward"] == f"{fn}:level"
-    assert res["strict_accuracy"] is None and res["format_rate"] is None
+    assert res["strict_accuracy"] is None and res["format_rate"] is None and res["tool"] == "none"
     assert [json.loads(l)["prompt"] for l in samples.read_text().splitlines()] == ["Say 0.", "Say 1.", "Say 2."]
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--reward", "no_such_reward"]) == 2
     err = capsys.readouterr().err

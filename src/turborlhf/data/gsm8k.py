@@ -19,9 +19,11 @@ The prompt is a message list, so the trainer renders it with the policy's own ch
 Also ``<name>_sft.jsonl``, the same prompts with the reference solution as the response, for a
 cold-start SFT before RL (DeepSeek-AI 2025, arXiv:2501.12948, section 2.3.1)::
 
-    {"prompt": [...same...], "response": "Natalia sold 48/2 = 24 clips in May.\n...\n#### 72"}
+    {"prompt": [...same...], "response": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n...\n#### 72"}
 
-The solution's calculator annotations (``<<48/2=24>>``) are removed and its last line is
+The solution keeps its calculator annotations (``<<48/2=24>>``: the expression, ``=``, its
+value), so a policy trained on it calls the calculator (`turborlhf.rollout.tools.Calculator`,
+``rollout.tool: calculator``) where the reference solutions did; its last line is
 ``#### <number>`` without separators: the format `gsm8k_format` rewards. Plus
 ``<name>_report.json``.
 
@@ -48,7 +50,6 @@ GSM8K_INSTRUCTION = ("Solve the problem step by step. Then write the final answe
                      "in the form \"#### <number>\".")
 PROBLEM_KINDS = ("bad_json", "missing_key", "empty_question", "no_final_answer")
 _FINAL_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
-_CALC_RE = re.compile(r"<<[^<>]*>>")          # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
 
 
 def gsm8k_messages(question: str) -> list[Message]:
@@ -73,9 +74,9 @@ def convert_gsm8k(obj: Any, line: int = 0) -> dict | Problem:
 
 
 def sft_response(solution: str, answer: str) -> str:
-    """A GSM8K reference solution as a training response: calculator annotations removed, the
-    last line ``#### <answer>`` (`answer` as `convert_gsm8k` gives it: no separators)."""
-    work = _FINAL_RE.sub("", _CALC_RE.sub("", solution).strip()).rstrip()
+    """A GSM8K reference solution as a training response: calculator annotations kept, the last
+    line ``#### <answer>`` (`answer` as `convert_gsm8k` gives it: no separators)."""
+    work = _FINAL_RE.sub("", solution.strip()).rstrip()
     return f"{work}\n#### {answer}" if work else f"#### {answer}"
 
 
