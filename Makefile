@@ -25,7 +25,9 @@ demo: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/demo.yaml
 
 # RL with verifiable rewards on GSM8K: cold-start SFT, then GRPO, evaluated on held-out test
-# problems before, after the SFT and after GRPO (so each stage's part is visible)
+# problems before, after the SFT and after GRPO (so each stage's part is visible). eval-math gives
+# every policy GSM8K's calculator (inert for a model that never calls it); the last line also
+# evaluates the trained policy without it.
 MATH_EVAL := --data data/gsm8k/test-1000.jsonl.gz --n 200 --max-new-tokens 256 --batch-size 64 --json
 demo-math: model
 	$(VENV)/bin/turborlhf prepare-data gsm8k --input data/gsm8k/train.jsonl.gz --output-dir runs/gsm8k/data
@@ -34,9 +36,11 @@ demo-math: model
 	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/sft $(MATH_EVAL) > runs/gsm8k/eval_sft.json
 	$(VENV)/bin/turborlhf ppo --config configs/gsm8k_smollm2/grpo.yaml
 	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/policy $(MATH_EVAL) > runs/gsm8k/eval_after.json
+	$(VENV)/bin/turborlhf eval-math --policy runs/gsm8k/policy $(MATH_EVAL) --tool none > runs/gsm8k/eval_after_no_tool.json
 	@echo "before:    $$(cat runs/gsm8k/eval_before.json)"
 	@echo "after SFT: $$(cat runs/gsm8k/eval_sft.json)"
 	@echo "after:     $$(cat runs/gsm8k/eval_after.json)"
+	@echo "after, without the calculator: $$(cat runs/gsm8k/eval_after_no_tool.json)"
 
 full: model
 	$(VENV)/bin/turborlhf pipeline --config configs/hh_smollm2/full.yaml

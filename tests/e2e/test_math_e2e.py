@@ -112,7 +112,7 @@ def test_eval_math_scores_with_any_reward_and_its_columns(tiny_model, tmp_path, 
 
 
 def test_demo_math_configs_are_valid_and_chained():
-    """configs/gsm8k_smollm2: the cold-start SFT trains on the prepared solutions and writes what
+    """configs/gsm8k_smollm2: the cold-start SFT trains on the prepared (annotated) solutions and writes what
     GRPO starts from; GRPO has DAPO-style settings and verifiers that resolve by name, with the
     format term worth less than a correct answer (the 0.5 partial-credit term was reward-hacked)."""
     from turborlhf.config import PPOConfig, SFTConfig, load_config
@@ -127,6 +127,7 @@ def test_demo_math_configs_are_valid_and_chained():
     assert (A.advantage_estimator, A.n_samples_per_prompt, A.loss_reduction) == ("grpo", 8, "token_mean")
     assert A.eps_clip_high > A.eps_clip and A.kl_coef <= 0.01 and A.dynamic_sampling
     assert cfg.output_dir == "runs/gsm8k/policy"
+    assert cfg.rollout.tool == "calculator"          # the SFT rows teach its <<expression=value>> calls
     assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_format]
     weights = {r.name: r.weight for r in cfg.rewards}
     assert weights["format"] < weights["accuracy"] / 2
