@@ -13,7 +13,7 @@ from turborlhf.rollout.tools import Calculator, evaluate_arithmetic, format_numb
 
 @pytest.mark.parametrize("expr,value", [
     ("48/2", 24), ("0.2*50", 10), ("2 x 3", 6), ("3×4", 12), ("1,000+5", 1005), ("$5*3", 15), ("(3+4)*2", 14),
-    ("-2+10", 8), ("7-10", -3), ("2**3", 8), ("10/4", 2.5),
+    ("-2+10", 8), ("7-10", -3), ("2**3", 8), ("10/4", 2.5), ("12÷4", 3), ("7//2", 3),
 ])
 def test_arithmetic(expr, value):
     assert evaluate_arithmetic(expr) == pytest.approx(value)

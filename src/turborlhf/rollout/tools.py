@@ -24,7 +24,7 @@ import operator
 import re
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tool", "Calculator", "evaluate_arithmetic", "make_tool", "TOOLS"]
+__all__ = ["Tool", "Calculator", "evaluate_arithmetic", "format_number", "make_tool", "TOOLS"]
 
 
 @runtime_checkable
@@ -38,15 +38,15 @@ class Tool(Protocol):
 
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow, ast.Mod: operator.mod, ast.FloorDiv: operator.floordiv}
+           ast.Pow: operator.pow, ast.FloorDiv: operator.floordiv}
 _UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_ABS = 1e15                     # larger results are not arithmetic a word problem needs
 _MAX_LEN = 80                       # longer expressions are not GSM8K steps
 
 
 def evaluate_arithmetic(expression: str) -> Optional[float]:
-    """The value of a plain arithmetic expression (numbers, + - * / // % **, x or × for *,
-    parentheses, thousands separators, ``$`` and ``%`` signs ignored), or None when it is not one,
+    """The value of a plain arithmetic expression (numbers, + - * / // **, x or × for *, ÷ for /,
+    parentheses; thousands separators, ``$`` and ``%`` signs ignored), or None when it is not one,
     divides by zero, or leaves [-1e15, 1e15]. Parsed with `ast` and a whitelist of operators:
     nothing is executed. Exponents are capped at 10 (``2**10**10`` is refused, not computed)."""
     s = expression.strip().replace(",", "").replace("$", "").replace("×", "*").replace("÷", "/")
