@@ -113,8 +113,8 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rewards.functions import call_reward_function, load_reward_function
-    from turborlhf.rollout.tools import make_tool
     from turborlhf.rewards.verifiers import gsm8k_accuracy, gsm8k_format, gsm8k_strict_accuracy
+    from turborlhf.rollout.tools import make_tool
 
     score_fn = load_reward_function(reward) if reward else None     # a bad name fails before any work
     set_threads()
