@@ -226,7 +226,7 @@ def test_fast_engine_from_directory(model, prompts, tmp_path):
 # ---------------------------------------------------------------- oneDNN pre-packed backend (bf16)
 from turborlhf.engine.hardware import cpu_features  # noqa: E402
 from turborlhf.rollout.backends import MKLDNN_BF16_FEATURES  # noqa: E402
-from turborlhf.rollout.fast import mkldnn_packing_available  # noqa: E402
+from turborlhf.rollout.llama_ops import mkldnn_packing_available  # noqa: E402
 
 MKLDNN_BF16 = mkldnn_packing_available() and set(MKLDNN_BF16_FEATURES) <= cpu_features()
 needs_mkldnn = pytest.mark.skipif(not MKLDNN_BF16, reason="torch without oneDNN, or a CPU without avx512bw/vl/dq "

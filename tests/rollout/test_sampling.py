@@ -1,6 +1,4 @@
 """Sampling helpers: distribution, filters, greedy, determinism."""
-import math
-
 import pytest
 import torch
 

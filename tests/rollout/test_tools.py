@@ -8,7 +8,7 @@ from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
 from turborlhf.rollout import SamplingParams
 from turborlhf.rollout.fast import FastEngine
 from turborlhf.rollout.hf import HFEngine
-from turborlhf.rollout.tools import Calculator, evaluate_arithmetic, format_number, make_tool
+from turborlhf.rollout.tools import Calculator, ToolCalls, evaluate_arithmetic, format_number, make_tool
 
 
 @pytest.mark.parametrize("expr,value", [
@@ -63,6 +63,20 @@ class FixedTool:
     def __call__(self, response_ids):
         self.calls.append(list(response_ids))
         return list(self.FORCED)
+
+
+def test_tool_calls_queue_per_row():
+    calls = ToolCalls(FixedTool(trigger=5))
+    assert not calls and calls.next_token(0) is None
+    calls.after(0, [1, 2])                                 # no trigger: no call
+    calls.after(1, [])
+    assert not calls and calls.tool.calls == []
+    calls.after(0, [1, 5])
+    calls.after(0, [1, 5])                                 # already queued for row 0: not called again
+    calls.after(3, [5])
+    assert calls.tool.calls == [[1, 5], [5]]
+    assert [calls.next_token(0) for _ in range(4)] == [7, 8, 9, None]
+    assert calls and calls.next_token(3) == 7 and calls.next_token(2) is None
 
 
 def expected_with_tool(model, prompt, trigger, n_new):

@@ -63,9 +63,9 @@ from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
 from .backends import _ENGINES, choose_linear_backend   # importing backends registers turborlhf::packed_linear
 from .base import RolloutOutput, SamplingParams
 from .llama_ops import (_load_state_dict, _pack, _quantize_int8, _rms, _rope_inv_freq, _rope_signed,  # noqa: F401
-                        decode_mask, is_supported, mkldnn_packing_available)
+                        decode_mask, is_supported)
 from .sampling import sample
-from .tools import Tool
+from .tools import Tool, ToolCalls
 
 __all__ = ["FastEngine", "is_supported"]
 
@@ -550,7 +550,7 @@ class FastEngine:
         """The compiled step: the cache column is a tensor and attention covers the whole
         (bucketed) cache, so one graph serves every step of a (batch, cache-length) bucket."""
         B = ids_B.shape[0]
-        L, T = self.n_layers, K_LBKTD.shape[3]
+        L = self.n_layers
         H, KV, G, D = self.n_heads, self.n_kv, self.group, self.head_dim
         scale = 1.0 / math.sqrt(D)
         x = self.embed_VE[ids_B]
@@ -712,7 +712,7 @@ class FastEngine:
         # tool calls: after a trigger token the tool may queue tokens for that request, which then
         # replace the sampled ones, one per step (the KV cache sees them like sampled tokens)
         trig_t = torch.tensor(sorted(tool.trigger_ids), dtype=torch.long) if tool is not None else None
-        forced: dict[int, list[int]] = {}                          # request index -> tokens to write
+        calls = ToolCalls(tool) if tool is not None else None      # keyed by request index
         out_tool = torch.zeros(N, new, dtype=torch.bool)
         timings["prefill_s"] += time.perf_counter() - tp
         td = time.perf_counter()
@@ -720,14 +720,12 @@ class FastEngine:
         for t in range(new):
             suppress = stop_t if (has_stop and t < params.min_new_tokens) else None
             ids_B, lp_B = self._sample(logits_BV, params, suppress, gen)
-            if forced:
+            if calls:
                 for b, req in enumerate(rows_B.tolist()):
-                    queue = forced.get(req)
-                    if queue:
-                        ids_B[b], lp_B[b] = queue.pop(0), 0.0
+                    tok = calls.next_token(req)
+                    if tok is not None:
+                        ids_B[b], lp_B[b] = tok, 0.0
                         out_tool[req, t] = True
-                        if not queue:
-                            del forced[req]
             live = ~done_B
             r = rows_B[live]
             out_tok[r, t] = ids_B[live]
@@ -742,9 +740,8 @@ class FastEngine:
                 called = ~done_B & torch.isin(ids_B, trig_t)
                 for b in torch.nonzero(called).squeeze(1).tolist():
                     req = int(rows_B[b])
-                    add = None if out_tool[req, t] else tool(out_tok[req, : t + 1].tolist())
-                    if add:
-                        forced[req] = list(add)
+                    if not out_tool[req, t]:
+                        calls.after(req, out_tok[req, : t + 1].tolist())
             if t == new - 1 or bool(done_B.all()):
                 break
             # ---- drop finished rows once at least half of the batch is finished

@@ -15,6 +15,7 @@ import torch
 
 from ._util import check_prompts, cut_at_stop, resolve_dtype, strip_wrapper_prefixes
 from .base import RolloutOutput, SamplingParams
+from .tools import ToolCalls
 
 __all__ = ["HFEngine"]
 
@@ -78,7 +79,7 @@ class HFEngine:
                 L = max(len(p) for p in chunk)
                 ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk], device=self.device)
                 mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-                forcing = _ToolForcing(tool, L, len(chunk)) if tool is not None else None
+                forcing = _ToolForcing(tool, L) if tool is not None else None
                 out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg,
                                           logits_processor=[forcing] if forcing is not None else None)
                 new = out.sequences[:, L:]
@@ -141,24 +142,26 @@ class HFEngine:
 
 class _ToolForcing:
     """A `transformers` logits processor that runs a rollout tool (`turborlhf.rollout.tools`) for
-    the rows of one `generate` call: after a trigger token the tool's tokens are queued, then each
-    is made the only possible next token. `forced`: the (row, response position) pairs it wrote."""
+    the rows of one `generate` call: after a trigger token the tool's tokens are queued
+    (`ToolCalls`), then each is made the only possible next token. `forced`: the (row, response
+    position) pairs it wrote."""
 
-    def __init__(self, tool, prompt_len: int, rows: int):
-        self.tool, self.L = tool, prompt_len
-        self.queue: list[list[int]] = [[] for _ in range(rows)]
+    def __init__(self, tool, prompt_len: int):
+        self.calls, self.L = ToolCalls(tool), prompt_len
         self.forced: set[tuple[int, int]] = set()
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1] - self.L                  # response position being chosen
         if t > 0:
+            triggers = self.calls.tool.trigger_ids
             for b, last in enumerate(input_ids[:, -1].tolist()):
-                if not self.queue[b] and (b, t - 1) not in self.forced and last in self.tool.trigger_ids:
-                    self.queue[b] = list(self.tool(input_ids[b, self.L:].tolist()) or [])
-        for b, q in enumerate(self.queue):
-            if q:
-                tok = q.pop(0)
-                scores[b] = float("-inf")
-                scores[b, tok] = 0.0
-                self.forced.add((b, t))
+                if last in triggers and (b, t - 1) not in self.forced:
+                    self.calls.after(b, input_ids[b, self.L:].tolist())
+        if self.calls:
+            for b in range(scores.shape[0]):
+                tok = self.calls.next_token(b)
+                if tok is not None:
+                    scores[b] = float("-inf")
+                    scores[b, tok] = 0.0
+                    self.forced.add((b, t))
         return scores

@@ -24,7 +24,7 @@ import operator
 import re
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tool", "Calculator", "evaluate_arithmetic", "format_number", "make_tool", "TOOLS"]
+__all__ = ["Tool", "ToolCalls", "Calculator", "evaluate_arithmetic", "format_number", "make_tool", "TOOLS"]
 
 
 @runtime_checkable
@@ -35,6 +35,39 @@ class Tool(Protocol):
 
     def __call__(self, response_ids: Sequence[int]) -> Optional[list[int]]:
         ...
+
+
+class ToolCalls:
+    """The engines' shared bookkeeping of one batch decoded with a `tool`: after a trigger token
+    the model sampled, the tool's tokens are queued for that row (`after`); the engine then writes
+    them one per step (`next_token`) in place of sampled ones and flags them as tool tokens.
+    Rows are the caller's indices (a request index, or a row of a `generate` call)."""
+
+    def __init__(self, tool: Tool):
+        self.tool = tool
+        self._queued: dict[int, list[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._queued)
+
+    def next_token(self, row: int) -> Optional[int]:
+        """The next token queued for `row` (removed from the queue), or None."""
+        queue = self._queued.get(row)
+        if not queue:
+            return None
+        tok = queue.pop(0)
+        if not queue:
+            del self._queued[row]
+        return tok
+
+    def after(self, row: int, response_ids: Sequence[int]) -> None:
+        """Call the tool if the last of `response_ids` (the row's response so far) is a trigger
+        token and nothing is queued for `row`; queue what it returns. The caller passes only tokens
+        the model sampled: a token a tool wrote never calls a tool."""
+        if row not in self._queued and response_ids and response_ids[-1] in self.tool.trigger_ids:
+            add = self.tool(response_ids)
+            if add:
+                self._queued[row] = list(add)
 
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
