@@ -28,6 +28,11 @@ class RLVRAlgoFields(BaseModel):
     dynamic_sampling_max_tries: int = Field(
         10, ge=1, description="rollout rounds per step with dynamic_sampling (the first included); if still short, the "
                               "batch is filled with dropped groups (logged as rollout/groups_filled)")
+    dynamic_sampling_fill: bool = Field(
+        True, description="after dynamic_sampling_max_tries rounds, fill a short batch with dropped groups (every step "
+                          "trains on prompts_per_step groups; the fillers have zero advantage, so they add only the KL "
+                          "term and, with token_mean, shrink the policy gradient); false trains on the kept groups "
+                          "alone (fewer rows, DAPO's batch of only informative groups), filling only when none is kept")
     overlong_buffer_len: int = Field(
         0, ge=0, description="DAPO soft overlong punishment: the score falls linearly by up to overlong_penalty_factor "
                              "over the last this-many tokens before rollout.max_new_tokens; 0 = off")

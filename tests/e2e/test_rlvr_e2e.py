@@ -132,16 +132,18 @@ def test_mismatch_alarm_warns_or_stops(tiny_model, tiny_rm, tiny_data, tmp_path)
 HALF_CONSTANT = "[0.0 if len(p) % 2 == 0 else float(sum(map(ord, r)) % 7) for p, r in zip(prompts, responses)]"
 
 
-def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model, tiny_data, tmp_path):
+def _collect_two_constant_two_live(tiny_model, tiny_data, tmp_path, *extra):
+    """One step's `collect_rollouts` under HALF_CONSTANT for two prompts whose groups are constant
+    (dropped) and two with signal → (rollouts, G, parity of every prompt, the odd prompts)."""
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.models.load import load_tokenizer
     from turborlhf.trainers.ppo import build_roles
-    from turborlhf.trainers.ppo.rlvr import collect_rollouts, filter_scores
+    from turborlhf.trainers.ppo.rlvr import collect_rollouts
 
     cfg = load_config(PPOConfig, GRPO_YAML, _args(tiny_model, tiny_data, tmp_path / "x", _rule(tmp_path, HALF_CONSTANT),
                                                   "reward_model=null", "algo.dynamic_sampling=true",
-                                                  "algo.prompts_per_step=4"))
+                                                  "algo.prompts_per_step=4", *extra))
     tok = load_tokenizer(str(tiny_model))
     texts = load_prompts(tiny_data / "train_prompts.jsonl", tok)[:32]
     prompt_ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in texts]
@@ -154,14 +156,38 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model, tiny_data, t
         ro = collect_rollouts(cluster, cfg, tok, prompt_ids, even[:2] + odd[:2], step=0)
     finally:
         cluster.shutdown()
+    return cfg, ro, parity, odd
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model, tiny_data, tmp_path):
+    from turborlhf.trainers.ppo.rlvr import filter_scores
+
+    cfg, ro, parity, odd = _collect_two_constant_two_live(tiny_model, tiny_data, tmp_path)
     G = cfg.algo.n_samples_per_prompt
     assert len(ro.responses) == 4 * G and len(ro.scores[0]) == 4 * G
     assert ro.metrics["rollout/groups_dropped"] >= 2 and ro.metrics["rollout/groups_filled"] == 0
-    assert ro.metrics["rollout/sampling_rounds"] >= 2
+    assert ro.metrics["rollout/sampling_rounds"] >= 2 and ro.metrics["rollout/groups_trained"] == 4
     s = filter_scores(cfg, ro.scores[0], ro).view(4, G)
     assert bool(((s.amax(1) - s.amin(1)) > 0).all())                      # every kept group has signal
     assert all(parity[i] == 1 for i in ro.prompt_index)                   # no constant (even) prompt survived
     assert ro.prompt_index[:2 * G] == [i for i in odd[:2] for _ in range(G)]   # the step's own first
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_dynamic_sampling_short_batch_filled_or_not(tiny_model, tiny_data, tmp_path, fill):
+    """One round only: two of the four groups are kept; the batch is filled with the two dropped
+    ones (zero advantage) or, with dynamic_sampling_fill=false, trains on the two kept alone."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg, ro, parity, odd = _collect_two_constant_two_live(
+            tiny_model, tiny_data, tmp_path, "algo.dynamic_sampling_max_tries=1", f"algo.dynamic_sampling_fill={fill}")
+    G = cfg.algo.n_samples_per_prompt
+    assert ro.metrics["rollout/groups_dropped"] == 2 and ro.metrics["rollout/sampling_rounds"] == 1
+    assert ro.metrics["rollout/groups_filled"] == (2 if fill else 0)
+    assert ro.metrics["rollout/groups_trained"] == len(ro.responses) / G == (4 if fill else 2)
+    assert ro.prompt_index[:2 * G] == [i for i in odd[:2] for _ in range(G)]
+    assert all(parity[i] == 0 for i in ro.prompt_index[2 * G:])          # the fillers: constant groups
+    assert any("filling the batch" in str(w.message) for w in caught) == fill
 
 
 def test_dynamic_sampling_end_to_end_and_cap(tiny_model, tiny_data, tmp_path):
@@ -177,6 +203,19 @@ def test_dynamic_sampling_end_to_end_and_cap(tiny_model, tiny_data, tmp_path):
                       "algo.kl_coef=0", "algo.missing_eos_penalty=null")
     for r in capped:
         assert (r["rollout/groups_dropped"], r["rollout/sampling_rounds"], r["rollout/groups_filled"]) == (6, 3, 2)
+    # dynamic_sampling_fill=false trains on the kept groups alone; with none kept it still fills
+    with pytest.warns(RuntimeWarning, match="dynamic sampling"):
+        unfilled = _run(tiny_model, tiny_data, tmp_path / "nofill", _rule(tmp_path, "[1.0] * len(responses)"),
+                        "reward_model=null", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_tries=1",
+                        "algo.dynamic_sampling_fill=false", "algo.kl_coef=0", "algo.missing_eos_penalty=null")
+    assert all((r["rollout/groups_filled"], r["rollout/groups_trained"]) == (2, 2) for r in unfilled)
+    # some groups constant, one round: a step whose batch is short trains on fewer rows
+    short = _run(tiny_model, tiny_data, tmp_path / "short", _rule(tmp_path, HALF_CONSTANT), "reward_model=null",
+                 "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_tries=1", "algo.dynamic_sampling_fill=false",
+                 "train.max_steps=4")
+    trained = [r["rollout/groups_trained"] for r in short]
+    assert trained == [2 - r["rollout/groups_dropped"] or 2 for r in short] and 1 in trained
+    assert all(math.isfinite(r["policy/loss"]) for r in short)
 
 
 # ----------------------------------------------------------------------------------------------

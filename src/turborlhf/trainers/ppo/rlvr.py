@@ -105,9 +105,10 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     (`turborlhf.algo.kept_groups_mask`) are dropped, and further rounds of ``len(index)`` prompts
     (`refill_prompts`) are sampled until that many groups are kept or
     ``dynamic_sampling_max_tries`` rounds are done; a batch still short is filled with the last
-    dropped groups, so every step trains on the same number of rows. Returns the kept rows (with
-    their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
-    ``rollout/groups_filled``."""
+    dropped groups, so every step trains on the same number of rows (``dynamic_sampling_fill``;
+    when false it keeps only the kept groups, and fills only when none was kept). Returns the kept
+    rows (with their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
+    ``rollout/groups_filled``, ``rollout/groups_trained``."""
 
     A = cfg.algo
     G, N = A.n_samples_per_prompt, len(index)
@@ -132,14 +133,15 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
             break
         ro = _round(cluster, cfg, tok, prompt_ids, refill_prompts(len(prompt_ids), N, cfg.train.seed, step, rounds),
                     step, rounds)
-    filled = max(0, N - n_kept)
+    short = max(0, N - n_kept)
+    filled = short if (A.dynamic_sampling_fill or n_kept == 0) else 0
     if filled:
         warnings.warn(f"dynamic sampling: {n_kept}/{N} groups with distinct scores after {rounds} rounds "
                       f"(algo.dynamic_sampling_max_tries); filling the batch with {filled} dropped groups",
                       RuntimeWarning, stacklevel=2)
     out = _concat(kept[:N] + (dropped[-filled:] if filled else []))
     out.metrics = {"rollout/groups_dropped": float(n_dropped), "rollout/sampling_rounds": float(rounds),
-                   "rollout/groups_filled": float(filled)}
+                   "rollout/groups_filled": float(filled), "rollout/groups_trained": float(min(n_kept, N) + filled)}
     return out
 
 
