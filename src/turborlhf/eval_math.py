@@ -106,9 +106,11 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
         wrote) and the settings, with timings in seconds.
 
     Raises:
-        DataError: no usable problem; FileNotFoundError; RewardFunctionError: a bad `reward`.
+        DataError: no usable problem; FileNotFoundError; RewardFunctionError: a bad `reward`;
+        UserError: a tool with the vLLM engine.
     """
     from turborlhf.engine.train import set_threads
+    from turborlhf.errors import UserError
     from turborlhf.evaluate import generate_responses
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
@@ -126,7 +128,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     t_gen = time.perf_counter()
     tool = ("calculator" if reward is None else "none") if tool == "auto" else tool
     if tool != "none" and engine == "vllm":
-        raise ValueError(f"--tool {tool} needs --engine fast, hf or auto (vLLM's sampling loop has no hook for it)")
+        raise UserError(f"--tool {tool} needs --engine fast, hf or auto (vLLM's sampling loop has no hook for it)")
     tool_fn = make_tool(tool, tok)
     _, response_ids, finished = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
                                                    engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn)
@@ -182,15 +184,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--samples-out", help="write prompt, response, answer, correct, format per problem (JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
-    from turborlhf.data.errors import DataError
-    from turborlhf.rewards.functions import RewardFunctionError
+    for flag, ok in (("--n", a.n >= 0), ("--max-new-tokens", a.max_new_tokens >= 1), ("--batch-size", a.batch_size >= 1),
+                     ("--temperature", a.temperature >= 0), ("--top-p", 0 < a.top_p <= 1)):
+        if not ok:
+            p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
+    from turborlhf.errors import UserError
 
     with contextlib.redirect_stdout(sys.stderr):
         try:
             res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
                             a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device,
                             reward=a.reward, tool=a.tool)
-        except (DataError, FileNotFoundError, RewardFunctionError, ValueError) as e:
+        except (UserError, FileNotFoundError) as e:        # bad input: one line; anything else is a bug
             print(f"error: {e}", file=sys.stderr)
             return 2
     if a.json:

@@ -76,13 +76,23 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
                        dtype: str = "auto", device="cpu", tool=None) -> tuple:
     """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` and
     `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
-    rollout tool (`turborlhf.rollout.tools`) or None."""
+    rollout tool (`turborlhf.rollout.tools`) or None.
+    Raises UserError when the longest prompt plus `max_new_tokens` exceeds the policy's context."""
+    from transformers import AutoConfig
+
     from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.errors import UserError
     from turborlhf.rollout import make_engine
     from turborlhf.rollout.base import SamplingParams
 
-    eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
+    config = policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy))
+    ctx = getattr(config, "max_position_embeddings", None)
+    longest = max(map(len, ids), default=0)
+    if ctx and longest + max_new_tokens > ctx:
+        raise UserError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                        f"policy's context ({ctx} positions): lower the new-token limit")
+    eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tok.eos_token_id,), seed=seed)
     t0 = time.perf_counter()

@@ -3,6 +3,8 @@ file's `answer` column (a built-in verifier named without a path, and a user rul
 row got its own prompt's answer), and `turborlhf eval-math`."""
 import json
 
+import pytest
+
 from tests.e2e.helpers import REPO, metrics, run_cli
 from turborlhf.cli import main
 
@@ -87,6 +89,12 @@ def test_eval_math_prints_the_metrics(tiny_model, tmp_path, capsys):
                  "--engine", "vllm"]) == 2
     assert "needs --engine fast, hf or auto" in capsys.readouterr().err
     assert main(["eval-math", "--policy", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    capsys.readouterr()
+    assert main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--max-new-tokens", "100000"]) == 2
+    assert "exceed the policy's context" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:                    # argparse: one line naming the flag
+        main(["eval-math", "--policy", str(tiny_model), "--data", str(data), "--max-new-tokens", "0"])
+    assert exc.value.code == 2 and "--max-new-tokens: 0 is out of range" in capsys.readouterr().err
 
 
 def test_eval_math_scores_with_any_reward_and_its_columns(tiny_model, tmp_path, capsys):
