@@ -336,7 +336,7 @@ def test_compiled_step_matches_eager_fp32(model, prompts):
 def test_int8_small_batch_decode(model, prompts):
     """int8 weight-only decode for small batches: close to bf16, re-quantized by load_weights,
     larger batches and scoring untouched."""
-    from turborlhf.rollout.fast import _quantize_int8
+    from turborlhf.rollout.llama_ops import _quantize_int8
     w = torch.randn(16, 32)
     q, s = _quantize_int8(w, torch.float32)
     assert q.dtype == torch.int8 and q.abs().max() <= 127

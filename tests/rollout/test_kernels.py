@@ -9,7 +9,8 @@ import torch
 from rollout_helpers import tiny_llama, tiny_qwen2
 from turborlhf.rollout import SamplingParams
 from turborlhf.rollout import kernels as K
-from turborlhf.rollout.fast import FastEngine, _rms
+from turborlhf.rollout.fast import FastEngine
+from turborlhf.rollout.llama_ops import _rms
 
 KERN = K.load(warn=False)
 needs_kernels = pytest.mark.skipif(KERN is None, reason="no C compiler / kernels did not build here")
