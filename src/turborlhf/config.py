@@ -415,6 +415,10 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         "critic's would be held together with the actor's: more peak memory for one critic forward saved); "
         "both = as auto for the actor and the critic; always = both whenever the schedule allows (a rank's whole "
         "share of activations held at once); never")
+    share_prompts: bool = Field(
+        True, description="with n_samples_per_prompt > 1, the actor's and reference's forwards compute each prompt "
+        "once for its G responses (same results; CPU training attention only), and mini-batches are drawn as whole "
+        "groups so the update's micro-batches share their prompts too")
     eps_clip: float = Field(0.2, gt=0, description="policy ratio clip ε (low side)")
     eps_clip_high: Optional[float] = Field(None, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
     dual_clip: Optional[float] = Field(None, description="dual-clip constant c > 1 for negative advantages")

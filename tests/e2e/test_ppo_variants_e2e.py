@@ -142,6 +142,36 @@ def test_critic_free_estimators(estimator, tiny_model, tiny_rm, tiny_data, tmp_p
     assert ("policy/kl" in rows[-1]) == (estimator != "reinforce_pp")  # kl_coef 0: no reference model
 
 
+def test_shared_prompts_train_the_same_and_shuffle_whole_groups(tiny_model, tiny_rm, tiny_data, tmp_path,
+                                                                monkeypatch):
+    """algo.share_prompts (default on for G > 1) computes each prompt once in the actor's and the
+    reference's forwards; with the same schedule the step equals the unshared one. With several
+    mini-batches the shuffle moves whole groups."""
+    import turborlhf.models.forward as F
+    from turborlhf.trainers.ppo.experience import minibatch_schedule
+
+    packed = []
+    real = F.SegmentPlan.__init__
+    monkeypatch.setattr(F.SegmentPlan, "__init__", lambda self, q, k, pos: packed.append(pos.shape[0]) or real(self, q, k, pos))
+    one_mini = ["algo.num_mini_batches=1", "train.max_steps=1"]
+    a = _run(GRPO_YAML, tiny_model, tiny_data, tmp_path / "shared", [f"reward_model={tiny_rm}"], *one_mini)
+    n_shared = len(packed)
+    b = _run(GRPO_YAML, tiny_model, tiny_data, tmp_path / "plain", [f"reward_model={tiny_rm}"], *one_mini,
+             "algo.share_prompts=false")
+    assert n_shared >= 3 and len(packed) == n_shared     # actor, reference and update forwards; none unshared
+    assert a[0]["rollout/reward_mean"] == b[0]["rollout/reward_mean"]
+    assert abs(a[0]["policy/loss"] - b[0]["policy/loss"]) < 1e-5
+    assert max_weight_diff(weights(tmp_path / "shared"), weights(tmp_path / "plain")) < 1e-6
+    assert max_weight_diff(weights(tiny_model), weights(tmp_path / "shared")) > 1e-6
+
+    A = PPOAlgoCfg(n_samples_per_prompt=4, num_mini_batches=2, ppo_epochs=2)
+    for mini in minibatch_schedule(16, A, torch.Generator().manual_seed(0)):
+        assert len(mini) == 8 and sorted(set((mini // 4).tolist())) == sorted((mini // 4).tolist()[::4])
+        assert ((mini.view(2, 4) % 4) == torch.arange(4)).all()
+    rows = minibatch_schedule(16, A.model_copy(update={"share_prompts": False}), torch.Generator().manual_seed(0))
+    assert any(((m.view(2, 4) // 4) != (m.view(2, 4)[:, :1] // 4)).any() for m in rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # PPO-ptx + EMA with a critic, and exact resume of both
 # ----------------------------------------------------------------------------------------------

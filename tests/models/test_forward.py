@@ -168,3 +168,110 @@ def test_score_head_runs_in_fp32_under_bf16_autocast(tiny_model):
     assert s.dtype == torch.float32
     assert torch.equal(s, ref)
     assert not torch.equal(s, s.bfloat16().float())  # not on the bf16 grid
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared prompts: the G responses to one prompt compute it once, with the same results
+# ----------------------------------------------------------------------------------------------
+
+def _group_layout(seed=0, G=3):
+    """PPO layout with groups of G rows sharing a left-padded prompt (one response empty), plus a
+    prompt of its own in the last row."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = 9, 6
+    prompts = [torch.randint(3, 500, (k,), generator=g) for k in (9, 4, 6)]
+    groups = [(p, G) for p in prompts] + [(torch.randint(3, 500, (2,), generator=g), 1)]
+    B = sum(n for _, n in groups)
+    ids, attn = torch.zeros(B, P + R, dtype=torch.long), torch.zeros(B, P + R, dtype=torch.long)
+    b = 0
+    for prompt, n in groups:
+        for _ in range(n):
+            ids[b, P - len(prompt):P], attn[b, P - len(prompt):P] = prompt, 1
+            r = 0 if b == 1 else int(torch.randint(1, R + 1, (1,), generator=g))
+            ids[b, P:P + r], attn[b, P:P + r] = torch.randint(3, 500, (r,), generator=g), 1
+            b += 1
+    target = torch.zeros(B, P + R)
+    target[:, P:] = attn[:, P:]
+    return ids, attn, target
+
+
+def _count_packed(monkeypatch):
+    import turborlhf.models.forward as F
+
+    packed = []
+    real = F.SegmentPlan.__init__
+    monkeypatch.setattr(F.SegmentPlan, "__init__", lambda self, q, k, pos: packed.append(pos.shape[0]) or real(self, q, k, pos))
+    return packed
+
+
+def test_shared_prompts_equal_separate_rows_with_gradients(tiny_model, monkeypatch):
+    m = load_causal_lm(str(tiny_model))
+    ids, attn, target = _group_layout()
+    packed = _count_packed(monkeypatch)
+    lp, ent = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True, share_prompts=True)
+    (lp.sum() + ent.sum()).backward()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+    # each of the 3 shared prompts computed once: 2 × (9 + 4 + 6) fewer tokens than the rows hold
+    assert packed == [int(attn.sum()) - 2 * (9 + 4 + 6)]
+    m.zero_grad()
+    lp0, ent0 = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True)
+    (lp0.sum() + ent0.sum()).backward()
+    assert torch.allclose(lp, lp0, atol=1e-5) and torch.allclose(ent, ent0, atol=1e-5)
+    assert (lp[target == 0] == 0).all() and (lp[target == 1] != 0).all()
+    for k, p in m.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-5), k
+    with torch.no_grad():                              # without grad the attention is SDPA's
+        assert torch.allclose(response_logprobs(m, ids, attn, target, share_prompts=True)[0], lp0, atol=1e-5)
+    assert len(packed) == 2
+
+
+def test_shared_prompts_under_bf16_autocast_and_checkpointing(tiny_model, monkeypatch):
+    from turborlhf.models.load import enable_checkpointing
+
+    m = load_causal_lm(str(tiny_model))
+    enable_checkpointing(m)
+    ids, attn, target = _group_layout(seed=1, G=4)
+    packed = _count_packed(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = response_logprobs(m, ids, attn, target, share_prompts=True)
+        lp.sum().backward()
+        grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+        m.zero_grad()
+        lp0, _ = response_logprobs(m, ids, attn, target)
+        lp0.sum().backward()
+    assert len(packed) == 1
+    assert (lp - lp0).abs().max() < 0.05 * lp0.abs().max()
+    for k, p in m.named_parameters():
+        assert (grads[k] - p.grad).abs().max() <= 0.05 * p.grad.abs().max() + 1e-6, k
+
+
+def test_shared_prompts_fall_back_where_nothing_is_shared(tiny_model, monkeypatch):
+    import turborlhf.models.forward as F
+
+    m = load_causal_lm(str(tiny_model)).eval()
+    packed = _count_packed(monkeypatch)
+    ids, attn, target = _ppo_layout()                  # four different prompts
+    with torch.no_grad():
+        assert torch.equal(response_logprobs(m, ids, attn, target, share_prompts=True)[0],
+                           response_logprobs(m, ids, attn, target)[0])
+        ids, attn, target = _group_layout(seed=2)
+        monkeypatch.setattr(F, "packs_sequences", lambda backbone: False)   # e.g. a GPU attention kernel
+        assert torch.allclose(response_logprobs(m, ids, attn, target, share_prompts=True)[0],
+                              response_logprobs(m, ids, attn, target)[0], atol=1e-5)
+    assert packed == []
+
+
+def test_segment_mask_keeps_responses_apart_and_windows():
+    from turborlhf.models.forward import SegmentPlan
+
+    # packed: prompt 0-1 (positions 0, 1), response a 2-3 (2, 3), response b 4 (2); segments in the
+    # order prompt, b, a
+    pos = torch.tensor([0, 1, 2, 3, 2])
+    plan = SegmentPlan([torch.tensor([0, 1]), torch.tensor([4]), torch.tensor([2, 3])],
+                       [torch.tensor([0, 1]), torch.tensor([0, 1, 4]), torch.tensor([0, 1, 2, 3])], pos)
+    m = plan.mask()[:, 0].int()
+    assert m[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0]]
+    assert m[1].tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]          # pad query slot: every valid key
+    assert m[2].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert plan.mask(window=2)[2, 0].int().tolist() == [[0, 1, 1, 0], [0, 0, 1, 1]]
+    assert plan.out_slot_N.tolist() == [0, 1, 4, 5, 2]            # slot s·Q + q of each packed token

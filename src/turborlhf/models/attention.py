@@ -168,11 +168,32 @@ def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: tor
     return out_BTHD.reshape(B * Tm, *out_BTHD.shape[2:]).index_select(0, dest_N).unsqueeze(0)
 
 
+def _segment_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: torch.Tensor,
+                       value_1KND: torch.Tensor, plan, dropout: float, scaling: Optional[float], **kwargs):
+    """Attention of a packed row whose sequences share prompts (`turborlhf.models.forward.SegmentPlan`):
+    each segment's queries and keys are gathered from the packed tokens into an ``S×heads×Q|K×D``
+    batch (a shared prompt's keys into every segment of its group; their gradients add up in the
+    backward of the gather), attended by the padded path below with the plan's mask, and the
+    outputs gathered back to the packed layout ``1×N×H×D``."""
+    def gather(x_1hND: torch.Tensor, idx_SX: torch.Tensor) -> torch.Tensor:
+        x_hND = torch.cat([x_1hND[0], x_1hND.new_zeros(x_1hND.shape[1], 1, x_1hND.shape[3])], 1)
+        return x_hND[:, idx_SX].transpose(0, 1)                      # h×S×X×D → S×h×X×D
+
+    mask = plan.mask(kwargs.pop("sliding_window", None))
+    out_SQHD, _ = _attention_forward(module, gather(query_1HND, plan.q_idx_SQ), gather(key_1KND, plan.k_idx_SK),
+                                     gather(value_1KND, plan.k_idx_SK), mask, dropout=dropout, scaling=scaling,
+                                     is_causal=False, **kwargs)
+    return out_SQHD.reshape(-1, *out_SQHD.shape[2:]).index_select(0, plan.out_slot_N).unsqueeze(0)
+
+
 def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                        scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    plan = kwargs.pop("turborlhf_segments", None)
+    if plan is not None:                      # shared prompts (`turborlhf.models.forward.shared_prompt_hidden_states`)
+        return _segment_attention(module, query, key, value, plan, dropout, scaling, **kwargs), None
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is not None:                        # packed sequences (`turborlhf.models.forward.hidden_states`)
         for k in ("cu_seq_lens_k", "max_length_k"):

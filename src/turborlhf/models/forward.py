@@ -9,7 +9,9 @@
   left-padded-prompt / right-padded-response layout both get the positions the engine used;
 - padding is removed: with turborlhf's CPU training attention the decoder stack runs on the real
   tokens of all rows packed into one row (`packs_sequences`), and hidden states are scattered
-  back to the padded layout, so callers never see the difference.
+  back to the padded layout, so callers never see the difference;
+- shared prompts (GRPO's G responses to one prompt, `shared_prompt_hidden_states`): with
+  ``share_prompts`` each distinct prompt goes through the stack once, its responses attend to it.
 
 Notation: B sequences, T tokens (prompt + response, right-padded), H hidden size, V vocabulary,
 N selected positions. ``logp_BT[b, t] = log p(ids[b, t] | ids[b, <t])``; entries where the mask
@@ -28,7 +30,8 @@ from turborlhf.data.tokenize import pad_batch, pad_masks
 from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
 
-__all__ = ["hidden_states", "packs_sequences", "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
+__all__ = ["hidden_states", "packs_sequences", "shared_prompt_hidden_states", "prompt_end", "SegmentPlan",
+           "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
            "apply_score_head", "pooling_pad_id", "score_index",
            "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_scores"]
 
@@ -153,7 +156,8 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
 def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                       target_mask_BT: torch.Tensor, with_entropy: bool = False,
                       entropy_grad: bool = False, chunk_tokens: int = 1024,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      temperature: float = 1.0,
+                      share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (and entropies) of the tokens where ``target_mask_BT`` is 1.
 
     Args:
@@ -168,11 +172,19 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         temperature: the logits are divided by it first: the distribution the rollout engine samples
             from at that temperature (PPO/GRPO score their samples this way, as verl, OpenRLHF and
             TRL do). Must be > 0.
+        share_prompts: rows whose tokens before their first target are identical (the G samples
+            of one prompt in GRPO/RLOO) compute those tokens once (`shared_prompt_hidden_states`);
+            same results. Only with turborlhf's training attention (`packs_sequences`).
 
     Returns:
         ``(logp_BT, entropy_BT or None)`` in fp32, zero where the target mask is 0.
     """
-    hidden = hidden_states(model, input_ids_BT, attention_mask_BT)          # B×T×H
+    hidden = None
+    if share_prompts:
+        hidden = shared_prompt_hidden_states(model, input_ids_BT, attention_mask_BT,
+                                             prompt_end(target_mask_BT, attention_mask_BT))
+    if hidden is None:
+        hidden = hidden_states(model, input_ids_BT, attention_mask_BT)      # B×T×H
     sel = target_mask_BT[:, 1:].bool()                                       # B×(T-1)
     h_NH = hidden[:, :-1][sel]                                               # N×H
     labels_N = input_ids_BT[:, 1:][sel]                                      # N
@@ -195,6 +207,129 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         if with_entropy:
             ent_BT[:, 1:][sel] = torch.cat(ents)
     return logp_BT, ent_BT
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared prompts: the G responses to one prompt (GRPO, RLOO) compute the prompt once
+# ----------------------------------------------------------------------------------------------
+
+def prompt_end(target_mask_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Column ``B`` where each row's prompt ends: its first target token, or for a row without one
+    (an empty response) the column after its last real token."""
+    t = target_mask_BT.bool()
+    return torch.where(t.any(-1), t.long().argmax(-1), last_index(attention_mask_BT) + 1)
+
+
+def _prompt_groups(ids_BT: torch.Tensor, valid_BT: torch.Tensor, prompt_end_B: torch.Tensor) -> list[list[int]]:
+    """Rows grouped by identical prompts: the same prompt end column and the same real tokens before
+    it. Groups in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for b in range(ids_BT.shape[0]):
+        e = int(prompt_end_B[b])
+        key = (e, tuple(ids_BT[b, :e][valid_BT[b, :e]].tolist()))
+        groups.setdefault(key, []).append(b)
+    return list(groups.values())
+
+
+class SegmentPlan:
+    """Attention plan of one packed row ``1×N`` in which groups of sequences share a prompt:
+    ``[prompt_1 | response_1,1 | ... | response_1,G | prompt_2 | ...]``. Attention rows
+    (segments): each prompt attends to itself (causally); each response attends to its group's
+    prompt and causally to itself, never to the other responses. Equal to running each
+    ``prompt + response`` separately; the prompt's linears and MLPs run once per group.
+
+    Fields (S segments, Q / K their longest query / key lists, N the packed tokens; index N names
+    a zero pad slot): q_idx_SQ, k_idx_SK (packed token indices), q_pos_SQ, k_pos_SK (positions),
+    q_valid_SQ, k_valid_SK (bool), out_slot_N (each packed token's slot ``s·Q + q`` as a query).
+    Built by `shared_prompt_hidden_states`, read by the training attention
+    (`turborlhf.models.attention`, keyword ``turborlhf_segments``)."""
+
+    def __init__(self, queries: list[torch.Tensor], keys: list[torch.Tensor], pos_N: torch.Tensor) -> None:
+        N, dev = pos_N.shape[0], pos_N.device
+
+        def pad(lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            L = max(len(x) for x in lists)
+            idx = torch.full((len(lists), L), N, dtype=torch.long, device=dev)
+            for s, x in enumerate(lists):
+                idx[s, :len(x)] = x
+            return idx, idx < N
+
+        self.q_idx_SQ, self.q_valid_SQ = pad(queries)
+        self.k_idx_SK, self.k_valid_SK = pad(keys)
+        pos_ext = torch.cat([pos_N, pos_N.new_zeros(1)])
+        self.q_pos_SQ, self.k_pos_SK = pos_ext[self.q_idx_SQ], pos_ext[self.k_idx_SK]
+        slots = torch.arange(self.q_idx_SQ.numel(), device=dev)[self.q_valid_SQ.reshape(-1)]
+        self.out_slot_N = torch.empty(N, dtype=torch.long, device=dev)
+        self.out_slot_N[self.q_idx_SQ.reshape(-1)[self.q_valid_SQ.reshape(-1)]] = slots
+        assert int(self.q_valid_SQ.sum()) == N, "every packed token is a query of exactly one segment"
+
+    def mask(self, window: Optional[int] = None) -> torch.Tensor:
+        """Boolean ``S×1×Q×K`` (True = may attend): a valid key at a position not after the
+        query's (within `window` positions for a sliding-window layer, transformers'
+        ``sliding_window_overlay``). Pad query slots see every valid key (finite outputs, unread)."""
+        qp, kp = self.q_pos_SQ[:, :, None], self.k_pos_SK[:, None, :]
+        real = self.q_valid_SQ[:, :, None]
+        m = self.k_valid_SK[:, None, :] & ((kp <= qp) | ~real)
+        if window:
+            m = m & ((kp > qp - int(window)) | ~real)
+        return m[:, None]
+
+
+def shared_prompt_hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                                prompt_end_B: torch.Tensor) -> Optional[torch.Tensor]:
+    """`hidden_states` ``B×T×H`` with each distinct prompt computed once: rows whose real tokens
+    before column `prompt_end_B` are identical share them (`SegmentPlan`), and the hidden states of
+    a shared prompt are copied back to each of its rows (so their gradients add up, as for
+    separate rows). For GRPO with G samples of a prompt of p tokens and responses of r, the layer
+    linears run on p + G·r tokens instead of G·(p + r): SGLang's and vLLM's prefix caching, applied
+    to the training forward.
+
+    Returns None, for the caller to run `hidden_states`, where sharing does not apply: no two rows
+    share a prompt, a 4-D mask, or a model without turborlhf's training attention (GPU
+    attention kernels take other varlen arguments)."""
+    backbone = backbone_of(model)
+    if attention_mask_BT.dim() != 2 or not packs_sequences(backbone):
+        return None
+    valid_BT = attention_mask_BT.bool()
+    groups = _prompt_groups(input_ids_BT, valid_BT, prompt_end_B)
+    if len(groups) == input_ids_BT.shape[0]:
+        return None
+    B, T = input_ids_BT.shape
+    dev = input_ids_BT.device
+    pos_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    cols = torch.arange(T, device=dev)
+    src_BT = torch.full((B, T), -1, dtype=torch.long, device=dev)    # packed index of each real token
+    flat: list[torch.Tensor] = []                                       # (b·T + t) of each packed token, in order
+    queries, keys = [], []
+    n = 0
+    for rows in groups:
+        e = int(prompt_end_B[rows[0]])
+        p_cols = cols[:e][valid_BT[rows[0], :e]]
+        p_idx = torch.arange(n, n + p_cols.numel(), device=dev)
+        n += p_cols.numel()
+        flat.append(rows[0] * T + p_cols)
+        if p_cols.numel():
+            queries.append(p_idx)
+            keys.append(p_idx)
+        for b in rows:
+            src_BT[b, cols[:e][valid_BT[b, :e]]] = p_idx
+            r_cols = cols[e:][valid_BT[b, e:]]
+            r_idx = torch.arange(n, n + r_cols.numel(), device=dev)
+            n += r_cols.numel()
+            flat.append(b * T + r_cols)
+            src_BT[b, r_cols] = r_idx
+            if r_cols.numel():
+                queries.append(r_idx)
+                keys.append(torch.cat([p_idx, r_idx]))
+    flat_N = torch.cat(flat)
+    pos_N = pos_BT.reshape(-1)[flat_N]
+    plan = SegmentPlan(queries, keys, pos_N)
+    out = backbone(input_ids=input_ids_BT.reshape(-1)[flat_N][None], position_ids=pos_N[None],
+                   attention_mask=torch.ones(1, n, dtype=torch.long, device=dev), use_cache=False,
+                   turborlhf_segments=plan)
+    h_NH = out.last_hidden_state[0]
+    h_ext = torch.cat([h_NH, h_NH.new_zeros(1, h_NH.shape[-1])])        # row n: zeros at padding
+    return h_ext[src_BT.masked_fill(src_BT < 0, n)]
 
 
 # ----------------------------------------------------------------------------------------------

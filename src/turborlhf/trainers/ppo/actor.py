@@ -37,7 +37,7 @@ from turborlhf.models.load import load_tokenizer, load_trainable, merged_named_p
 from turborlhf.models.reference import LoraReference, reference_view
 from turborlhf.rollout.sync import trainer_logprobs
 from turborlhf.trainers.common import sft_loss_on_batch
-from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches
+from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches, shares_prompts
 from turborlhf.trainers.ppo.roles import (STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, sampling_temperature,
                                           setup_worker, worker_device)
 
@@ -81,7 +81,8 @@ def actor_forward(actor: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, targe
     only with an entropy bonus). The update and the fused experience pass both call it."""
     with autocast(cfg.actor.dtype):
         logp, ent = root_forward(actor, response_logprobs, ids_BS, attn_BS, target_BS, with_entropy=True,
-                                 entropy_grad=cfg.algo.entropy_coef > 0, temperature=sampling_temperature(cfg))
+                                 entropy_grad=cfg.algo.entropy_coef > 0, temperature=sampling_temperature(cfg),
+                                 share_prompts=shares_prompts(cfg.algo))
     return logp[:, P:], ent[:, P:]
 
 
@@ -233,7 +234,8 @@ class ActorWorker(Trainable):
         if keep_as is None:
             with torch.no_grad(), autocast(self.cfg.actor.dtype):
                 return in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s], target[s],
-                                                        temperature=sampling_temperature(self.cfg))[0][:, P:].cpu(),
+                                                        temperature=sampling_temperature(self.cfg),
+                                                        share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),
                                  B, mb)
         return self._keep_forwards(keep_as, ids_BS,
                                    lambda s: actor_forward(self.model, self.cfg, ids[s], attn[s], target[s], P))

@@ -23,8 +23,8 @@ from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.engine.parallel import dp_rank_world
 
-__all__ = ["Experience", "assemble", "minibatch_schedule", "row_shards", "rank_micro_batches", "minibatch_counts",
-           "use_fused_update"]
+__all__ = ["Experience", "assemble", "shares_prompts", "minibatch_schedule", "row_shards", "rank_micro_batches",
+           "minibatch_counts", "use_fused_update"]
 
 assemble = assemble_prompt_response     # the batch layout of the module docstring
 
@@ -73,15 +73,30 @@ class Experience:
         return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
 
 
+def shares_prompts(A: PPOAlgoCfg) -> bool:
+    """Whether the actor and reference forwards compute each prompt once for its G samples
+    (``algo.share_prompts`` with G > 1; `turborlhf.models.forward.shared_prompt_hidden_states`)."""
+    return A.share_prompts and A.n_samples_per_prompt > 1
+
+
 def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> list[torch.Tensor]:
     """Row indices of every mini-batch of the update: `ppo_epochs` shuffles of the B rows, each cut
-    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it. A single pass
-    over a single mini-batch keeps the rows in order (a shuffle would change nothing but the
-    micro-batch grouping, and the fused update needs the experience's grouping)."""
+    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it. With shared
+    prompts (`shares_prompts`) whole groups of G rows are shuffled, so a micro-batch holds whole
+    groups and computes each prompt once. A single pass over a single mini-batch keeps the rows in
+    order (a shuffle would change nothing but the micro-batch grouping, and the fused update needs
+    the experience's grouping)."""
     n_mini = min(A.num_mini_batches, B)
     if A.ppo_epochs == 1 and n_mini == 1:
         return [torch.arange(B)]
-    return [mini for _ in range(A.ppo_epochs) for mini in torch.randperm(B, generator=generator).chunk(n_mini)]
+    G = A.n_samples_per_prompt
+    if shares_prompts(A) and B % G == 0:
+        def perm() -> torch.Tensor:
+            return (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).reshape(-1)
+    else:
+        def perm() -> torch.Tensor:
+            return torch.randperm(B, generator=generator)
+    return [mini for _ in range(A.ppo_epochs) for mini in perm().chunk(n_mini)]
 
 
 def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:

@@ -43,7 +43,7 @@ from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_column
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary
 from turborlhf.rollout.tools import make_tool
-from turborlhf.trainers.ppo.experience import Experience
+from turborlhf.trainers.ppo.experience import Experience, shares_prompts
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
            "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats"]
@@ -269,7 +269,8 @@ class ReferenceWorker(_Offload):
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         with self._on_device(), autocast(self.cfg.actor.dtype):
             return in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s],
-                                                          temperature=sampling_temperature(self.cfg))[0][:, P:].cpu(),
+                                                          temperature=sampling_temperature(self.cfg),
+                                                          share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),
                               B, self.cfg.train.micro_batch_size)
 
 
