@@ -89,14 +89,9 @@ def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> lis
     n_mini = min(A.num_mini_batches, B)
     if A.ppo_epochs == 1 and n_mini == 1:
         return [torch.arange(B)]
-    G = A.n_samples_per_prompt
-    if shares_prompts(A) and B % G == 0:
-        def perm() -> torch.Tensor:
-            return (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).reshape(-1)
-    else:
-        def perm() -> torch.Tensor:
-            return torch.randperm(B, generator=generator)
-    return [mini for _ in range(A.ppo_epochs) for mini in perm().chunk(n_mini)]
+    G = A.n_samples_per_prompt if shares_prompts(A) and B % A.n_samples_per_prompt == 0 else 1   # rows per unit
+    return [mini for _ in range(A.ppo_epochs)
+            for mini in (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).reshape(-1).chunk(n_mini)]
 
 
 def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:
