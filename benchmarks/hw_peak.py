@@ -1,9 +1,11 @@
 """The machine's physical limits for the roofline of `turborlhf bench generate` (from
 shared/peers/hw_peak.py): bf16 and fp32 matmul GFLOP/s (n x n @ n x n, best of `--iters` after 3 warm-ups)
 and memory bandwidth over a 1 GiB fp32 tensor (read: `sum`; copy: read + write), best of `--iters`,
-at `--threads`. The roofline uses the read figure (decoding reads weights).
+at `--threads`. The roofline uses the read figure (decoding reads weights). `--dtypes fp32` skips
+the bf16 matmul (`bf16_gflops` null): on a CPU without native bf16 it runs at ~1 GFLOP/s, and
+measuring it would take many minutes for a precision the run does not use.
 
-usage: python benchmarks/hw_peak.py [--threads 2] [--n 2048] [--iters 10]
+usage: python benchmarks/hw_peak.py [--threads 2] [--n 2048] [--iters 10] [--dtypes bf16,fp32]
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--dtypes", default="bf16,fp32", help="matmul precisions to measure (bf16, fp32)")
     a = ap.parse_args()
     import torch
 
@@ -34,7 +37,11 @@ if __name__ == "__main__":
             best = min(best, time.perf_counter() - t)
         return 2 * a.n ** 3 / best / 1e9
 
-    gflops, fp32_gflops = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
+    dtypes = set(a.dtypes.split(","))
+    if not dtypes <= {"bf16", "fp32"}:
+        raise SystemExit(f"--dtypes: expected bf16 and/or fp32, got {a.dtypes!r}")
+    gflops = matmul_gflops(torch.bfloat16) if "bf16" in dtypes else None
+    fp32_gflops = matmul_gflops(torch.float32) if "fp32" in dtypes else None
     buf = torch.ones(a.mib * 2 ** 20 // 4, dtype=torch.float32)
     buf.sum()
     best = float("inf")
@@ -51,7 +58,10 @@ if __name__ == "__main__":
         dst.copy_(buf)
         best = min(best, time.perf_counter() - t)
     copy_gbs = 2 * buf.numel() * 4 / best / 1e9   # read + write
-    print(f"matmul {a.n}: bf16 {gflops:.0f}, fp32 {fp32_gflops:.0f} GFLOP/s; memory read {read_gbs:.1f} GB/s, copy (read+write) "
+    def fmt(g):
+        return "-" if g is None else f"{g:.0f}"
+
+    print(f"matmul {a.n}: bf16 {fmt(gflops)}, fp32 {fmt(fp32_gflops)} GFLOP/s; memory read {read_gbs:.1f} GB/s, copy (read+write) "
           f"{copy_gbs:.1f} GB/s ({a.threads} threads)", flush=True)
     print(RESULT_TAG + json.dumps({"bf16_gflops": gflops, "fp32_gflops": fp32_gflops, "read_gb_s": read_gbs, "copy_gb_s": copy_gbs,
                                    "threads": a.threads}), flush=True)

@@ -184,6 +184,53 @@ def test_compaction_and_chunking_keep_greedy_outputs(model, prompts):
     assert a.finished == b.finished == c.finished
 
 
+def _prefixed_prompts(prefix_len=10, tails=(1, 4, 7, 2, 5)):
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 512, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 512, (n,), generator=g).tolist() for n in tails]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "dense"])
+def test_shared_prefix_prefill_matches_hf_and_the_unshared_prefill(model, backend, monkeypatch):
+    """Prompts sharing 10 leading tokens: the prefix is prefilled once (checked), and greedy
+    tokens equal transformers' per prompt; log-probs equal the unshared prefill's to rounding,
+    with several samples per prompt and duplicate prompts."""
+    kw = {} if backend == "kernel" else {"kernels": False}
+    prompts = _prefixed_prompts()
+    eng = FastEngine(model, dtype="fp32", linear_backend=backend, **kw)
+    seen = []
+    orig = FastEngine._shared_prefix_len
+    monkeypatch.setattr(FastEngine, "_shared_prefix_len", lambda self, ps: seen.append(orig(self, ps)) or seen[-1])
+    out = eng.generate(prompts, GREEDY)
+    assert seen == [10]
+    assert out.response_ids == [hf_greedy(model, p, 16) for p in prompts]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, seed=5, return_logprobs=True)
+    a = eng.generate(prompts + prompts[:2], sp)
+    assert seen[-1] == 10
+    b = FastEngine(model, dtype="fp32", linear_backend=backend, share_prefix=False, **kw).generate(
+        prompts + prompts[:2], sp)
+    assert seen[-1] == 0
+    assert a.response_ids == b.response_ids
+    d = max(abs(x - y) for ra, rb in zip(a.logprobs, b.logprobs) for x, y in zip(ra, rb))
+    assert d < 1e-4
+
+
+def test_shared_prefix_length_rule(model):
+    eng = FastEngine(model, dtype="fp32", min_shared_prefix=4)
+    p = _prefixed_prompts(prefix_len=6, tails=(3, 2))
+    assert eng._shared_prefix_len(p) == 6
+    assert eng._shared_prefix_len([p[0], p[0][:7]]) == 6        # each prompt keeps its last token
+    assert eng._shared_prefix_len([p[0], p[0][:5]]) == 4
+    assert eng._shared_prefix_len([p[0], p[0][:4]]) == 0        # 3 shared < min_shared_prefix
+    assert eng._shared_prefix_len([p[0]]) == 0                  # nothing to share with
+    assert eng._shared_prefix_len([p[0], [p[0][0] + 1] + p[0][1:]]) == 0
+    assert FastEngine(model, dtype="fp32", share_prefix=False)._shared_prefix_len(p) == 0
+    # a prompt equal to the prefix plus one token, beside longer ones: greedy still matches
+    prompts = [p[0][:7], p[0], p[1]]
+    out = eng.generate(prompts, GREEDY)
+    assert out.response_ids == [hf_greedy(model, q, 16) for q in prompts]
+
+
 def test_bf16_close_to_fp32(model, prompts):
     resps = FastEngine(model, dtype="fp32").generate(prompts, GREEDY).response_ids
     a = FastEngine(model, dtype="fp32").score_logprobs(prompts, resps)

@@ -27,6 +27,10 @@ measures both in one process):
   [0, P) and generated token t is written at column P + t for every row;
 - identical prompts (and the n samples of a prompt) are prefilled once and their cache rows
   copied;
+- the prefix every prompt of a batch shares (a chat template's system prompt: 24 of ~40 tokens
+  for SmolLM2's) is prefilled once, in one row; the rest of each prompt attends to its K/V, which
+  are then copied into every row of the cache (automatic prefix caching, as vLLM and SGLang do it,
+  within one call);
 - decode attention is grouped-query attention done as one matmul per KV head (the G query heads
   that share a KV head form the "query length" dimension) instead of repeat_kv + SDPA;
 - RoPE as x·cos + roll(x)·sin± (sin with the rotate-half sign folded in): 4 ops, exact;
@@ -85,6 +89,8 @@ class FastEngine(FastEngineWeights):
     kv_bucket: cache length is rounded up to a multiple of this (compiled shapes repeat).
     compact: drop finished rows (gather the cache) once half of the rows are done.
     dedupe_prompts: prefill identical prompts once (always exact up to float rounding).
+    share_prefix: prefill the longest prefix common to all prompts of a batch once, when it has at
+        least `min_shared_prefix` tokens (exact up to float rounding).
     linear_backend: 'auto' ('kernel' where it can run, else in bf16 'mkldnn' where oneDNN can pack
         bf16 (avx512bw/vl/dq), else 'dense'; a fallback forced by a missing instruction set warns
         once, see `turborlhf.rollout.backends`),
@@ -105,7 +111,8 @@ class FastEngine(FastEngineWeights):
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 32,
                  compile: bool = False, kv_bucket: int = 64, compact: bool = True,
-                 dedupe_prompts: bool = True, batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 dedupe_prompts: bool = True, share_prefix: bool = True, min_shared_prefix: int = 8,
+                 batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  linear_backend: str = "auto", int8_max_batch: int = 0, kernels: bool | str = "auto"):
         self.dtype = resolve_dtype(dtype)
         if kernels not in ("auto", True, False):
@@ -140,6 +147,8 @@ class FastEngine(FastEngineWeights):
         self.kv_bucket = int(kv_bucket)
         self.compact = compact
         self.dedupe_prompts = dedupe_prompts
+        self.share_prefix = share_prefix
+        self.min_shared_prefix = max(1, int(min_shared_prefix))
         self.batch_buckets = sorted(set(int(b) for b in batch_buckets) | {self.max_batch_size})
         c = config
         self.n_layers = c.num_hidden_layers
@@ -233,12 +242,15 @@ class FastEngine(FastEngineWeights):
 
     def _forward_full(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, allow_BSS: torch.Tensor,
                       K_LBKTD: Optional[torch.Tensor] = None, V_LBKTD: Optional[torch.Tensor] = None,
-                      valid_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      valid_BS: Optional[torch.Tensor] = None,
+                      prefix_KV: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Forward S positions of B rows at once (prefill / scoring). Writes K/V into columns
         [0, S) of the cache when given. allow_BSS: bool, query i may attend key j.
         valid_BS (bool, optional): the non-padding positions; the linears, norms and MLPs then run
         on those N tokens only (padding is unpacked for attention alone), and padding positions
         come out as zeros (their K/V are zero too: every reader masks them).
+        prefix_KV (optional): the K and V (each L×1×KV×C×D) of C positions that precede every row
+        and that every query attends to (a shared prompt prefix; pos_BS then starts at C).
         Returns final-normed hidden states B×S×E."""
         B, S = ids_BS.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
@@ -252,6 +264,9 @@ class FastEngine(FastEngineWeights):
         cos = self._cos_PD[pos_BS][:, :, None]                      # B×S×1×D
         sins = self._sins_PD[pos_BS][:, :, None]
         mask = allow_BSS[:, None]                                   # B×1×S×S
+        if prefix_KV is not None:                                   # every query sees the prefix
+            C = prefix_KV[0].shape[3]
+            mask = torch.cat([mask.new_ones(B, 1, S, C), mask], dim=-1)   # B×1×S×(C+S)
         for l, ly in enumerate(self.layers):
             h = self._norm(x, ly.ln1)
             qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D (or N×W)
@@ -263,6 +278,9 @@ class FastEngine(FastEngineWeights):
             if K_LBKTD is not None:
                 K_LBKTD[l, :, :, :S] = k
                 V_LBKTD[l, :, :, :S] = v
+            if prefix_KV is not None:
+                k = torch.cat([prefix_KV[0][l].expand(B, -1, -1, -1), k], dim=2)   # B×KV×(C+S)×D
+                v = torch.cat([prefix_KV[1][l].expand(B, -1, -1, -1), v], dim=2)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.group > 1)
             a = a.transpose(1, 2).reshape(B, S, H * D)
             if packed:
@@ -432,6 +450,21 @@ class FastEngine(FastEngineWeights):
         return sample(logits_BV, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                       suppress_ids=suppress, generator=gen)
 
+    def _shared_prefix_len(self, prompts: list[list[int]]) -> int:
+        """C, the number of leading tokens all `prompts` share and the prefill computes once: the
+        longest common prefix, short of each prompt's last token (whose logits are needed), or 0
+        when sharing is off, there is one prompt, or fewer than `min_shared_prefix` tokens are
+        shared."""
+        if not self.share_prefix or len(prompts) < 2:
+            return 0
+        first, C = prompts[0], min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            i = 0
+            while i < C and p[i] == first[i]:
+                i += 1
+            C = i
+        return C if C >= self.min_shared_prefix else 0
+
     def _bucket_batch(self, n: int) -> int:
         if not self._compile:
             return n
@@ -453,15 +486,31 @@ class FastEngine(FastEngineWeights):
         U = len(uprompts)
         lens_U = torch.tensor([len(p) for p in uprompts])
         pad_U = P - lens_U
-        ids_US = torch.tensor([[0] * (P - len(p)) + p for p in uprompts])
-        ar_S = torch.arange(P)
+        C = self._shared_prefix_len(uprompts)
+        prefix_KV = None
+        if C:                        # the shared prefix: one row, no padding
+            Kc = torch.zeros(L, 1, KV, C, D, dtype=self.dtype)
+            Vc = torch.zeros(L, 1, KV, C, D, dtype=self.dtype)
+            self._forward_full(torch.tensor([uprompts[0][:C]]), torch.arange(C)[None],
+                               torch.tril(torch.ones(C, C, dtype=torch.bool))[None], Kc, Vc)
+            prefix_KV = (Kc, Vc)
+        # the rest of each prompt (all of it when C = 0), left-padded to S = P - C
+        S = P - C
+        ids_US = torch.tensor([[0] * (P - len(p)) + p[C:] for p in uprompts])
+        ar_S = torch.arange(S)
         valid_US = ar_S[None, :] >= pad_U[:, None]
-        pos_US = (ar_S[None, :] - pad_U[:, None]).clamp(min=0)
-        allow_USS = torch.tril(torch.ones(P, P, dtype=torch.bool))[None] & valid_US[:, None, :]
-        allow_USS |= torch.eye(P, dtype=torch.bool)[None]         # padded queries see themselves
+        pos_US = C + (ar_S[None, :] - pad_U[:, None]).clamp(min=0)
+        allow_USS = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & valid_US[:, None, :]
+        allow_USS |= torch.eye(S, dtype=torch.bool)[None]         # padded queries see themselves
         Kp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
         Vp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
-        hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp, Vp, valid_US)[:, -1]
+        hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp[:, :, :, C:], Vp[:, :, :, C:], valid_US,
+                                    prefix_KV)[:, -1]
+        if C:                        # row u holds [padding | prefix | rest]: the prefix goes at pad_u
+            for pad in pad_U.unique().tolist():
+                rows = (pad_U == pad).nonzero().squeeze(1)
+                Kp[:, rows, :, pad: pad + C] = Kc
+                Vp[:, rows, :, pad: pad + C] = Vc
         logits = self._head(hid_UE)
         src_t = torch.tensor(src + [src[0]] * (Bc - N))            # bucket filler rows
         K = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
