@@ -157,9 +157,16 @@ def test_rejects_non_fp32_parameters():
         BF16StateAdamW([p]).step()
 
 
-def test_make_optimizer_picks_the_state_dtype():
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
+def test_make_optimizer_picks_the_state_dtype(monkeypatch, compute):
+    from turborlhf.engine import hardware
+
+    # the default (auto) follows the host's compute choice: pin it both ways, so no host decides the outcome
+    monkeypatch.setattr(hardware, "compute_dtype", lambda requested="auto", device="cpu": compute)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    assert isinstance(make_optimizer(model, OptimCfg()), BF16StateAdamW)                     # the default
+    auto = make_optimizer(model, OptimCfg())
+    assert isinstance(auto, BF16StateAdamW) == (compute == "bf16")
+    assert isinstance(make_optimizer(model, OptimCfg(state_dtype="bf16")), BF16StateAdamW)   # explicit: every host
     fp32 = make_optimizer(model, OptimCfg(state_dtype="fp32"))
     assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
     with pytest.raises(ValueError, match="state_dtype"):
