@@ -137,3 +137,16 @@ def test_engine_fallback_names_the_architecture_and_the_reason(tmp_path, monkeyp
     msgs = [str(x.message) for x in w if "FastEngine cannot run" in str(x.message)]
     assert type(eng).__name__ == "HFEngine"
     assert len(msgs) == 1 and "cannot run gpt2 (model_type 'gpt2' is not one of" in msgs[0]
+
+
+@needs_avx2_host
+def test_kernel_unit_tests_pass_built_for_avx2(tmp_path):
+    """The kernels' own tests (linears of every tile height and block tail, attention, RMSNorm,
+    sampler) with the library built for AVX2/FMA: on an AVX-512 host the fp32 linears and attention
+    otherwise only ever run their AVX-512 code."""
+    env = {**os.environ, **AVX2_ENV, "OMP_NUM_THREADS": "2", "TURBORLHF_THREADS": "2"}
+    test_file = Path(__file__).with_name("test_kernels.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1]

@@ -47,11 +47,104 @@ static inline float rnd_bf16(float x) { return bf2f(f2bf(x)); }
  * (returns 1), else 0 and the portable loops of DEFINE_ATTENTION run. q: G x D (fp32 values
  * that are bf16-exact: the rounded RoPE output), K/V: n cache rows of D from the row's first
  * valid column; out: p (G x n, unnormalised exp), a (G x D, unnormalised), inv (1 / row sums). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#ifdef __AVX512F__
+#define VW 16
+typedef __m512 vfl;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VSET1 _mm512_set1_ps
+#define VHSUM _mm512_reduce_add_ps
+static inline __m256 half_sum(__m512 v) {               /* lanes i and i + 8 added: 8 lanes */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+#else
+#define VW 8
+typedef __m256 vfl;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VSET1 _mm256_set1_ps
+static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#define VHSUM hsum256
+static inline __m256 half_sum(__m256 v) { return v; }
+#endif
+/* the four horizontal sums of a, b, c, d, in that order */
+static inline __m128 hsum4(vfl a, vfl b, vfl c, vfl d) {
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+/* fp32, D a multiple of the vector width up to 256 (16 AVX-512 or 32 AVX2 vectors): q·k as D/VW
+ * FMAs and one horizontal sum per (column, query head), p @ V as FMAs into G accumulator rows in
+ * registers. The portable loops reduce D lanes per score with a scalar tail of the simd
+ * reduction; this is ~5x faster at SmolLM2's D = 64, G = 3 (batch-32 decode on a 2-core Xeon). */
+static inline int attn_core_f32(const float *q, int G, int D, const float *K, const float *V, int n,
+                                float scale, float *p, float *a, float *inv) {
+    const int nv = D / VW;
+    if (D % VW || nv > 256 / VW || G > 8) return 0;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {                         /* four columns a pass: one reduction */
+        const float *kt = K + (size_t)t * D;
+        for (int g = 0; g < G; ++g) {
+            const float *qg = q + g * D;
+            vfl acc[4];
+            for (int j = 0; j < 4; ++j) acc[j] = VMUL(VLOAD(qg), VLOAD(kt + j * D));
+            for (int i = 1; i < nv; ++i) {
+                const vfl qi = VLOAD(qg + VW * i);
+                for (int j = 0; j < 4; ++j) acc[j] = VFMA(qi, VLOAD(kt + j * D + VW * i), acc[j]);
+            }
+            _mm_storeu_ps(p + g * n + t, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+        }
+    }
+    for (; t < n; ++t) {
+        const float *kt = K + (size_t)t * D;
+        for (int g = 0; g < G; ++g) {
+            const float *qg = q + g * D;
+            vfl acc = VMUL(VLOAD(qg), VLOAD(kt));
+            for (int i = 1; i < nv; ++i) acc = VFMA(VLOAD(qg + VW * i), VLOAD(kt + VW * i), acc);
+            p[g * n + t] = VHSUM(acc) * scale;
+        }
+    }
+    for (int g = 0; g < G; ++g) {                        /* softmax in fp32 */
+        float *pg = p + (size_t)g * n, m = pg[0], sum = 0.f;
+        for (int t = 1; t < n; ++t) m = pg[t] > m ? pg[t] : m;
+        #pragma omp simd reduction(+:sum)
+        for (int t = 0; t < n; ++t) { pg[t] = expf(pg[t] - m); sum += pg[t]; }
+        inv[g] = 1.f / sum;
+    }
+    /* p @ V: G x (up to) 4 vectors of D in registers per pass, so 4G FMA chains run side by side */
+    for (int i0 = 0; i0 < nv; i0 += 4) {
+        const int ni = nv - i0 < 4 ? nv - i0 : 4;
+        vfl acc[8][4];
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < 4; ++i) acc[g][i] = VSET1(0.f);
+        for (int t = 0; t < n; ++t) {
+            const float *vt = V + (size_t)t * D + VW * i0;
+            for (int g = 0; g < G; ++g) {
+                const vfl w = VSET1(p[g * n + t]);
+                for (int i = 0; i < ni; ++i) acc[g][i] = VFMA(w, VLOAD(vt + VW * i), acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < ni; ++i) VSTORE(a + g * D + VW * (i0 + i), acc[g][i]);
+    }
+    return 1;
+}
+#else
 static inline int attn_core_f32(const float *q, int G, int D, const float *K, const float *V, int n,
                                 float scale, float *p, float *a, float *inv) {
     (void)q; (void)G; (void)D; (void)K; (void)V; (void)n; (void)scale; (void)p; (void)a; (void)inv;
     return 0;
 }
+#endif
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 /* bf16, D a multiple of 32 up to 256: q·k with vdpbf16ps (products of bf16 values summed in fp32:
@@ -481,10 +574,9 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
 /* ---- fp32 linears for decode steps (CPUs without native bf16: AVX2 + FMA suffice) -----------
  * f32_linear: y = x Wᵀ (+ b) for M rows with fp32 FMAs on weights packed into 16-output blocks
  * (f32_linear_pack_rows), post-ops fused as in bf16_linear: + residual, or silu(gate)·up from
- * the fused [gate; up] matrix. A tile is up to 6 rows × 16 outputs: 12 accumulators, 2 weight
- * vectors and a broadcast, the 15 of AVX2's 16 registers. Why: an fp32 engine's F.linear and
- * oneDNN calls at 1-32 rows cost ~1,000 dispatches per decode step; with these, all layers of a
- * step are one C call (decode_layers_f32). f32_linear_available() says whether they were built. */
+ * the fused [gate; up] matrix, in register tiles of AVX2 or, where the compiler targets it,
+ * AVX-512 (below). Why: an fp32 engine's F.linear and oneDNN calls at 1-32 rows cost ~1,000
+ * dispatches per decode step; with these, all layers of a step are one C call (decode_layers_f32). f32_linear_available() says whether they were built. */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 int f32_linear_available(void) { return 1; }
@@ -507,11 +599,91 @@ void f32_linear_pack_rows(const float *src, float *out, int n, int row0, int N, 
     }
 }
 
+/* The post-op of one 16-output block nb for rows [m0, m0 + mb): r holds 16 sums per row. */
+static inline void f32_block_out(const float *r, int mb, int64_t m0, int nb, int N, int NO, int swiglu, int op,
+                                 const float *bias, const float *other, float *out) {
+    for (int m = 0; m < mb; ++m, r += 16) {
+        const int64_t row = m0 + m;
+        if (swiglu) {
+            const int c0 = nb * 8, n = NO - c0 < 8 ? NO - c0 : 8;
+            for (int c = 0; c < n; ++c) {
+                float g = r[c], u = r[8 + c];
+                if (bias) { g += bias[c0 + c]; u += bias[NO + c0 + c]; }
+                out[row * NO + c0 + c] = g / (1.f + expf(-g)) * u;
+            }
+        } else {
+            const int c0 = nb * 16, n = N - c0 < 16 ? N - c0 : 16;
+            for (int c = 0; c < n; ++c) {
+                float y = r[c];
+                if (bias) y += bias[c0 + c];
+                if (op == 1) y += other[row * N + c0 + c];
+                out[row * N + c0 + c] = y;
+            }
+        }
+    }
+}
+
+/* Software prefetch of the weights the thread reads next: `pfl` cache lines per k step from `pf`
+ * (0: none). A decode step streams every weight from memory once; without it the first row tile
+ * of each block waits on memory and the later tiles compute from cache, one after the other. */
+#define F32_PREFETCH(pf, pfl, k)                                                                   \
+    if (pfl) {                                                                                     \
+        _mm_prefetch((const char *)((pf) + (int64_t)(k) * 16 * (pfl)), _MM_HINT_T1);               \
+        if ((pfl) > 1) _mm_prefetch((const char *)((pf) + (int64_t)(k) * 32 + 16), _MM_HINT_T1);   \
+    }
+
+#ifdef __AVX512F__
+/* AVX-512: a tile is up to 12 rows × two 16-output blocks (NBT = 2; 24 accumulators, 2 weight
+ * vectors and a broadcast of the 32 registers), or × one block for an odd last block. Twice the
+ * FMA width of the AVX2 tile: on CPUs with two 512-bit FMA units (Intel Xeon) that is twice the
+ * arithmetic per cycle, where batch-32 decode steps are compute-bound. */
+#define F32_MR 12
+#define F32_NBT 2
+#define TILE_F32(MB, NBT)                                                                          \
+static inline void tilef##MB##_##NBT(const float *x, int64_t xs, const float *wp, int64_t bs, int K, \
+                                     float *res, const float *pf, int pfl) {                       \
+    __m512 acc[NBT * MB];                                                                          \
+    _Pragma("GCC unroll 24") for (int i = 0; i < NBT * MB; ++i) acc[i] = _mm512_setzero_ps();      \
+    for (int k = 0; k < K; ++k) {                                                                  \
+        F32_PREFETCH(pf, pfl, k)                                                                   \
+        const __m512 w0 = _mm512_loadu_ps(wp + k * 16);                                            \
+        const __m512 w1 = NBT > 1 ? _mm512_loadu_ps(wp + bs + k * 16) : w0;                        \
+        _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {                                    \
+            const __m512 xb = _mm512_set1_ps(x[m * xs + k]);                                       \
+            acc[NBT * m] = _mm512_fmadd_ps(xb, w0, acc[NBT * m]);                                  \
+            if (NBT > 1) acc[NBT * m + 1] = _mm512_fmadd_ps(xb, w1, acc[NBT * m + 1]);             \
+        }                                                                                          \
+    }                                                                                              \
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {                                        \
+        _mm512_storeu_ps(res + 16 * m, acc[NBT * m]);                                              \
+        if (NBT > 1) _mm512_storeu_ps(res + 16 * (F32_MR + m), acc[NBT * m + 1]);                  \
+    }                                                                                              \
+}
+#define TILES_F32(NBT) TILE_F32(1, NBT) TILE_F32(2, NBT) TILE_F32(3, NBT) TILE_F32(4, NBT)          \
+    TILE_F32(5, NBT) TILE_F32(6, NBT) TILE_F32(7, NBT) TILE_F32(8, NBT) TILE_F32(9, NBT)           \
+    TILE_F32(10, NBT) TILE_F32(11, NBT) TILE_F32(12, NBT)
+TILES_F32(1) TILES_F32(2)
+#define F32_CASE(MB, NBT) case MB: tilef##MB##_##NBT(xm, K, w, bs, K, res, pf, pfl); break;
+#define F32_CASES(NBT) F32_CASE(1, NBT) F32_CASE(2, NBT) F32_CASE(3, NBT) F32_CASE(4, NBT)         \
+    F32_CASE(5, NBT) F32_CASE(6, NBT) F32_CASE(7, NBT) F32_CASE(8, NBT) F32_CASE(9, NBT)           \
+    F32_CASE(10, NBT) F32_CASE(11, NBT) default: tilef12_##NBT(xm, K, w, bs, K, res, pf, pfl); break;
+static inline void f32_tile(const float *xm, int mb, const float *w, int64_t bs, int K, int nbt, float *res,
+                            const float *pf, int pfl) {
+    if (nbt > 1) { switch (mb) { F32_CASES(2) } }
+    else { switch (mb) { F32_CASES(1) } }
+}
+#else
+/* AVX2: a tile is up to 6 rows × one 16-output block: 12 accumulators, 2 weight vectors and a
+ * broadcast, the 15 of AVX2's 16 registers. */
+#define F32_MR 6
+#define F32_NBT 1
 #define TILE_F32(MB)                                                                               \
-static inline void tilef##MB(const float *x, int64_t xs, const float *wp, int K, float *res) {     \
+static inline void tilef##MB(const float *x, int64_t xs, const float *wp, int K, float *res,        \
+                             const float *pf, int pfl) {                                           \
     __m256 acc[2 * MB];                                                                            \
     _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) acc[i] = _mm256_setzero_ps();        \
     for (int k = 0; k < K; ++k) {                                                                  \
+        F32_PREFETCH(pf, pfl, k)                                                                   \
         const __m256 w0 = _mm256_loadu_ps(wp + k * 16), w1 = _mm256_loadu_ps(wp + k * 16 + 8);     \
         _Pragma("GCC unroll 6") for (int m = 0; m < MB; ++m) {                                     \
             const __m256 xb = _mm256_broadcast_ss(x + m * xs + k);                                 \
@@ -522,49 +694,52 @@ static inline void tilef##MB(const float *x, int64_t xs, const float *wp, int K,
     _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) _mm256_storeu_ps(res + 8 * i, acc[i]); \
 }
 TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4) TILE_F32(5) TILE_F32(6)
+static inline void f32_tile(const float *xm, int mb, const float *w, int64_t bs, int K, int nbt, float *res,
+                            const float *pf, int pfl) {
+    (void)bs; (void)nbt;                                 /* one block per tile */
+    switch (mb) {
+        case 1: tilef1(xm, K, w, K, res, pf, pfl); break; case 2: tilef2(xm, K, w, K, res, pf, pfl); break;
+        case 3: tilef3(xm, K, w, K, res, pf, pfl); break; case 4: tilef4(xm, K, w, K, res, pf, pfl); break;
+        case 5: tilef5(xm, K, w, K, res, pf, pfl); break; default: tilef6(xm, K, w, K, res, pf, pfl); break;
+    }
+}
+#endif
+
+/* rows of tile `tile` when `rows` are cut into `n` tiles whose heights differ by at most one */
+static inline int mb_of(int rows, int n, int tile) { return rows / n + (tile < rows % n); }
 
 /* y = x W^T (+ bias) then: op 0 → y; 1 → y + other; 2 (swiglu-packed W) → silu(g)*u.
- * x: M x K fp32; other/out: M x N_out fp32; bias fp32 or NULL (swiglu: of the fused [gate; up]). */
+ * x: M x K fp32; other/out: M x N_out fp32; bias fp32 or NULL (swiglu: of the fused [gate; up]).
+ * Work items: (row chunk, group of F32_NBT blocks). While a thread computes one item, its row
+ * tiles prefetch the next item's weights (each block's K lines: one tile per block, or a lone
+ * tile all of them). */
 void f32_linear(const float *x, const float *wp, const float *bias, const float *other, float *out,
                 int M, int K, int N, int op) {
     const int swiglu = op == 2;
     const int NO = swiglu ? N / 2 : N;
     const int NB = swiglu ? (NO + 7) / 8 : (N + 15) / 16;
+    const int NG = (NB + F32_NBT - 1) / F32_NBT;
+    const int64_t bs = (int64_t)K * 16;                  /* floats per packed block */
     const int MC = 192, n_chunks = (M + MC - 1) / MC;    /* rows of x kept in L2 while W streams */
+    const int64_t n_items = (int64_t)n_chunks * NG;
     #pragma omp parallel for schedule(static)
-    for (int64_t it = 0; it < (int64_t)n_chunks * NB; ++it) {
-        const int nb = (int)(it % NB), mc = (int)(it / NB);
+    for (int64_t it = 0; it < n_items; ++it) {
+        const int nb = (int)(it % NG) * F32_NBT, mc = (int)(it / NG);
+        const int nbt = NB - nb < F32_NBT ? NB - nb : F32_NBT;
         const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
-        const float *w = wp + (int64_t)nb * K * 16;
-        float res[6 * 16];
-        for (int m0 = mc * MC; m0 < m_end; m0 += 6) {
-            const int mb = m_end - m0 < 6 ? m_end - m0 : 6;
-            const float *xm = x + (int64_t)m0 * K;
-            switch (mb) {
-                case 1: tilef1(xm, K, w, K, res); break; case 2: tilef2(xm, K, w, K, res); break;
-                case 3: tilef3(xm, K, w, K, res); break; case 4: tilef4(xm, K, w, K, res); break;
-                case 5: tilef5(xm, K, w, K, res); break; default: tilef6(xm, K, w, K, res); break;
-            }
-            for (int m = 0; m < mb; ++m) {
-                const int64_t row = m0 + m;
-                const float *r = res + 16 * m;
-                if (swiglu) {
-                    const int c0 = nb * 8, n = NO - c0 < 8 ? NO - c0 : 8;
-                    for (int c = 0; c < n; ++c) {
-                        float g = r[c], u = r[8 + c];
-                        if (bias) { g += bias[c0 + c]; u += bias[NO + c0 + c]; }
-                        out[row * NO + c0 + c] = g / (1.f + expf(-g)) * u;
-                    }
-                } else {
-                    const int c0 = nb * 16, n = N - c0 < 16 ? N - c0 : 16;
-                    for (int c = 0; c < n; ++c) {
-                        float y = r[c];
-                        if (bias) y += bias[c0 + c];
-                        if (op == 1) y += other[row * N + c0 + c];
-                        out[row * N + c0 + c] = y;
-                    }
-                }
-            }
+        const int n_tiles = (m_end - mc * MC + F32_MR - 1) / F32_MR;
+        const int nb_next = it + 1 < n_items ? (int)((it + 1) % NG) * F32_NBT : NB;
+        const int nbt_next = NB - nb_next < F32_NBT ? NB - nb_next : F32_NBT;   /* 0: nothing next */
+        const float *w = wp + nb * bs, *pf_next = wp + (int64_t)nb_next * bs;
+        float res[2 * F32_MR * 16];
+        /* n_tiles tiles of balanced heights (32 rows: 11 + 11 + 10, not 12 + 12 + 8): a short
+         * tile has too few accumulators to hide the FMA latency */
+        for (int tile = 0, m0 = mc * MC, mb; tile < n_tiles; ++tile, m0 += mb) {
+            mb = mb_of(m_end - mc * MC, n_tiles, tile);
+            const int pfl = n_tiles == 1 ? nbt_next : tile < nbt_next;
+            f32_tile(x + (int64_t)m0 * K, mb, w, bs, K, nbt, res, pf_next + tile * bs, pfl);
+            for (int j = 0; j < nbt; ++j)
+                f32_block_out(res + j * F32_MR * 16, mb, m0, nb + j, N, NO, swiglu, op, bias, other, out);
         }
     }
 }
