@@ -34,11 +34,13 @@ if __name__ == "__main__":
     from turborlhf.config import OptimCfg, SFTConfig, load_config
     from turborlhf.data.loaders import load_pairs
     from turborlhf.engine.hardware import compute_dtype, host_summary
+    from turborlhf.engine.malloc import keep_freed_memory
     from turborlhf.engine.train import clip_and_step, make_optimizer, set_threads
     from turborlhf.models.load import load_tokenizer, load_trainable
     from turborlhf.trainers.sft import encode_examples, sft_step
 
     set_threads(a.threads)
+    keep_freed_memory()             # as every training command does: freed activations stay in the heap
     dtype = compute_dtype(a.dtype, "cpu")
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
 

@@ -93,6 +93,11 @@ def test_loaded_models_use_it_with_grad_and_match_sdpa(tiny_model, monkeypatch):
     real = attn_mod._SoftmaxAttention.apply
     monkeypatch.setattr(attn_mod._SoftmaxAttention, "apply", lambda *a: calls.append(1) or real(*a))
     ids, am = _batch()
+    _grads(ours, ids, am)
+    assert calls == []                          # fp32 packed sequences: per-sequence sdpa, not the matmul path
+    # the rule bf16 follows (with grad, up to MATH_MAX_KEYS keys), applied to these fp32 tensors
+    monkeypatch.setattr(attn_mod, "_pads_for_matmul_path",
+                        lambda q, n: torch.is_grad_enabled() and q.requires_grad and n <= attn_mod.MATH_MAX_KEYS)
     lp1, g1 = _grads(ours, ids, am)
     n_layers = ours.config.num_hidden_layers
     assert len(calls) == n_layers                                   # the matmul path ran in every layer

@@ -1,4 +1,5 @@
 """Forward helpers: shared-prefix packing equals separate sequences; chunked log-probs equal HF."""
+import pytest
 import torch
 
 from turborlhf.data.tokenize import pad_batch
@@ -83,19 +84,27 @@ def _padded_only(monkeypatch):
     monkeypatch.setattr(F, "packs_sequences", lambda backbone: False)
 
 
-def test_packed_forward_is_used_and_equals_padded(tiny_model, monkeypatch):
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_packed_forward_is_used_and_equals_padded(tiny_model, monkeypatch, per_sequence):
+    """Packed rows equal padded ones, values and gradients, whichever way the packed attention
+    runs: causal SDPA one sequence at a time (fp32), or padded to the longest sequence with a mask
+    (the path bf16 takes on short sequences with grad, here forced in fp32)."""
+    import turborlhf.models.attention as A
     import turborlhf.models.forward as F
 
     m = load_causal_lm(str(tiny_model))
     assert F.packs_sequences(m.model)
     ids, attn, target = _ppo_layout()
-    calls = []
-    real = F._packed_hidden_states
+    calls, seq_calls = [], []
+    real, real_seq = F._packed_hidden_states, A._per_sequence_attention
     monkeypatch.setattr(F, "_packed_hidden_states", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(A, "_per_sequence_attention", lambda *a, **k: seq_calls.append(1) or real_seq(*a, **k))
+    if not per_sequence:
+        monkeypatch.setattr(A, "_pads_for_matmul_path", lambda q, max_len: True)
     lp, ent = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True)
     (lp.sum() + ent.sum()).backward()
     grads = {k: p.grad.clone() for k, p in m.named_parameters()}
-    assert calls == [1]
+    assert calls == [1] and bool(seq_calls) == per_sequence
     m.zero_grad()
     _padded_only(monkeypatch)
     lp0, ent0 = response_logprobs(m, ids, attn, target, with_entropy=True, entropy_grad=True)

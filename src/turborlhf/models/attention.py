@@ -1,6 +1,6 @@
 """Training attention for CPUs: SDPA's forward speed without its slow backward.
 
-On this CPU, torch's flash-attention backward (``_scaled_dot_product_flash_attention_for_cpu_backward``)
+On the CPU, in bf16, torch's flash-attention backward (``_scaled_dot_product_flash_attention_for_cpu_backward``)
 is the single most expensive op of a PPO step at RLHF lengths: 23 ms per layer for 8 × 160
 tokens of SmolLM2, against ~8 ms for the same gradients from plain matmuls and a softmax. The
 attention implementation registered here (``"turborlhf"``, with SDPA's mask format) therefore:
@@ -12,11 +12,16 @@ attention implementation registered here (``"turborlhf"``, with SDPA's mask form
   flash attention only q, k, v, the output and the row log-sum-exp are saved (no ``T×T``
   probabilities kept between forward and backward); the backward recomputes the scores once and
   applies the softmax-attention gradients with plain matmuls;
-- with grad on longer sequences: ``sdpa`` again, whose tiled kernel wins beyond ~300 keys.
+- with grad on longer sequences: ``sdpa`` again, whose tiled kernel wins beyond ~300 keys;
+- packed sequences (padding removed, `turborlhf.models.forward`): padded to the longest with a
+  mask for the matmul path above (bf16, short, with grad), otherwise causal ``sdpa`` one sequence
+  at a time (`_per_sequence_attention`: no padding, and the flash kernel skips the masked half).
 
-Measured on this 2-core CPU (bf16, 9 query / 3 KV heads of 64, per layer, forward + backward):
-8×128 19-25 ms sdpa → 9 ms; 8×160 26-28 → 12-13; 8×256 33-42 → 24-26; 32×128 106-118 → 38-40;
-but 16×384 108-158 → 246-248 and 2×1024 62-65 → 232-242, hence the key-length cut-off.
+Measured on a 2-core AMD EPYC Zen 4 (bf16, 9 query / 3 KV heads of 64, per layer, forward +
+backward): 8×128 19-25 ms sdpa → 9 ms; 8×160 26-28 → 12-13; 8×256 33-42 → 24-26; 32×128 106-118
+→ 38-40; but 16×384 108-158 → 246-248 and 2×1024 62-65 → 232-242, hence the key-length cut-off.
+In fp32 on a 2-core Xeon without bf16 the matmul path only ties with ``sdpa`` at 8×128 (14 vs 15
+ms) and loses at 8×256 (58 vs 42 ms); the cut-off is kept for bf16's sake.
 
 Grouped-query attention is done without materialising repeated K/V: the query heads of one KV
 head are stacked along the query axis (``B×KV×(rep·Tq)×D``), the same trick as vLLM's and
@@ -52,10 +57,15 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 
 
 def _exp_(x: torch.Tensor) -> torch.Tensor:
-    """In-place ``exp`` of log-probabilities clamped at −80 (exp(−80) ≈ 2e-35). torch's vectorised
-    exp takes a slow path for arguments that underflow (−100 costs ~100× −50 on this CPU), and
-    masked scores sit at the fp32 minimum; the clamp changes each masked probability by < 1e-34."""
-    return x.clamp_(min=-80.0).exp_()
+    """In-place ``exp`` of log-probabilities, with those below −69 (probability < 1e-30) set to 0.
+
+    The clamp at −80 first: torch's vectorised exp takes a slow path for arguments that underflow
+    (−100 costs ~100× −50 on a Zen 4), and masked scores sit near `MASKED`. Then the zeros: a
+    masked probability of exp(−80) ≈ 2e-35 times a gradient below 1 is a denormal float, and the
+    backward's matmuls over half a causal T×T matrix of denormals ran ~10× slower on an Intel Xeon
+    (microcode assists; a 16-sequence fp32 SFT step 43 s instead of 16 s). The forward's softmax
+    gives those positions exactly 0 too, so forward and backward agree on them."""
+    return torch.threshold_(x.clamp_(min=-80.0).exp_(), 1e-30, 0.0)
 
 
 class _SoftmaxAttention(torch.autograd.Function):
@@ -148,6 +158,10 @@ def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: tor
     to the packed layout ``1×N×H×D``. Per sequence this is exactly the padded computation,
     including a sliding-window layer's window (the ``sliding_window`` argument the layer passes:
     key j is seen from query i when j > i − window, transformers' ``sliding_window_overlay``)."""
+    window = kwargs.pop("sliding_window", None)
+    if not window and not _pads_for_matmul_path(query_1HND, int(max_len)):
+        return _per_sequence_attention(module, query_1HND, key_1KND, value_1KND, cu_seqlens, dropout, scaling,
+                                       **kwargs)
     lens_B = cu_seqlens.diff().long()
     B, Tm = lens_B.shape[0], int(max_len)
     seq_N = torch.repeat_interleave(torch.arange(B, device=lens_B.device), lens_B)
@@ -160,12 +174,40 @@ def _varlen_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: tor
 
     ar = torch.arange(Tm, device=lens_B.device)
     mask_B1TT = (ar[:, None] >= ar[None, :])[None, None] & (ar < lens_B[:, None])[:, None, None, :]
-    window = kwargs.pop("sliding_window", None)
     if window:
         mask_B1TT = mask_B1TT & (ar[None, :] > ar[:, None] - int(window))[None, None]
     out_BTHD, _ = _attention_forward(module, pad(query_1HND), pad(key_1KND), pad(value_1KND), mask_B1TT,
                                      dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
     return out_BTHD.reshape(B * Tm, *out_BTHD.shape[2:]).index_select(0, dest_N).unsqueeze(0)
+
+
+def _pads_for_matmul_path(query_1HND: torch.Tensor, max_len: int) -> bool:
+    """Whether packed sequences are padded to their longest for the matmul path: with grad, below
+    fp32 (bf16), at most `MATH_MAX_KEYS` tokens. Everything else goes `_per_sequence_attention`."""
+    return (torch.is_grad_enabled() and query_1HND.requires_grad and query_1HND.dtype != torch.float32
+            and max_len <= MATH_MAX_KEYS)
+
+
+def _per_sequence_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: torch.Tensor,
+                            value_1KND: torch.Tensor, cu_seqlens: torch.Tensor, dropout: float,
+                            scaling: Optional[float], **kwargs) -> torch.Tensor:
+    """`_varlen_attention` one sequence at a time: causal SDPA on each sequence's own slice of the
+    packed tokens, outputs concatenated back to ``1×N×H×D``. No padding and no explicit mask, so
+    the flash kernel skips the blocks above the diagonal: for micro-batches of 8 HH sequences of
+    100-500 tokens it does about a quarter of the padded, masked computation's work. Measured on a
+    2-core Xeon (fp32, SmolLM2, 16-sequence SFT step of ~3,100 tokens): attention forward and
+    backward 4.9 s → 1.5 s per step; on micro-batches of 8 sequences of at most 256 tokens it also
+    beat the padded matmul path in fp32 (5.0-6.0 s against 6.0-7.7 s per SFT micro-step). Used for
+    every packed forward but bf16 with grad on sequences of at most `MATH_MAX_KEYS` tokens, where
+    the padded matmul path was measured faster (Zen 4; the module docstring). The slices are views, so the backward writes each sequence's gradients straight into
+    the packed q, k and v."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = cu_seqlens.tolist()
+    outs = [sdpa_attention_forward(module, query_1HND[:, :, s:e], key_1KND[:, :, s:e], value_1KND[:, :, s:e], None,
+                                   dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outs, dim=1)                                    # 1×N×H×D
 
 
 def _segment_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: torch.Tensor,
