@@ -28,6 +28,19 @@ def test_bench_rm_ours_only_prints_table_then_json(tiny_model, tmp_path, capsys)
     assert not (tmp_path / "b" / "runs" / "ours-1").exists()        # model files removed unless --keep-runs
 
 
+def test_bench_ppo_ours_only_runs_with_a_fresh_head_reward_model(tiny_model, tmp_path, capsys):
+    """Our PPO side needs a reward model directory (`turborlhf ppo` refuses a causal LM as one): the
+    harness writes the base model with a fresh scalar head, as the TRL script builds in-process."""
+    from turborlhf.rewards.model import check_reward_model
+
+    rc, out, r = _run(capsys, "ppo", "--vs", "none", "--model", tiny_model, "--warmup", "1", "--steps", "1",
+                      "--reps", "1", "--threads", "1", "--new-tokens", "8", "--out", tmp_path / "b", "--json")
+    assert rc == 0 and r["ours_error"] is None and r["ours_s_per_step"] > 0, r["ours_error"]
+    rm_dir = tmp_path / "b" / "data" / "reward_model"
+    check_reward_model(str(rm_dir))                                   # raises for a causal LM
+    assert f"reward_model: {rm_dir}" in (tmp_path / "b" / "configs" / "ours-1.yaml").read_text()
+
+
 def test_a_broken_peer_gives_null_fields_and_a_reason(tiny_model, tmp_path, capsys):
     empty = tmp_path / "empty-peer"
     empty.mkdir()

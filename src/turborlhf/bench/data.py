@@ -16,7 +16,7 @@ import gzip
 import json
 from pathlib import Path
 
-__all__ = ["iter_hh_pairs", "load_hh_pairs", "first_user_turn", "write_bench_data"]
+__all__ = ["iter_hh_pairs", "load_hh_pairs", "first_user_turn", "write_bench_data", "write_fresh_reward_model"]
 
 ASSISTANT = "\n\nAssistant:"
 HUMAN = "\n\nHuman: "
@@ -99,3 +99,29 @@ def write_bench_data(hh_path: str | Path, out_dir: str | Path, n_pairs: int, n_p
     paths["prompts"].write_text("".join(json.dumps({"prompt": [{"role": "user", "content": t}]}) + "\n"
                                         for t in prompts), encoding="utf-8")
     return paths
+
+
+def write_fresh_reward_model(model_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
+    """Save `model_dir` with a freshly initialised scalar head (``*ForSequenceClassification``,
+    ``num_labels=1``, torch seed `seed`) and its tokenizer into `out_dir`, once; returns it.
+
+    The PPO benchmark's reward model: TRL's script builds the same kind of model from the base
+    checkpoint in-process, and `turborlhf ppo` refuses a causal-LM directory as a reward model
+    (its scores would come from a random head; `turborlhf.rewards.model.check_reward_model`), so
+    our side reads the head from a directory. Both sides score with an untrained head, which costs
+    what a trained one costs."""
+    import torch
+
+    from turborlhf.models.load import load_scalar_model, load_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    tok = load_tokenizer(str(model_dir))
+    torch.manual_seed(seed)
+    model = load_scalar_model(str(model_dir), tok)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out

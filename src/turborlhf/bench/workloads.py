@@ -92,6 +92,7 @@ class RunContext:
     response_tokens: Optional[int] = None   # ppo/grpo: rollout.max_new_tokens (and min, when forced); None = config's
     max_prompt_len: int = 96
     dtype: str = "bf16"            # both sides' compute precision: the host's best (`bench.cli`)
+    reward_model_dir: Optional[str] = None   # ppo: the base model with a fresh scalar head (`bench.data`)
 
     @property
     def total_steps(self) -> int:
@@ -170,7 +171,7 @@ def _fill_ppo(cfg: dict, ctx: RunContext) -> None:
     set_dotted(cfg, "actor.name_or_path", ctx.model_dir)
     set_dotted(cfg, "data.prompts_file", str(ctx.data["prompts"]))
     if "reward_model" in cfg:
-        cfg["reward_model"] = ctx.model_dir
+        cfg["reward_model"] = ctx.reward_model_dir or ctx.model_dir
     for src in cfg.get("rewards", []):
         if src.get("kind") == "function" and not Path(src["path"].rpartition(":")[0]).is_absolute():
             src["path"] = str(ctx.repo / src["path"])
