@@ -195,8 +195,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    from turborlhf.engine.malloc import prefer_huge_pages
     from turborlhf.errors import RunError, UserError
     from turborlhf.metrics import console_logging
+
+    prefer_huge_pages()   # before torch allocates: 2 MiB pages for its large blocks (fewer page faults)
 
     console_logging()     # progress and status messages; results and errors below are printed
 

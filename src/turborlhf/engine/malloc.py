@@ -16,7 +16,15 @@ two steps still fault in their memory once (the heap grows to its working size).
 moves to a smaller working set (the pipeline between stages) calls `release_freed_memory`
 (``malloc_trim(0)``).
 
-``TURBORLHF_MALLOC=system`` keeps glibc's defaults, and so does any malloc setting of the user's
+Each page the heap grows by is still faulted in once. `prefer_huge_pages` (every command, before
+torch allocates anything) asks torch's CPU allocator for transparent huge pages on its blocks of 2
+MiB or more (torch's own ``THP_MEM_ALLOC_ENABLE=1``: 2 MiB-aligned blocks, ``madvise(MADV_HUGEPAGE)``),
+so where the kernel's THP mode is ``madvise`` or ``always`` one fault maps 2 MiB instead of 4 KiB.
+Measured 2026-11-25 on a 2-core Xeon VM (THP ``madvise``), six fp32 RM steps of 8 pairs whose
+working set grows to ~10-12 GiB: 2.93 M → 0.45 M minor faults, 57.4 → 52.4 s; the whole `make
+demo` had taken 13.7 M minor faults before. Where THP is ``never`` it changes nothing.
+
+``TURBORLHF_MALLOC=system`` keeps glibc's defaults (and torch's, without huge pages), and so does any malloc setting of the user's
 own (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
 ``MALLOC_TOP_PAD_`` or ``glibc.malloc.*`` in ``GLIBC_TUNABLES``). On other C libraries (musl, macOS) both
 functions do nothing. jemalloc/tcmalloc through ``LD_PRELOAD`` (Intel's advice for PyTorch on
@@ -30,7 +38,7 @@ import platform
 import sys
 from typing import Optional
 
-__all__ = ["keep_freed_memory", "release_freed_memory"]
+__all__ = ["keep_freed_memory", "release_freed_memory", "prefer_huge_pages"]
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 _M_TRIM_THRESHOLD = -1
@@ -71,3 +79,15 @@ def release_freed_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def prefer_huge_pages() -> bool:
+    """Set ``THP_MEM_ALLOC_ENABLE=1`` (torch's CPU allocator: transparent huge pages for blocks of
+    2 MiB or more; see the module docstring) unless the user set it or ``TURBORLHF_MALLOC=system``.
+    torch reads it once, at its first CPU allocation, so call this before torch allocates. Returns
+    True if it is in effect for this process's later-started torch."""
+    env = os.environ
+    if env.get("TURBORLHF_MALLOC", "").lower() == "system":
+        return False
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return env["THP_MEM_ALLOC_ENABLE"] == "1"
