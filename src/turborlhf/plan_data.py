@@ -72,12 +72,12 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         from turborlhf.data.loaders import load_pairs
         from turborlhf.models.forward import pack_shared_prefix
         from turborlhf.rewards.model import encode_pairs
+        from turborlhf.trainers.reward_model import plan_pair_steps
 
         items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
         items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
         enc = encode_pairs(tok, items, cfg.data.max_len)
-        plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in enc], loop.pairs_per_step, loop.epochs,
-                          loop.max_steps, loop.seed)
+        plan = plan_pair_steps(enc, loop)
         cands = []
         for b in micro(plan, loop.micro_batch_size):
             packed = pack_shared_prefix([enc[i]["chosen"] for i in b], [enc[i]["rejected"] for i in b], 0)

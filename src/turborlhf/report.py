@@ -42,7 +42,12 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     rm_dir, ppo_dir, ev_dir = str(run_dir / "rm"), str(run_dir / "ppo"), run_dir / "eval"
     ev_dir.mkdir(parents=True, exist_ok=True)
     summary: dict = {"model": cfg.model, "run_dir": str(run_dir)}
-    rm_res = eval_rm(rm_dir, str(data / "test_pairs.jsonl"))
+    # the RM stage scored the same held-out pairs with the final model (rm/eval.json, at its max_len);
+    # a reward model trained elsewhere, or by a version that wrote no length strata, is scored here
+    rm_eval, test_pairs = run_dir / "rm" / "eval.json", str(data / "test_pairs.jsonl")
+    rm_res = json.loads(rm_eval.read_text()) if rm_eval.exists() else {}
+    if "length" not in rm_res or Path(rm_res.get("data", "")).resolve() != Path(test_pairs).resolve():
+        rm_res = eval_rm(rm_dir, test_pairs)
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]
     summary["rm_test_length"] = rm_res["length"]

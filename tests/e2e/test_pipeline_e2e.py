@@ -17,6 +17,9 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     for stage in ("sft", "rm", "ppo"):
         assert (run_dir / stage / "config.json").exists() and (run_dir / stage / "model.safetensors").exists()
     assert s["ppo_policy"]["kl_to_reference"] == s["ppo_policy"]["kl_to_reference"]  # finite, not nan
+    rm_eval = json.loads((run_dir / "rm" / "eval.json").read_text())    # the RM stage's scores, not a second pass
+    assert (s["rm_test_accuracy"], s["rm_test_pairs"], s["rm_test_length"]) == (rm_eval["accuracy"], rm_eval["n"],
+                                                                              rm_eval["length"])
 
     # the evaluation commands print one JSON object (last line) on stdout
     exe = [sys.executable, "-m", "turborlhf"]

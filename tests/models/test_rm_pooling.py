@@ -180,3 +180,33 @@ def test_ppo_reward_source_scores_like_transformers(arch, tmp_path):
         hf = torch.tensor([float(hf_model(input_ids=torch.tensor([p + r])).logits[0, 0])
                            for p, r in zip(prompts, responses)])
     assert torch.allclose(ours, hf, atol=1e-5), (ours, hf)
+
+
+def test_encode_pairs_cuts_one_shared_prompt_and_the_rm_plan_groups_packed_lengths():
+    """A pair whose long response leaves less room for the prompt: both sides keep the same
+    prompt tokens (so the packed row computes them once, and the scores compare the responses in
+    one context); `plan_pair_steps` sorts each step's pairs by packed row length."""
+    from types import SimpleNamespace
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.forward import packed_pair_len, shared_prefix_len
+    from turborlhf.trainers.reward_model import plan_pair_steps
+
+    tok = make_tiny_tokenizer()
+    prompt = " ".join(["the dog ran home"] * 12)
+    long_reply, short_reply = " ".join(["a cat sat"] * 10), "no"
+    enc = encode_pairs(tok, [{"prompt": prompt, "chosen": short_reply, "rejected": long_reply}], 48)[0]
+    c, r = enc["chosen"], enc["rejected"]
+    assert len(r) == 48 and len(c) < 48                     # only the longer side fills the budget
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    n_prompt = shared_prefix_len(c, r)
+    assert c[:n_prompt] == r[:n_prompt] == p_ids[len(p_ids) - n_prompt:]   # the same prompt suffix
+    assert n_prompt >= 48 - len(tok(long_reply, add_special_tokens=False)["input_ids"]) - 1
+    assert packed_pair_len(c, r) == len(c) + len(r) - n_prompt
+
+    pairs = [{"prompt": prompt[: 8 + 7 * i], "chosen": "yes " * (i % 5), "rejected": "no"} for i in range(24)]
+    encoded = encode_pairs(tok, pairs, 64)
+    lens = [packed_pair_len(e["chosen"], e["rejected"]) for e in encoded]
+    plan = plan_pair_steps(encoded, SimpleNamespace(pairs_per_step=4, epochs=1.0, max_steps=0, seed=3))
+    assert sorted(i for step in plan for i in step) == list(range(24))
+    assert all([lens[i] for i in step] == sorted(lens[i] for i in step) for step in plan)

@@ -480,13 +480,23 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+def shared_prefix_len(a: list[int], b: list[int]) -> int:
+    """Tokens that `pack_shared_prefix` computes once for the pair ``(a, b)``: their longest
+    common prefix, kept at least one token short of each."""
+    return max(min(_common_prefix_len(a, b), len(a) - 1, len(b) - 1), 0)
+
+
+def packed_pair_len(a: list[int], b: list[int]) -> int:
+    """Length of the packed row ``[prefix | a's rest | b's rest]`` of `pack_shared_prefix`."""
+    return len(a) + len(b) - shared_prefix_len(a, b)
+
+
 def pack_shared_prefix(seqs_a: list[list[int]], seqs_b: list[list[int]], pad_id: int) -> SharedPrefixBatch:
     """Pack pairs of full sequences that share a prefix (their longest common token prefix, kept
     at least one token short of each so both continuations are non-empty)."""
     rows, P, A, Bl = [], [], [], []
     for a, b in zip(seqs_a, seqs_b):
-        p = min(_common_prefix_len(a, b), len(a) - 1, len(b) - 1)
-        p = max(p, 0)
+        p = shared_prefix_len(a, b)
         rows.append(a[:p] + a[p:] + b[p:])
         P.append(p)
         A.append(len(a) - p)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from turborlhf.data.tokenize import encode_prompt_response, pad_batch
+from turborlhf.data.tokenize import encode_pair, encode_prompt_response, pad_batch
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
@@ -50,12 +50,16 @@ def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = to
 
 
 def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
-    """Each pair → ``{"chosen": ids, "rejected": ids, "margin": float}`` (EOS appended)."""
+    """Each pair → ``{"chosen": ids, "rejected": ids, "margin": float}`` (EOS appended), both
+    sides truncated to ``max_len`` with one shared prompt (`turborlhf.data.tokenize.encode_pair`,
+    as DPO): where a long response leaves less room for the prompt, the other side's prompt is
+    cut to the same tokens, so the two scores compare the responses in the same context, and
+    the packed forward (`pair_scores`) still computes that prompt once."""
     out = []
     for p in pairs:
-        c = encode_prompt_response(tokenizer, p["prompt"], p["chosen"], max_len)["input_ids"]
-        r = encode_prompt_response(tokenizer, p["prompt"], p["rejected"], max_len)["input_ids"]
-        out.append({"chosen": c, "rejected": r, "margin": float(p.get("margin") or 0.0)})
+        e = encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len)
+        out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
+                    "margin": float(p.get("margin") or 0.0)})
     return out
 
 

@@ -27,10 +27,11 @@ from turborlhf.engine.run import export_model, plan_steps, print_batch_table, re
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
+from turborlhf.models.forward import packed_pair_len
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
 from turborlhf.rewards.model import encode_pairs, pair_scores
 
-__all__ = ["phases", "train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
+__all__ = ["phases", "plan_pair_steps", "train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,15 @@ def summarize_scores(ch: torch.Tensor, rj: torch.Tensor) -> dict:
             "n": len(ch)}
 
 
+def plan_pair_steps(encoded: list[dict], loop) -> list[list[int]]:
+    """`plan_steps` over the pairs' packed row lengths (`pair_scores` packs each pair as one row,
+    its prompt once), each step's pairs in increasing packed length, so the micro-batches cut
+    from a step hold rows of similar length. `loop`: the config's ``train`` section."""
+    lens = [packed_pair_len(e["chosen"], e["rejected"]) for e in encoded]
+    plan = plan_steps(lens, loop.pairs_per_step, loop.epochs, loop.max_steps, loop.seed)
+    return [sorted(step, key=lambda i: lens[i]) for step in plan]
+
+
 def train(cfg: RMConfig, resume: bool = False) -> Path:
     """`turborlhf rm`: the whole run (`train_steps` to its end); returns the output directory."""
     return run_to_end(train_steps(cfg, resume))
@@ -91,9 +101,9 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
-    test_enc = encode_pairs(tok, load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
-    plan = plan_steps([max(len(e["chosen"]), len(e["rejected"])) for e in train_enc], loop.pairs_per_step, loop.epochs,
-                      loop.max_steps, loop.seed)
+    test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
+    test_enc = encode_pairs(tok, test_pairs, cfg.data.max_len)
+    plan = plan_pair_steps(train_enc, loop)
 
     # 3. scalar model (new head on a causal LM, or a saved RM to continue)
     model = load_trainable("scalar", cfg.model, tok, ckpt_dir=ckpt / "reward_model" if ckpt else None)
@@ -146,7 +156,13 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
     extra = {}
     if test_enc:
-        ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
+        from turborlhf.evaluate import length_strata
+
+        ch, rj = score_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
+        ev = summarize_scores(ch, rj)
+        # eval-rm's fields, so the pipeline's evaluation reads this file instead of scoring the pairs again
+        ev.update({"length": length_strata(test_pairs, (ch > rj).tolist()), "data": str(cfg.data.test_file),
+                   "max_len": cfg.data.max_len})
         log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
         extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
         (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
