@@ -263,8 +263,8 @@ def test_sampler_matches_inverse_cdf_sampling():
 
 @LINEAR_DTYPES
 def test_engine_sampler_path_and_suppression(model, prompts, dtype):
-    """FastEngine samples plain temperature sampling with the C sampler; min_new_tokens still
-    keeps the stop id out, and top-p goes through the torch sampler."""
+    """FastEngine samples with the C sampler, top-p too (after `top_p_filter`); min_new_tokens
+    still keeps the stop id out; top-k goes through the torch sampler."""
     eng = FastEngine(model, dtype=dtype, linear_backend="kernel")
     used = []
     real = eng._k.sample
@@ -274,8 +274,21 @@ def test_engine_sampler_path_and_suppression(model, prompts, dtype):
                                                stop_token_ids=(stop,)))
     assert used and all(stop not in r for r in out.response_ids) and all(len(r) == 6 for r in out.response_ids)
     n = len(used)
-    eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9, seed=0))
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=20, seed=0))
     assert len(used) == n
+    nucleus = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.8, seed=3, return_logprobs=True)
+    c = eng.generate(prompts, nucleus)
+    assert len(used) > n
+    eng._k.sample = lambda *a: pytest.fail("the torch path must not call the C sampler")
+    eng._k.has_sampler = False                           # the torch sampler, same uniforms
+    try:
+        t = eng.generate(prompts, nucleus)
+    finally:
+        eng._k.has_sampler = True
+        eng._k.sample = real
+    assert c.response_ids == t.response_ids
+    for a, b in zip(c.logprobs, t.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
 
 
 def test_rope_signed_equals_rotate_half_bit_for_bit():

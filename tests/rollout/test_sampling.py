@@ -55,6 +55,30 @@ def test_top_p_never_samples_filtered_and_keeps_top():
     assert torch.isinf(f[0, 2:]).all() and torch.isfinite(f[0, :2]).all()
 
 
+def test_top_p_filter_equals_a_full_sort_for_narrow_and_wide_nuclei():
+    """Rows whose nucleus lies within `TOP_P_CANDIDATES` tokens (peaked) and rows where it does not
+    (flat, thousands of tokens, sorted whole) in one batch keep exactly the tokens a full sort keeps."""
+    from turborlhf.rollout.sampling import TOP_P_CANDIDATES
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(8, 5000, generator=g)
+    logits[:4, :12] += 9.0                                                # peaked rows
+    logits[2, 100:] = float("-inf")                                       # and one with -inf logits
+
+    def by_sort(x, p):
+        s, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(s, dim=-1)
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, torch.cumsum(probs, -1) - probs < p)
+        return x.masked_fill(~keep, float("-inf"))
+
+    for p in (0.5, 0.9):
+        got, want = top_p_filter(logits, p), by_sort(logits, p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), p
+        kept = torch.isfinite(got).sum(-1)
+        assert (kept[:4] < TOP_P_CANDIDATES).all() and (kept[4:] > TOP_P_CANDIDATES).all()
+        assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(7, 100, generator=torch.Generator().manual_seed(6))
     ids, logp = sample(logits, temperature=0.0)

@@ -71,7 +71,7 @@ from .backends import _ENGINES, choose_linear_backend   # importing backends reg
 from .base import RolloutOutput, SamplingParams
 from .fast_weights import _DOWN, _GATE, _O, _QKV, _UP, FastEngineWeights, _Layer
 from .llama_ops import _load_state_dict, _rms, _rope_inv_freq, _rope_signed, decode_mask, is_supported
-from .sampling import sample
+from .sampling import sample, top_p_filter
 from .tools import Tool, ToolCalls
 
 __all__ = ["FastEngine", "is_supported"]
@@ -435,18 +435,22 @@ class FastEngine(FastEngineWeights):
 
     def _sample(self, logits_BV: torch.Tensor, params: SamplingParams, suppress: Optional[torch.Tensor],
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sampling.sample`; plain sampling (temperature > 0, no top-k/top-p) runs in the kernel
-        library's three-pass sampler when the kernel linears are loaded (the same uniforms from
-        `gen`, so the same draws up to float rounding at a CDF boundary)."""
+        """`sampling.sample`; sampling without top-k (temperature > 0) runs in the kernel
+        library's three-pass sampler when the kernel linears are loaded, after `top_p_filter` on
+        the temperature-scaled logits where top-p is on (the same uniforms from `gen`, so the same
+        draws up to float rounding at a CDF boundary)."""
         V = logits_BV.shape[-1]
-        if (self._kl and self._k.has_sampler and params.temperature > 0 and not 0 < params.top_k < V and params.top_p >= 1.0
+        if (self._kl and self._k.has_sampler and params.temperature > 0 and not 0 < params.top_k < V
                 and logits_BV.dtype == torch.float32):
             x = logits_BV.contiguous()
             if suppress is not None and suppress.numel():
                 x = x.clone() if x is logits_BV else x
                 x[:, suppress] = float("-inf")
+            temperature = params.temperature
+            if params.top_p < 1.0:
+                x, temperature = top_p_filter(x / temperature, params.top_p).contiguous(), 1.0
             u = torch.rand(x.shape[0], 1, generator=gen)
-            return self._k.sample(x, params.temperature, u.view(-1))
+            return self._k.sample(x, temperature, u.view(-1))
         return sample(logits_BV, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                       suppress_ids=suppress, generator=gen)
 

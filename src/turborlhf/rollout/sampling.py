@@ -24,6 +24,8 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
+#: tokens `top_p_filter` first looks for the nucleus among (by probability); wider nuclei sort the row
+TOP_P_CANDIDATES = 256
 
 
 def suppress_tokens(logits_BV: torch.Tensor, token_ids: Optional[Sequence[int] | torch.Tensor]) -> torch.Tensor:
@@ -53,16 +55,29 @@ def top_k_filter(logits_BV: torch.Tensor, k: int) -> torch.Tensor:
 def top_p_filter(logits_BV: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filter (Holtzman et al. 2019): keep the smallest set of most-likely tokens whose
     probability mass reaches p; always keeps the most likely token. p >= 1 disables it.
+
+    A token is kept when the mass of the tokens ranked before it is < p (vLLM's and transformers'
+    rule). The nucleus is looked for among each row's `TOP_P_CANDIDATES` most likely tokens
+    (``topk``); only rows whose nucleus is wider are sorted whole. A full sort of B×V logits was
+    the most expensive op of a sampled decode step (B = 32, V = 49152, 2 cores: sort 64 ms, topk
+    of 256 3.7 ms; the decode step itself 50-60 ms on an AVX-512 Xeon).
     """
     if p >= 1.0:
         return logits_BV
-    sorted_BV, order_BV = torch.sort(logits_BV.float(), dim=-1, descending=True)
-    probs_BV = torch.softmax(sorted_BV, dim=-1)
+    probs_BV = torch.softmax(logits_BV.float(), dim=-1)
+    k = min(TOP_P_CANDIDATES, probs_BV.shape[-1])
+    top_Bk, idx_Bk = torch.topk(probs_BV, k, dim=-1)                       # descending
+    cum_Bk = torch.cumsum(top_Bk, dim=-1)
     # mass strictly before each token; a token is kept if that mass is < p (so the first is kept)
-    before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
-    drop_sorted_BV = before_BV >= p
-    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-    return logits_BV.masked_fill(drop_BV, _NEG_INF)
+    keep_BV = torch.zeros_like(probs_BV, dtype=torch.bool).scatter_(-1, idx_Bk, (cum_Bk - top_Bk) < p)
+    wide_B = cum_Bk[:, -1] < p                    # the tokens past the k-th may still be kept
+    if k < probs_BV.shape[-1] and bool(wide_B.any()):
+        rows = wide_B.nonzero().squeeze(-1)
+        sorted_RV, order_RV = torch.sort(logits_BV[rows].float(), dim=-1, descending=True)
+        sorted_RV = torch.softmax(sorted_RV, dim=-1)
+        keep_BV[rows] = torch.zeros_like(sorted_RV, dtype=torch.bool).scatter_(
+            -1, order_RV, (torch.cumsum(sorted_RV, dim=-1) - sorted_RV) < p)
+    return logits_BV.masked_fill(~keep_BV, _NEG_INF)
 
 
 def inverse_cdf_sample(logits_BV: torch.Tensor, generator: Optional[torch.Generator] = None
