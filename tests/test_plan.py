@@ -133,8 +133,8 @@ def test_weights_grads_and_optimizer_states_match_the_tensors_a_trainer_builds(t
     from turborlhf.plan import _train_role
 
     tok = load_tokenizer(str(tiny_model))
-    for mcfg in (ModelCfg(name_or_path=str(tiny_model)), ModelCfg(name_or_path=str(tiny_model),
-                                                                    lora=LoraCfg(rank=4))):
+    for mcfg in (ModelCfg(name_or_path=str(tiny_model)), ModelCfg(name_or_path=str(tiny_model), lora=LoraCfg(rank=4)),
+                 ModelCfg(name_or_path=str(tiny_model), freeze_layers=1)):
         s = model_shape(str(tiny_model), tuple(mcfg.lora.target_modules))
         role = _train_role("policy", s, mcfg, OptimCfg(), scalar=False, device_kind="cpu")
         m = load_trainable("causal", mcfg, tok)

@@ -163,8 +163,17 @@ def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool
             role.weights = 4 * total + 4 * trainable
         role.notes.append(f"LoRA r={r}: {trainable / 1e6:.2f}M trainable of {total / 1e6:.1f}M")
     else:
-        trainable = total
+        n = getattr(model_cfg, "freeze_layers", 0)      # embeddings + the first n layers (their norms too)
+        if n >= shape.layers:
+            role.notes.append(f"model.freeze_layers={n} is not below this model's {shape.layers} layers: "
+                              "the run stops at start-up (planned as if nothing were frozen)")
+            n = 0
+        frozen = shape.vocab * shape.hidden + n * (shape.layer_linear // shape.layers + 2 * shape.hidden) if n else 0
+        trainable = total - frozen
         role.weights = 4 * total
+        if n:
+            role.notes.append(f"freeze_layers={n}: {trainable / 1e6:.1f}M trainable of {total / 1e6:.1f}M "
+                              "(activations still counted for every layer)")
     role.trainable_params = trainable
     role.grads = 4 * trainable
     if getattr(optim_cfg, "offload", False) and device_kind == "gpu":

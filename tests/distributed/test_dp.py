@@ -13,14 +13,15 @@ from tests.e2e.helpers import REPO
 PPO_YAML = REPO / "configs/tiny/ppo.yaml"
 
 
-def _cfg(tiny_model, strategy: str, backend: str = "local"):
+def _cfg(tiny_model, strategy: str, backend: str = "local", freeze: int = 0):
     from turborlhf.config import PPOConfig, load_config
 
     return load_config(PPOConfig, PPO_YAML, [
         f"actor.name_or_path={tiny_model}", f"critic.name_or_path={tiny_model}", "reward_model=unused",
         "data.prompts_file=unused", "train.micro_batch_size=2", "algo.num_mini_batches=2", "algo.ppo_epochs=2",
         "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}",
-        "distributed.device=cpu"])      # gloo ranks on the CPU, also where a GPU is visible
+        "distributed.device=cpu", f"actor.freeze_layers={freeze}", f"critic.freeze_layers={freeze}"])
+        # gloo ranks on the CPU, also where a GPU is visible
 
 
 def _experience(tiny_model):
@@ -85,11 +86,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dp2_update_equals_dp1(strategy, tiny_model, tmp_path):
+@pytest.mark.parametrize("strategy,freeze", [("ddp", 0), ("fsdp", 0), ("fsdp", 1)])
+def test_dp2_update_equals_dp1(strategy, freeze, tiny_model, tmp_path):
+    """freeze = 1: `model.freeze_layers` (embeddings and layer 0 fixed) under FSDP2, whose root
+    unit then holds frozen (embeddings) and trained (final norm, head) parameters together."""
     import torch.multiprocessing as mp
 
-    cfg, exp = _cfg(tiny_model, strategy), _experience(tiny_model)
+    cfg, exp = _cfg(tiny_model, strategy, freeze=freeze), _experience(tiny_model)
     _train(cfg, exp, str(tmp_path / "dp1.pt"))                     # one process, all micro-batches
     mp.start_processes(_rank, args=(2, _port(), cfg, exp, str(tmp_path / "dp2.pt")), nprocs=2, join=True,
                        start_method="spawn")
@@ -102,6 +105,10 @@ def test_dp2_update_equals_dp1(strategy, tiny_model, tmp_path):
     from tests.e2e.helpers import weights
     init = weights(tiny_model)
     assert max(float((one["weights"][f"actor.{k}"] - v).abs().max()) for k, v in init.items()) > 1e-4  # it trained
+    if freeze:
+        for k, v in init.items():
+            if k.startswith(("model.embed_tokens", "model.layers.0.")):
+                assert torch.equal(two["weights"][f"actor.{k}"], v) and torch.equal(two["weights"][f"critic.{k}"], v), k
     assert one["actor"]["policy/grad_norm"] > 0 and one["critic"]["critic/grad_norm"] > 0
     for role in ("actor", "critic"):
         assert one[role].keys() == two[role].keys()

@@ -118,3 +118,11 @@ def test_a_non_finite_step_is_one_line_with_exit_code_1(tiny_model, tiny_data, t
     err = [l for l in res.stderr.splitlines() if l.startswith("error: ")]
     assert res.returncode == 1, res.stderr[-3000:]
     assert len(err) == 1 and "policy:" in err[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_freeze_layers_beyond_the_model_is_one_line(tiny_model, tiny_data, tmp_path):
+    res = _sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "model.freeze_layers=2")
+    _one_line_error(res, "freeze_layers=2 must be below the model's 2 decoder layers")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    _one_line_error(_sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "model.freeze_layers=1",
+                         "model.lora.rank=4"), "model", "freeze_layers and lora")

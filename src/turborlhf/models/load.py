@@ -186,7 +186,38 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
             model = PeftModel.from_pretrained(model, str(ckpt_dir), is_trainable=True)
         else:
             model = apply_lora(model, lora)
+    freeze_layers(model, getattr(model_cfg, "freeze_layers", 0))
     return model.train()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM or scalar model (``layers`` in Llama/Qwen/Mistral, ``h``
+    in GPT-2); raises ValueError for a model without such a list."""
+    backbone = backbone_of(model)
+    for name in ("layers", "h", "layer"):
+        layers = getattr(backbone, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(backbone).__name__} has no list of decoder layers (layers/h/layer)")
+
+
+def freeze_layers(model: nn.Module, n: int) -> None:
+    """Freeze tuning: the input embeddings and decoder layers ``0..n-1`` keep their weights
+    (``requires_grad=False``); the layers above, the final norm and the head train. Autograd then
+    records nothing below layer `n`, so backward stops there: a step costs about
+    ``1 + 2·(L - n)/L`` forward passes instead of 3 (L layers). The optimizer skips frozen
+    parameters (`turborlhf.engine.train.make_optimizer`). With tied embeddings (SmolLM2) the LM
+    head is the embedding matrix and stays fixed too. ``n = 0`` changes nothing; raises
+    ValueError when `n` is not below the model's layer count (``model.freeze_layers``)."""
+    if n <= 0:
+        return
+    layers = decoder_layers(model)
+    if n >= len(layers):
+        raise ValueError(f"freeze_layers={n} must be below the model's {len(layers)} decoder layers "
+                         "(something has to train)")
+    model.get_input_embeddings().weight.requires_grad_(False)
+    for layer in layers[:n]:
+        layer.requires_grad_(False)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:

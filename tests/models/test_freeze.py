@@ -1,0 +1,79 @@
+"""Freeze tuning (``model.freeze_layers``): which weights train, that backward stops at the first
+trainable layer, the errors, and the pipeline's critic section."""
+import pytest
+import torch
+
+from turborlhf.config import LoraCfg, ModelCfg, OptimCfg, PipelineConfig
+from turborlhf.engine.train import clip_and_step, make_optimizer
+from turborlhf.models.forward import last_token_scores, response_logprobs
+from turborlhf.models.load import decoder_layers, load_tokenizer, load_trainable
+from turborlhf.models.tiny import save_tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """The tiny Llama with 4 decoder layers (the session's tiny model has 2)."""
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("tiny4"), seed=1, layers=4)
+
+
+def _ids(n=3, T=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (n, T), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def test_scalar_model_trains_only_the_layers_above_the_frozen_ones(model4):
+    tok = load_tokenizer(str(model4))
+    m = load_trainable("scalar", ModelCfg(name_or_path=str(model4), freeze_layers=3), tok)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    layers = decoder_layers(m)
+    assert not m.get_input_embeddings().weight.requires_grad
+    assert all(not p.requires_grad for layer in layers[:3] for p in layer.parameters())
+    assert all(p.requires_grad for p in layers[3].parameters()) and m.score.weight.requires_grad
+
+    seen = []                                   # what reaches the first trainable layer: no graph below
+    layers[3].register_forward_pre_hook(lambda mod, args, kw: seen.append(args[0] if args else kw["hidden_states"]),
+                                        with_kwargs=True)
+    opt = make_optimizer(m, OptimCfg(lr=1e-2, state_dtype="fp32"))
+    last_token_scores(m, *_ids()).sum().backward()
+    assert seen and not seen[0].requires_grad
+    trained = {n for n, p in m.named_parameters() if p.grad is not None}
+    assert trained == {n for n, p in m.named_parameters() if p.requires_grad}
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
+        sum(p.numel() for p in m.parameters() if p.requires_grad)
+    clip_and_step(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), 1.0)
+    changed = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(n.startswith(("model.layers.3.", "model.norm", "score")) for n in changed), changed
+
+
+def test_frozen_causal_lm_keeps_tied_head_and_matches_the_unfrozen_forward(model4):
+    tok = load_tokenizer(str(model4))
+    full = load_trainable("causal", ModelCfg(name_or_path=str(model4)), tok)
+    frozen = load_trainable("causal", ModelCfg(name_or_path=str(model4), freeze_layers=2), tok)
+    ids, attn = _ids(seed=1)
+    lp_full = response_logprobs(full, ids, attn, attn.float())[0]
+    lp_frozen = response_logprobs(frozen, ids, attn, attn.float())[0]
+    # freezing changes what trains, not the forward (up to the kernels chosen with and without a graph)
+    torch.testing.assert_close(lp_frozen, lp_full, rtol=0, atol=1e-5)
+    lp_frozen.sum().backward()
+    assert frozen.get_input_embeddings().weight.grad is None
+    assert decoder_layers(frozen)[2].mlp.up_proj.weight.grad is not None
+
+
+def test_freeze_layers_errors_name_the_field(model4):
+    tok = load_tokenizer(str(model4))
+    with pytest.raises(ValueError, match=r"^freeze_layers=4 must be below the model's 4 decoder layers"):
+        load_trainable("scalar", ModelCfg(name_or_path=str(model4), freeze_layers=4), tok)
+    with pytest.raises(ValueError, match="freeze_layers and lora"):
+        ModelCfg(freeze_layers=1, lora=LoraCfg(rank=4))
+    with pytest.raises(ValueError):
+        ModelCfg(freeze_layers=-1)
+
+
+def test_pipeline_critic_section_still_starts_from_the_runs_reward_model(tmp_path):
+    from turborlhf.pipeline import stage_configs
+
+    cfg = PipelineConfig(run_dir=str(tmp_path), model="m", ppo={"critic": {"freeze_layers": 3}})
+    ppo = stage_configs(cfg, "m")["ppo"]
+    assert ppo.critic.freeze_layers == 3 and ppo.critic_init == str(tmp_path / "rm")
+    assert stage_configs(PipelineConfig(run_dir=str(tmp_path), model="m"), "m")["ppo"].critic is None
