@@ -300,6 +300,35 @@ def test_tool_tokens_leave_the_loss_and_the_mismatch_statistics():
     assert m["rollout/is_weight_mean"] == 1.0 and m["rollout/tool_tokens_mean"] == 1.0
 
 
+def test_min_new_tokens_positions_are_not_a_mismatch_but_keep_their_is_weight():
+    """The engine samples the first min_new_tokens tokens with EOS masked: its log-prob there is
+    log π − log(1 − π(EOS)) by design, which must not read as engine/trainer drift."""
+    from types import SimpleNamespace
+
+    from turborlhf.config import PPOAlgoCfg
+    from turborlhf.trainers.ppo.experience import Experience
+    from turborlhf.trainers.ppo.rlvr import attach_rollout_fields, mismatch_alarm, rlvr_metrics
+
+    mask = torch.ones(2, 5)
+    old = torch.full((2, 5), -1.0)
+    engine = old.clone()
+    engine[:, :2] -= math.log(1 - 0.9)                    # π(EOS) = 0.9 masked out at positions 0, 1
+    exp = Experience(torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7), 2, mask, torch.tensor([True, True]),
+                     old, None, None, torch.zeros(2), torch.zeros(2), torch.zeros(2, 5))
+    A = PPOAlgoCfg(rollout_is="tis", rollout_is_threshold=2.0, mismatch_kl_alarm=1e-6, mismatch_kl_action="error")
+    attach_rollout_fields(exp, A, engine)
+    masked = SimpleNamespace(algo=A, rollout=SimpleNamespace(min_new_tokens=2))
+    m = rlvr_metrics(exp, masked)
+    assert m["rollout/mismatch_kl"] == 0.0 and m["rollout/mismatch_min_ratio"] == 1.0
+    assert mismatch_alarm(exp, masked, 0) == 0.0
+    # the IS weights still see the masked positions (ρ = 0.1 there): the sampling distribution was μ
+    assert exp.is_weight_BR[:, :2] == pytest.approx(torch.full((2, 2), 0.1), rel=1e-5)
+    unmasked = SimpleNamespace(algo=A, rollout=SimpleNamespace(min_new_tokens=0))
+    assert rlvr_metrics(exp, unmasked)["rollout/mismatch_min_ratio"] == pytest.approx(0.1, rel=1e-5)
+    with pytest.raises(RolloutMismatchError):
+        mismatch_alarm(exp, unmasked, 0)
+
+
 class _FirstTokenTool:
     """Writes [7, 8] after each response's first sampled token."""
 

@@ -468,7 +468,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, kept,
                           ro.logprobs, ro.scores, rows_columns, ro.tool_mask)
     t_exp = time.perf_counter() - t0
-    rlvr.mismatch_alarm(exp, A, step)     # engine vs trainer log-probs: warn, or stop before the update
+    rlvr.mismatch_alarm(exp, cfg, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
     t0 = time.perf_counter()
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)

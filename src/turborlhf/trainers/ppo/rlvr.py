@@ -26,7 +26,7 @@ from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.trainers.ppo.rollout import generate, score_rows
 
 __all__ = ["Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
-           "pad_logprobs", "attach_rollout_fields", "rlvr_metrics", "mismatch_alarm",
+           "pad_logprobs", "attach_rollout_fields", "rlvr_metrics", "mismatch_alarm", "mismatch_mask",
            "RolloutMismatchError", "RolloutMismatchWarning"]
 
 
@@ -181,6 +181,20 @@ def sampled_mask(exp) -> torch.Tensor:
     return exp.mask_BR if exp.tool_mask_BR is None else exp.mask_BR * (~exp.tool_mask_BR).to(exp.mask_BR.dtype)
 
 
+def mismatch_mask(exp, min_new_tokens: int) -> torch.Tensor:
+    """`sampled_mask` without the first `min_new_tokens` response positions: the engine samples
+    those with EOS masked out (``rollout.min_new_tokens``, vLLM's ``min_tokens``), so its log-probs
+    there are of a renormalised distribution, ``log π − log(1 − π(EOS))``, by design. Compared with
+    the trainer's, they read as a mismatch that grows with the policy's wish to stop (seen: KL 0.3
+    and a ratio of 6e-4 in an fp32 run whose weight sync agreed to 1e-6). The TIS/MIS weights keep
+    these positions: for importance sampling the masked distribution is the one that sampled."""
+    m = sampled_mask(exp)
+    if min_new_tokens > 0:
+        m = m.clone()
+        m[:, :min_new_tokens] = 0
+    return m
+
+
 def attach_rollout_fields(exp, A, rollout_logp_BR: Optional[torch.Tensor],
                           tool_mask_BR: Optional[torch.Tensor] = None) -> None:
     """Set the experience's loss mask (tokens written by a rollout tool out, ``tool_mask_BR``; with
@@ -220,7 +234,8 @@ def rlvr_metrics(exp, cfg) -> dict:
     overlong penalty and filtered fraction, each only where it applies."""
     A, out = cfg.algo, {}
     if exp.rollout_logp_BR is not None:
-        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp))
+        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR,
+                                   mismatch_mask(exp, _min_new_tokens(cfg)))
         out.update({"rollout/mismatch_kl": m["kl"], "rollout/mismatch_k1": m["k1"],
                     "rollout/mismatch_max_ratio": m["max_ratio"], "rollout/mismatch_min_ratio": m["min_ratio"]})
     if exp.is_weight_BR is not None:
@@ -238,13 +253,19 @@ def rlvr_metrics(exp, cfg) -> dict:
     return out
 
 
-def mismatch_alarm(exp, A, step: int) -> Optional[float]:
+def _min_new_tokens(cfg) -> int:
+    return int(getattr(getattr(cfg, "rollout", None), "min_new_tokens", 0) or 0)
+
+
+def mismatch_alarm(exp, cfg, step: int) -> Optional[float]:
     """With ``algo.mismatch_kl_alarm`` set: warn (`RolloutMismatchWarning`) or raise
     `RolloutMismatchError` (before the step's update) when the per-token KL between the engine's
-    and the trainer's log-probs exceeds it. Returns the KL (None without engine log-probs)."""
+    and the trainer's log-probs (`mismatch_mask`'s tokens) exceeds it. Returns the KL (None
+    without engine log-probs)."""
+    A = cfg.algo
     if exp.rollout_logp_BR is None:
         return None
-    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, sampled_mask(exp))["kl"]
+    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mismatch_mask(exp, _min_new_tokens(cfg)))["kl"]
     if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
         msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
                "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "
