@@ -274,7 +274,7 @@ def test_rlvr_options_resume_exactly(tiny_model, tiny_data, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 def test_tool_tokens_leave_the_loss_and_the_mismatch_statistics():
-    from turborlhf.config import PPOAlgoCfg
+    from turborlhf.config import PPOAlgoCfg, RolloutCfg
     from turborlhf.trainers.ppo.actor import policy_mask
     from turborlhf.trainers.ppo.experience import Experience
     from turborlhf.trainers.ppo.rlvr import attach_rollout_fields, pad_tool_mask, rlvr_metrics
@@ -292,8 +292,9 @@ def test_tool_tokens_leave_the_loss_and_the_mismatch_statistics():
     assert policy_mask(exp).tolist() == [[1., 0., 0., 1.], [0., 0., 0., 0.]]
     assert exp.tool_mask_BR.sum(-1).tolist() == [2, 0]
 
-    class Cfg:          # rlvr_metrics reads cfg.algo and, for the overlong penalty, cfg.rollout
+    class Cfg:          # rlvr_metrics reads cfg.algo and cfg.rollout (min_new_tokens; the overlong penalty)
         algo = A
+        rollout = RolloutCfg()
     m = rlvr_metrics(exp, Cfg)
     assert m["rollout/mismatch_kl"] == 0.0 and m["rollout/mismatch_max_ratio"] == 1.0
     assert m["rollout/overlong_filtered_frac"] == 0.5

@@ -234,8 +234,7 @@ def rlvr_metrics(exp, cfg) -> dict:
     overlong penalty and filtered fraction, each only where it applies."""
     A, out = cfg.algo, {}
     if exp.rollout_logp_BR is not None:
-        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR,
-                                   mismatch_mask(exp, _min_new_tokens(cfg)))
+        m = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mismatch_mask(exp, cfg.rollout.min_new_tokens))
         out.update({"rollout/mismatch_kl": m["kl"], "rollout/mismatch_k1": m["k1"],
                     "rollout/mismatch_max_ratio": m["max_ratio"], "rollout/mismatch_min_ratio": m["min_ratio"]})
     if exp.is_weight_BR is not None:
@@ -253,10 +252,6 @@ def rlvr_metrics(exp, cfg) -> dict:
     return out
 
 
-def _min_new_tokens(cfg) -> int:
-    return int(getattr(getattr(cfg, "rollout", None), "min_new_tokens", 0) or 0)
-
-
 def mismatch_alarm(exp, cfg, step: int) -> Optional[float]:
     """With ``algo.mismatch_kl_alarm`` set: warn (`RolloutMismatchWarning`) or raise
     `RolloutMismatchError` (before the step's update) when the per-token KL between the engine's
@@ -265,7 +260,7 @@ def mismatch_alarm(exp, cfg, step: int) -> Optional[float]:
     A = cfg.algo
     if exp.rollout_logp_BR is None:
         return None
-    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mismatch_mask(exp, _min_new_tokens(cfg)))["kl"]
+    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mismatch_mask(exp, cfg.rollout.min_new_tokens))["kl"]
     if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
         msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
                "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "
