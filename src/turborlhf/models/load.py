@@ -208,13 +208,15 @@ def freeze_layers(model: nn.Module, n: int) -> None:
     ``1 + 2·(L - n)/L`` forward passes instead of 3 (L layers). The optimizer skips frozen
     parameters (`turborlhf.engine.train.make_optimizer`). With tied embeddings (SmolLM2) the LM
     head is the embedding matrix and stays fixed too. ``n = 0`` changes nothing; raises
-    ValueError when `n` is not below the model's layer count (``model.freeze_layers``)."""
+    `turborlhf.config.ConfigError` (a ValueError) when `n` is not below the model's layer count."""
     if n <= 0:
         return
     layers = decoder_layers(model)
     if n >= len(layers):
-        raise ValueError(f"freeze_layers={n} must be below the model's {len(layers)} decoder layers "
-                         "(something has to train)")
+        from turborlhf.config import ConfigError      # a ValueError the command line prints as one line
+
+        raise ConfigError(f"freeze_layers={n} must be below the model's {len(layers)} decoder layers "
+                          "(something has to train)")
     model.get_input_embeddings().weight.requires_grad_(False)
     for layer in layers[:n]:
         layer.requires_grad_(False)
