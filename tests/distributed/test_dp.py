@@ -20,8 +20,8 @@ def _cfg(tiny_model, strategy: str, backend: str = "local", freeze: int = 0):
         f"actor.name_or_path={tiny_model}", f"critic.name_or_path={tiny_model}", "reward_model=unused",
         "data.prompts_file=unused", "train.micro_batch_size=2", "algo.num_mini_batches=2", "algo.ppo_epochs=2",
         "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}",
-        "distributed.device=cpu", f"actor.freeze_layers={freeze}", f"critic.freeze_layers={freeze}"])
-        # gloo ranks on the CPU, also where a GPU is visible
+        "distributed.device=cpu",       # gloo ranks on the CPU, also where a GPU is visible
+        f"actor.freeze_layers={freeze}", f"critic.freeze_layers={freeze}"])
 
 
 def _experience(tiny_model):

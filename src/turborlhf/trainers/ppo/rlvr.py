@@ -260,7 +260,8 @@ def mismatch_alarm(exp, cfg, step: int) -> Optional[float]:
     A = cfg.algo
     if exp.rollout_logp_BR is None:
         return None
-    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mismatch_mask(exp, cfg.rollout.min_new_tokens))["kl"]
+    mask = mismatch_mask(exp, cfg.rollout.min_new_tokens)
+    kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mask)["kl"]
     if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
         msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
                "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "
