@@ -421,6 +421,14 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         "critic's would be held together with the actor's: more peak memory for one critic forward saved); "
         "both = as auto for the actor and the critic; always = both whenever the schedule allows (a rank's whole "
         "share of activations held at once); never")
+    old_logprobs: Literal["trainer", "rollout"] = Field(
+        "trainer", description="where the old log-probs (PPO's ratio denominator, the KL to the reference) come "
+        "from: trainer = the actor's forward over the rollout batch (OpenRLHF, TRL, verl); rollout = the engine's "
+        "temperature-1 log-probs of the tokens it sampled (logprobs_mode raw_logprobs), which saves that forward "
+        "(slime's --use-rollout-logprobs). The weight sync is verified on the canary after every push either way. "
+        "rollout needs rollout.temperature 1, rollout.max_staleness 0, rollout.tool none, rollout_is none and no "
+        "mismatch_kl_alarm (they compare the engine's log-probs with the trainer's); a fused actor update computes "
+        "the forward anyway and uses it")
     share_prompts: bool = Field(
         True, description="with n_samples_per_prompt > 1, the actor's and reference's forwards compute each prompt "
         "once for its G responses (same results; CPU training attention only), and mini-batches are drawn as whole "

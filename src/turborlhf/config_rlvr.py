@@ -83,6 +83,18 @@ def check_rlvr(cfg: Any) -> None:
     if R.max_staleness > 0 and cfg.distributed.rollout_sleep:
         raise ValueError(f"rollout.max_staleness={R.max_staleness} keeps the engines generating while the actor "
                          "trains: distributed.rollout_sleep must be false")
+    if getattr(A, "old_logprobs", "trainer") == "rollout":
+        clash = [(f"rollout.temperature={R.temperature}", R.temperature != 1.0),
+                 (f"rollout.max_staleness={R.max_staleness}", R.max_staleness > 0),
+                 (f"rollout.tool={getattr(R, 'tool', 'none')}", getattr(R, "tool", "none") != "none"),
+                 (f"algo.rollout_is={A.rollout_is}", A.rollout_is != "none"),
+                 (f"algo.mismatch_kl_alarm={A.mismatch_kl_alarm}", A.mismatch_kl_alarm is not None)]
+        bad = [name for name, on in clash if on]
+        if bad:
+            raise ValueError(f"algo.old_logprobs=rollout takes the old log-probs from the engine's temperature-1 "
+                             f"log-probs of the current weights' samples, which {', '.join(bad)} rule out: use "
+                             "temperature 1, max_staleness 0, no tool, rollout_is none and no mismatch alarm, or "
+                             "old_logprobs=trainer")
     transformed = R.top_p < 1.0 or R.top_k > 0     # the trainer scores at the temperature, not the truncation
     for name, on in (("rollout_is", A.rollout_is != "none"), ("mismatch_kl_alarm", A.mismatch_kl_alarm is not None)):
         if on and transformed:

@@ -130,8 +130,8 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     if tool != "none" and engine == "vllm":
         raise UserError(f"--tool {tool} needs --engine fast, hf or auto (vLLM's sampling loop has no hook for it)")
     tool_fn = make_tool(tool, tok)
-    _, response_ids, finished = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
-                                                   engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn)
+    _, response_ids, finished, _ = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
+                                                      engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     if score_fn is None:

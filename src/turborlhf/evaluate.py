@@ -73,10 +73,11 @@ def length_strata(pairs: list[dict], correct: list[bool]) -> dict:
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
-                       dtype: str = "auto", device="cpu", tool=None) -> tuple:
-    """Seeded generation for text prompts → (prompt_ids, response_ids, finished); `dtype` and
-    `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
-    rollout tool (`turborlhf.rollout.tools`) or None.
+                       dtype: str = "auto", device="cpu", tool=None, raw_logprobs: bool = False) -> tuple:
+    """Seeded generation for text prompts → (prompt_ids, response_ids, finished, logprobs); `dtype`
+    and `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
+    rollout tool (`turborlhf.rollout.tools`) or None; `raw_logprobs`: logprobs holds the engine's
+    temperature-1 log-prob of each response token (``raw_logprobs``), else it is None.
     Raises UserError when the longest prompt plus `max_new_tokens` exceeds the policy's context."""
     from transformers import AutoConfig
 
@@ -94,7 +95,8 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
                         f"policy's context ({ctx} positions): lower the new-token limit")
     eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=(tok.eos_token_id,), seed=seed)
+                            stop_token_ids=(tok.eos_token_id,), seed=seed, return_logprobs=raw_logprobs,
+                            logprobs_mode="raw_logprobs")
     t0 = time.perf_counter()
     logger.info(f"[generate] {len(ids)} prompts, batches of {batch_size}...")
     # one call: the engine batches the prompts by length (less padding than fixed chunks)
@@ -102,7 +104,7 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     dt = time.perf_counter() - t0
     n_tok = sum(len(r) for r in out.response_ids)
     logger.info(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
-    return ids, out.response_ids, out.finished
+    return ids, out.response_ids, out.finished, out.logprobs
 
 
 def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,
@@ -114,7 +116,8 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
 
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
     fraction, and with `reference_dir` the k1 KL estimate Σ_t (log π − log π_ref) averaged over
-    the sampled responses. A response cut at `max_new_tokens` is scored as cut (no EOS added),
+    the sampled responses (log π: the fp32 engine's temperature-1 log-probs of its samples, else a
+    policy forward; ``kl_policy_logprobs`` says which). A response cut at `max_new_tokens` is scored as cut (no EOS added),
     exactly as PPO's reward sees it.
 
     A conditional-SFT policy (its directory holds ``conditional_sft.json``) generates from prompts
@@ -152,9 +155,13 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
         tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]
         logger.info(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}")
-    p_ids, r_ids, fin = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed, engine,
-                                           dtype=compute_dtype(dtype, "cuda" if engine == "vllm" else dev.type),
-                                           device=dev)
+    gen_dtype = compute_dtype(dtype, "cuda" if engine == "vllm" else dev.type)
+    # the policy's side of the KL: an fp32 engine's temperature-1 log-probs of its samples are the
+    # policy forward's (the weight-sync check measures them equal to ~1e-6) and save that forward; a
+    # bf16 engine rounds differently from the scoring models, so they score both sides there
+    engine_logps = bool(reference_dir) and gen_dtype == "fp32" and engine != "vllm"
+    p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
+                                                    engine, dtype=gen_dtype, device=dev, raw_logprobs=engine_logps)
     t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
     rm = load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)
@@ -179,11 +186,15 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
             for s in range(0, len(p_ids), 8):
                 sums = []
                 for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
+                    if model is policy and r_logps is not None:
+                        sums.append(torch.tensor([sum(lp) for lp in r_logps[s:s + 8]]))
+                        continue
                     ids, attn, P, mask = assemble_prompt_response(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
                     target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
-                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1))
+                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1).float().cpu())
                 kls.append(sums[0] - sums[1])
         res["kl_to_reference"] = float(torch.cat(kls).mean())
+        res["kl_policy_logprobs"] = "engine" if r_logps is not None else "forward"
     res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
                 "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
                 "seconds": round(time.perf_counter() - t0, 2), **(tag or {})})

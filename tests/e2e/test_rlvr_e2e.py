@@ -44,6 +44,10 @@ def _rule(tmp_path, body: str) -> str:
     (["algo.rollout_is_threshold=0.5"], "algo.rollout_is_threshold"),
     (["algo.dynamic_sampling_max_tries=0"], "algo.dynamic_sampling_max_tries"),
     (["algo.policy_loss=reinforce"], "algo.policy_loss"),
+    (["algo.old_logprobs=rollout", "rollout.temperature=0.7"], "algo.old_logprobs"),
+    (["algo.old_logprobs=rollout", "algo.rollout_is=tis"], "algo.old_logprobs"),
+    (["algo.old_logprobs=rollout", "algo.mismatch_kl_alarm=0.1"], "algo.old_logprobs"),
+    (["algo.old_logprobs=rollout", "rollout.tool=calculator"], "algo.old_logprobs"),
 ])
 def test_bad_combinations_name_the_field(overrides, field, tmp_path):
     args = _args("m", tmp_path, tmp_path / "x", "reward_model=rm", *overrides)
@@ -108,6 +112,28 @@ def test_trainer_scores_at_the_sampling_temperature(tiny_model, tiny_rm, tiny_da
                 "algo.rollout_is=tis", "train.max_steps=1")
     assert rows[0]["rollout/mismatch_kl"] < 1e-6 and abs(rows[0]["rollout/mismatch_max_ratio"] - 1) < 1e-3, rows[0]
     assert abs(rows[0]["rollout/is_weight_mean"] - 1) < 1e-4
+
+
+def test_old_logprobs_from_the_engine(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):
+    """``algo.old_logprobs: rollout`` skips the actor's experience forward: with an fp32 engine its
+    temperature-1 log-probs are the trainer's (the run trains to the same weights), and no
+    engine-vs-itself mismatch is logged. Its rollouts sample with min_new_tokens, whose masked
+    processed log-probs would be wrong here."""
+    from turborlhf.trainers.ppo.actor import ActorWorker
+
+    calls = []
+    forward = ActorWorker.logprobs
+    monkeypatch.setattr(ActorWorker, "logprobs", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    rm, eos = f"reward_model={tiny_rm}", "rollout.min_new_tokens=3"
+    base = _run(tiny_model, tiny_data, tmp_path / "trainer", rm, eos)
+    assert len(calls) == 2 and "rollout/mismatch_kl" in base[0]           # one forward per step
+    calls.clear()
+    rows = _run(tiny_model, tiny_data, tmp_path / "rollout", rm, eos, "algo.old_logprobs=rollout")
+    assert not calls and "rollout/mismatch_kl" not in rows[0]
+    for a, b in zip(base, rows):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]          # same samples
+        assert b["policy/kl"] == pytest.approx(a["policy/kl"], abs=1e-5)
+    assert max_weight_diff(weights(tmp_path / "trainer"), weights(tmp_path / "rollout")) < 1e-5
 
 
 def test_mismatch_alarm_warns_or_stops(tiny_model, tiny_rm, tiny_data, tmp_path):

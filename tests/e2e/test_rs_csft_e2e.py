@@ -212,3 +212,22 @@ def test_conditional_sft_policy_samples_only(tiny_model, tiny_rm, tiny_data, tmp
     with pytest.raises(ConfigError, match="data.*policy_samples_per_prompt > 0"):
         load_config(ConditionalSFTConfig, REPO / "configs/tiny/conditional_sft.yaml",
                     ["data.dataset_responses=false", "data.policy_samples_per_prompt=0"])
+
+
+def test_eval_policy_kl_from_engine_logprobs(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):
+    """The KL to the reference takes the policy's side from the fp32 engine's temperature-1
+    log-probs of its samples (sampled at T 0.7, top-p 0.9), and equals the KL with a policy forward."""
+    import turborlhf.evaluate as ev
+    from turborlhf.models.tiny import save_tiny_causal_lm
+
+    ref = save_tiny_causal_lm(tmp_path / "ref", seed=1)          # another model: a KL far from 0
+    kw = dict(n=6, max_new_tokens=6, seed=3, dtype="fp32", reference_dir=str(ref))
+    prompts = str(tiny_data / "test_prompts.jsonl")
+    eng = ev.eval_policy(str(tiny_model), str(tiny_rm), prompts, **kw)
+    gen = ev.generate_responses
+    monkeypatch.setattr(ev, "generate_responses", lambda *a, **k: gen(*a, **{**k, "raw_logprobs": False}))
+    fwd = ev.eval_policy(str(tiny_model), str(tiny_rm), prompts, **kw)
+    assert (eng["kl_policy_logprobs"], fwd["kl_policy_logprobs"]) == ("engine", "forward")
+    assert abs(eng["kl_to_reference"]) > 0.1
+    assert eng["kl_to_reference"] == pytest.approx(fwd["kl_to_reference"], abs=1e-4)
+    assert eng["reward_mean"] == fwd["reward_mean"]

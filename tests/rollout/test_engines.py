@@ -81,6 +81,27 @@ def test_sampled_logprobs_match_scoring(fast, prompts):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_raw_logprobs_are_the_temperature_1_scores(kind, model, prompts):
+    """``raw_logprobs`` under temperature, top-p and min_new_tokens (EOS suppressed at first): the
+    temperature-1 log-probs a forward computes (what PPO's old log-probs and eval's KL need), while
+    ``processed_logprobs`` of the same draws are those of the transformed distribution."""
+    eng = make_engine(kind, model, dtype="fp32")
+    kw = dict(max_new_tokens=12, min_new_tokens=4, temperature=0.7, top_p=0.9, seed=3, return_logprobs=True,
+              stop_token_ids=(7,))
+    raw = eng.generate(prompts, SamplingParams(logprobs_mode="raw_logprobs", **kw))
+    proc = eng.generate(prompts, SamplingParams(**kw))
+    assert raw.response_ids == proc.response_ids                     # the mode changes no draw
+    scored = HFEngine(model, dtype="fp32").score_logprobs(prompts, raw.response_ids)
+    assert _max_diff(raw.logprobs, scored) < 1e-4
+    assert _max_diff(proc.logprobs, scored) > 0.05                   # T 0.7 and top-p reshape the distribution
+
+
+def test_logprobs_mode_checked():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="raw")
+
+
 def test_load_weights_matches_new_model(model, prompts):
     eng = FastEngine(model, dtype="fp32")
     other = tiny_llama(7)

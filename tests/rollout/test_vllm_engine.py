@@ -154,6 +154,20 @@ def test_generate_mapping_and_parsing(model, prompts):
     assert all(f == (stop in r) for r, f in zip(out.response_ids, out.finished))
 
 
+def test_logprobs_mode_is_the_engines(model, prompts):
+    """vLLM fixes ``logprobs_mode`` per engine: it is passed to ``LLM``, and a call asking the other
+    mode is refused rather than answered in the wrong one."""
+    worker = tiny_llama(0)
+    fake = FakeVLLM(FakeLLM(worker))
+    eng = VLLMEngine(model, dtype="fp32", vllm_module=fake, logprobs_mode="raw_logprobs")
+    assert fake.built[0]["logprobs_mode"] == "raw_logprobs"
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, return_logprobs=True)
+    with pytest.raises(ValueError, match="reports raw_logprobs.*processed_logprobs were asked"):
+        eng.generate(prompts[:1], sp)
+    assert len(eng.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, return_logprobs=True,
+                                                        logprobs_mode="raw_logprobs")).logprobs) == 1
+
+
 def test_score_logprobs_match_forward(model, prompts):
     eng, _ = _engine(model)
     resps = [[5, 6, 7], [], [9]]

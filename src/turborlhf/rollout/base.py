@@ -18,9 +18,19 @@ from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 __all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine"]
 
 
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-call sampling settings (vLLM names and meaning)."""
+    """Per-call sampling settings (vLLM names and meaning).
+
+    `logprobs_mode` (vLLM's ``LLM(logprobs_mode=...)``, here per call) says which log-probs
+    `return_logprobs` returns for the sampled tokens: ``processed_logprobs`` under the distribution
+    actually sampled from (temperature-scaled, top-k/top-p filtered, stop tokens suppressed before
+    ``min_new_tokens``); ``raw_logprobs`` under the model's own temperature-1 distribution, before
+    any of that, which is what a trainer's forward computes at temperature 1 (PPO's old log-probs,
+    a KL to a reference)."""
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
@@ -31,8 +41,11 @@ class SamplingParams:
     n: int = 1
     seed: Optional[int] = None
     return_logprobs: bool = False
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -51,8 +64,9 @@ class RolloutOutput:
 
     response_ids: per request, generated token ids (stop token included when sampled).
     finished:     per request, True if a stop token ended the response.
-    logprobs:     per request, log-probability of each sampled token under the engine's
-                  (temperature-scaled) sampling distribution, if requested; else None.
+    logprobs:     per request, log-probability of each sampled token, if requested (else None):
+                  under the engine's sampling distribution (temperature-scaled, filtered) or, with
+                  ``logprobs_mode="raw_logprobs"``, under the temperature-1 distribution.
     tool_mask:    per request and token, True where a rollout tool (`turborlhf.rollout.tools`)
                   wrote the token rather than the model sampling it; None when no tool ran.
     """

@@ -438,7 +438,16 @@ class FastEngine(FastEngineWeights):
         """`sampling.sample`; sampling without top-k (temperature > 0) runs in the kernel
         library's three-pass sampler when the kernel linears are loaded, after `top_p_filter` on
         the temperature-scaled logits where top-p is on (the same uniforms from `gen`, so the same
-        draws up to float rounding at a CDF boundary)."""
+        draws up to float rounding at a CDF boundary). With ``logprobs_mode="raw_logprobs"`` the
+        log-probs are the temperature-1 ones of the unmodified logits (`raw_token_logprobs`)."""
+        if params.logprobs_mode == "raw_logprobs":
+            raw_BV = logits_BV.float().log_softmax(-1)        # before the sampler may touch the logits
+            ids_B, _ = self._sample_processed(logits_BV, params, suppress, gen)
+            return ids_B, raw_BV.gather(-1, ids_B[:, None].long()).squeeze(-1)
+        return self._sample_processed(logits_BV, params, suppress, gen)
+
+    def _sample_processed(self, logits_BV: torch.Tensor, params: SamplingParams, suppress: Optional[torch.Tensor],
+                          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         V = logits_BV.shape[-1]
         if (self._kl and self._k.has_sampler and params.temperature > 0 and not 0 < params.top_k < V
                 and logits_BV.dtype == torch.float32):

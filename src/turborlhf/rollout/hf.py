@@ -60,13 +60,15 @@ class HFEngine:
         prompts = check_prompts(prompts, self.config.vocab_size)
         t0 = time.perf_counter()
         greedy = params.temperature == 0
+        raw = params.logprobs_mode == "raw_logprobs"   # transformers' `logits`: before the logits processors
         stop = list(params.stop_token_ids)
         gcfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_k=None if greedy else params.top_k, top_p=None if greedy else params.top_p,
             eos_token_id=stop if stop else None, pad_token_id=self.pad_id, use_cache=True,
-            num_return_sequences=1, output_scores=params.return_logprobs,
+            num_return_sequences=1, output_scores=params.return_logprobs and not raw,
+            output_logits=params.return_logprobs and raw,
             return_dict_in_generate=True, bos_token_id=None,
         )
         reqs = [p for p in prompts for _ in range(params.n)]  # samples of a prompt consecutive
@@ -84,7 +86,7 @@ class HFEngine:
                                           logits_processor=[forcing] if forcing is not None else None)
                 new = out.sequences[:, L:]
                 if params.return_logprobs:
-                    scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # B×T×V
+                    scores = torch.stack(out.logits if raw else out.scores, 1).float().log_softmax(-1)  # B×T×V
                     lp = scores.gather(-1, new[:, :, None]).squeeze(-1).cpu()
                 new = new.cpu()
                 for i in range(new.shape[0]):

@@ -13,7 +13,7 @@ Mapping of our `SamplingParams` (vLLM semantics already) to `vllm.SamplingParams
 | stop_token_ids | stop_token_ids, with ignore_eos=True so only the given ids stop a response |
 | n | n; greedy with n > 1 (vLLM refuses it) becomes n copies of the prompt with n = 1 |
 | seed | one seed per prompt, derived from (seed, prompt index): vLLM seeds each request, so one shared seed would give identical prompts identical samples |
-| return_logprobs | logprobs=0 (the sampled token's log-prob), with `logprobs_mode="processed_logprobs"` so it is under the temperature-scaled, filtered distribution like the other engines |
+| return_logprobs | logprobs=0 (the sampled token's log-prob), under the engine's `logprobs_mode`: `processed_logprobs` (the default: the temperature-scaled, filtered distribution, like the other engines) or `raw_logprobs`; vLLM fixes it per engine, so a call asking for the other mode is a ValueError |
 
 `score_logprobs` asks for `prompt_logprobs=0` over prompt + response (vLLM computes prompt
 log-probs from the raw logits, i.e. at temperature 1, in every logprobs mode).
@@ -107,6 +107,8 @@ class VLLMEngine:
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless
         the variable is already set.
     llm_kwargs: extra `vllm.LLM` arguments (e.g. gpu_memory_utilization, max_model_len).
+    logprobs_mode: vLLM's ``logprobs_mode``, the only `SamplingParams.logprobs_mode` this engine
+        answers (``processed_logprobs`` or ``raw_logprobs``).
     llm, vllm_module: an already built LLM-like object and module-like namespace with
         `SamplingParams` (tests inject fakes; normal use leaves both None).
     Raises ImportError (with install instructions) when vllm is not installed.
@@ -114,7 +116,9 @@ class VLLMEngine:
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 256,
                  enforce_eager: Optional[bool] = None, in_process: bool = True, seed: int = 0,
-                 llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None):
+                 llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None,
+                 logprobs_mode: str = "processed_logprobs"):
+        self.logprobs_mode = logprobs_mode
         self.dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
         self._tmp = None
@@ -132,7 +136,7 @@ class VLLMEngine:
             if in_process:
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kw = dict(dtype=_VLLM_DTYPES[self.dtype], max_num_seqs=int(max_batch_size), seed=seed,
-                      enforce_eager=bool(enforce_eager), logprobs_mode="processed_logprobs",
+                      enforce_eager=bool(enforce_eager), logprobs_mode=logprobs_mode,
                       enable_prefix_caching=True)
             if module is not None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="turborlhf-vllm-")
@@ -152,8 +156,12 @@ class VLLMEngine:
         return self._vllm.SamplingParams(**kw)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
-        """See `RolloutEngine.generate`. Raises ValueError on empty prompts."""
+        """See `RolloutEngine.generate`. Raises ValueError on empty prompts, or when log-probs are
+        asked in another `logprobs_mode` than the engine's."""
         prompts = check_prompts(prompts, self.vocab_size)
+        if params.return_logprobs and params.logprobs_mode != self.logprobs_mode:
+            raise ValueError(f"this vLLM engine reports {self.logprobs_mode} (vLLM fixes the mode per engine), and "
+                             f"{params.logprobs_mode} were asked: build it with logprobs_mode={params.logprobs_mode!r}")
         t0 = time.perf_counter()
         seeds = request_seeds(params.seed, len(prompts))
         expand = params.temperature == 0 and params.n > 1      # vLLM: greedy needs n == 1

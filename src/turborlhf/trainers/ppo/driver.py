@@ -178,7 +178,8 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     then rewards and advantages on the driver (`score_and_advantages`). ``keep_as`` = (actor,
     critic): the name under which a role keeps its forward's graph for the coming update (the
     fused update's handle, `experience.use_fused_update`; None: not kept); the driver passes the
-    same names to `ppo_update`. `rollout_logps`: the engine's, per row; `scores`: (raw, per
+    same names to `ppo_update`. `rollout_logps`: the engine's, per row (with ``algo.old_logprobs:
+    rollout`` and no fused actor update, the old log-probs themselves); `scores`: (raw, per
     source) if already scored (dynamic sampling); ``columns``: per row, the prompts file's other
     fields, for reward functions (`turborlhf.rewards.functions`); ``tool_mask``: per row, the tokens
     ``rollout.tool`` wrote (no actor loss)."""
@@ -187,7 +188,14 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     B, R = mask.shape
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
     rows_mask = lambda s: (ids[s], attn[s], mask[s])                                # noqa: E731
-    old = submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, keep_as[0])
+    from_engine = cfg.algo.old_logprobs == "rollout" and keep_as[0] is None   # a fused update runs the forward anyway
+    if from_engine:
+        if rollout_logps is None:
+            raise RuntimeError("algo.old_logprobs=rollout needs the rollout engine's log-probs, and none came back")
+        old_BR = rlvr.pad_logprobs(rollout_logps, R)
+        old, rollout_logps = (lambda: old_BR), None    # no mismatch to measure against itself
+    else:
+        old = submit_rows(cluster["actor"], "logprobs", B, mb, rows_mask, P, keep_as[0])
     ref = None
     if cluster.get("reference"):
         ref = submit_rows(cluster["reference"], "logprobs", B, mb, rows_mask, P)

@@ -44,6 +44,7 @@ from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary
 from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience, shares_prompts
+from turborlhf.trainers.ppo.rollout import logprobs_mode
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
            "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats"]
@@ -324,8 +325,10 @@ class RolloutWorker:
 
     def _build(self):
         roll = self.cfg.rollout
+        # vLLM fixes its log-prob mode per engine (the other engines take it per call)
+        kw = {"logprobs_mode": logprobs_mode(self.cfg)} if roll.engine == "vllm" else {}
         return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
-                           max_batch_size=roll.batch_size)
+                           max_batch_size=roll.batch_size, **kw)
 
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"

@@ -13,15 +13,22 @@ from turborlhf.config import PPOConfig
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.ppo.experience import row_shards
 
-__all__ = ["rollout_items", "generate", "submit_rows", "score_rows"]
+__all__ = ["rollout_items", "generate", "submit_rows", "score_rows", "logprobs_mode"]
+
+
+def logprobs_mode(cfg: PPOConfig) -> str:
+    """The engines' `SamplingParams.logprobs_mode`: ``raw_logprobs`` when they stand in for the
+    trainer's old log-probs (``algo.old_logprobs: rollout``), else ``processed_logprobs`` (the
+    sampling distribution's, for the mismatch metrics and TIS/MIS)."""
+    return "raw_logprobs" if cfg.algo.old_logprobs == "rollout" else "processed_logprobs"
 
 
 def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
     roll = cfg.rollout
     return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                           temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
-                          stop_token_ids=(tok.eos_token_id,),
-                          n=cfg.algo.n_samples_per_prompt, seed=seed, return_logprobs=True)
+                          stop_token_ids=(tok.eos_token_id,), n=cfg.algo.n_samples_per_prompt, seed=seed,
+                          return_logprobs=True, logprobs_mode=logprobs_mode(cfg))
 
 
 def rollout_items(cfg: PPOConfig, tok, prompts: list[list[int]], step: int,
