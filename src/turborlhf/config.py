@@ -368,6 +368,11 @@ class DistributedCfg(Cfg):
                                                          "workers (needs equal sizes)")
     ref_reward_offload: bool = Field(False, description="keep reference and reward models on the CPU between uses "
                                                         "(moved to the device only for their forward passes)")
+    share_frozen_trunk: bool = Field(
+        True, description="roles of this process whose input embeddings and lower decoder layers are frozen and "
+                          "bit-for-bit equal (the reference, a reward model and a critic with freeze_layers, all from "
+                          "one SFT model) run those layers once per sequence and only their upper layers each "
+                          "(turborlhf.models.trunk; same results). local backend, without ref_reward_offload")
     rollout_sleep: bool = Field(False, description="rollout engines free their weights while the actor trains and "
                                                    "rebuild them at the next weight sync (vLLM sleep mode)")
     dp_strategy: Literal["ddp", "fsdp"] = Field(
@@ -485,8 +490,9 @@ class PPOConfig(Cfg):
     (GRPO, Dr. GRPO, RLOO, REINFORCE++) via `algo.advantage_estimator`."""
 
     actor: ModelCfg = Field(default_factory=ModelCfg, description="policy to optimise (usually the SFT model)")
-    critic: Optional[ModelCfg] = Field(None, description="value model (gae only); default = initialised from the "
-                                                         "reward model (or the first `kind: model` reward source)")
+    critic: Optional[ModelCfg] = Field(None, description="value model (gae only); without critic.name_or_path "
+                                                         "initialised from the reward model (or the first `kind: "
+                                                         "model` reward source)")
     reward_model: Optional[str] = Field(None, description="directory of a reward model "
                                                           "(AutoModelForSequenceClassification), weight 1")
     rewards: list[RewardSourceCfg] = Field(default_factory=list, description="further reward sources "
@@ -504,8 +510,10 @@ class PPOConfig(Cfg):
 
     @property
     def critic_init(self) -> Optional[str]:
-        """Where the critic starts: `critic.name_or_path`, else the reward model, else the first model source."""
-        if self.critic is not None:
+        """Where the critic starts: `critic.name_or_path` when set, else the reward model, else the first
+        model source. A critic section that sets other fields only (``critic.freeze_layers``) still
+        starts from the reward model, not from ModelCfg's default model."""
+        if self.critic is not None and "name_or_path" in self.critic.model_fields_set:
             return self.critic.name_or_path
         if self.reward_model:
             return self.reward_model

@@ -68,3 +68,28 @@ def test_ppo_stops_when_a_weight_push_goes_wrong(tiny_model, tiny_rm, tiny_data,
     _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "good", "train.max_steps=1")
     row = [r for r in metrics(tmp_path / "good") if "sync/logprob_mean_diff" in r][-1]
     assert row["sync/logprob_mean_diff"] <= 0.05
+
+
+def test_frozen_trunk_shared_by_reward_and_critic(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):
+    """The critic starts from the RM and freezes its lowest layer: the reward model and the critic
+    then run that layer once per sequence (the experience's scores and values, and the critic's
+    update forwards), and the run trains to the weights of the run without sharing."""
+    from turborlhf.models import trunk
+
+    hits = []
+    trunk.TrunkCache.get, get = (lambda self, k: hits.append(k in self._rows) or get(self, k)), trunk.TrunkCache.get
+    try:
+        _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "shared", "critic.freeze_layers=1")
+    finally:
+        trunk.TrunkCache.get = get
+    assert re.search(r"shared frozen trunk +reward, critic: lower 1 layers\n", capsys.readouterr().out)
+    # per step: 4 rows scored by the RM (4 misses), valued by the critic (4 hits), then 2 epochs ×
+    # 2 mini-batches of the critic's update (8 hits); 3 steps
+    assert (hits.count(False), hits.count(True)) == (12, 36)
+    _ppo(tiny_model, tiny_rm, tiny_data, tmp_path / "whole", "critic.freeze_layers=1",
+         "distributed.share_frozen_trunk=false")
+    assert re.search(r"shared frozen trunk +no\n", capsys.readouterr().out)
+    assert max_weight_diff(weights(tmp_path / "shared"), weights(tmp_path / "whole")) < 1e-5
+    for a, b in zip(metrics(tmp_path / "shared"), metrics(tmp_path / "whole")):
+        if "critic/loss" in a:
+            assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4)

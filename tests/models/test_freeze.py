@@ -77,3 +77,15 @@ def test_pipeline_critic_section_still_starts_from_the_runs_reward_model(tmp_pat
     ppo = stage_configs(cfg, "m")["ppo"]
     assert ppo.critic.freeze_layers == 3 and ppo.critic_init == str(tmp_path / "rm")
     assert stage_configs(PipelineConfig(run_dir=str(tmp_path), model="m"), "m")["ppo"].critic is None
+
+
+def test_ppo_critic_section_without_a_model_starts_from_the_reward_model():
+    """`turborlhf ppo ... critic.freeze_layers=N`: the critic section's other fields do not make the
+    critic start from ModelCfg's default model (a SmolLM2 critic beside a tiny policy once trained
+    silently); critic.name_or_path still wins when set."""
+    from turborlhf.config import PPOConfig
+
+    base = dict(actor={"name_or_path": "a"}, reward_model="rm", data={"prompts_file": "p.jsonl"})
+    assert PPOConfig(**base, critic={"freeze_layers": 1}).critic_init == "rm"
+    assert PPOConfig(**base, critic={"name_or_path": "c", "freeze_layers": 1}).critic_init == "c"
+    assert PPOConfig(**base).critic_init == "rm"

@@ -72,13 +72,32 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
     the form its attention needs (`_custom_mask`: additive for eager attention, with the sliding
     window of sliding-window layers applied), as transformers does for the masks it builds.
     """
-    if position_ids_BT is None:
-        position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
     backbone = backbone_of(model)
-    if attention_mask_BT.dim() == 2 and packs_sequences(backbone) and not bool(attention_mask_BT.all()):
-        return _packed_hidden_states(backbone, input_ids_BT, attention_mask_BT.bool(), position_ids_BT)
-    mask = _custom_mask(backbone, attention_mask_BT, position_ids_BT) if attention_mask_BT.dim() == 4 else attention_mask_BT
+    if attention_mask_BT.dim() == 2:
+        trunk = getattr(backbone, "_turborlhf_trunk", None)
+        if position_ids_BT is None:
+            position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+            if trunk is not None:        # positions follow from the mask, so a row's tokens are its key
+                from turborlhf.models.trunk import trunk_hidden_states
+
+                return trunk_hidden_states(backbone, trunk, input_ids_BT, attention_mask_BT, position_ids_BT,
+                                           _stack_hidden_states)
+        return _stack_hidden_states(backbone, input_ids_BT, attention_mask_BT, position_ids_BT)
+    mask = _custom_mask(backbone, attention_mask_BT, position_ids_BT)
     out = backbone(input_ids=input_ids_BT, attention_mask=mask, position_ids=position_ids_BT, use_cache=False)
+    return out.last_hidden_state
+
+
+def _stack_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                         position_ids_BT: torch.Tensor, inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The decoder stack over a 2-D padding mask (packed without the padding where
+    `packs_sequences`), from the token ids or from `inputs_embeds_BTH` (the hidden states a
+    shared trunk computed, `turborlhf.models.trunk`)."""
+    if packs_sequences(backbone) and not bool(attention_mask_BT.all()):
+        return _packed_hidden_states(backbone, input_ids_BT, attention_mask_BT.bool(), position_ids_BT,
+                                     inputs_embeds_BTH)
+    src = dict(input_ids=input_ids_BT) if inputs_embeds_BTH is None else dict(inputs_embeds=inputs_embeds_BTH)
+    out = backbone(**src, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
     return out.last_hidden_state
 
 
@@ -130,7 +149,7 @@ def packs_sequences(backbone: nn.Module) -> bool:
 
 
 def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor,
-                          position_ids_BT: torch.Tensor) -> torch.Tensor:
+                          position_ids_BT: torch.Tensor, inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`hidden_states` without the padding: the N real tokens of the B rows go through the stack as
     one row ``1×N`` (positions restart with each sequence; attention stays within a sequence via
     flash-attention's varlen arguments ``cu_seq_lens_q/k``, ``max_length_q/k``), and the hidden
@@ -144,7 +163,9 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
     cu = torch.nn.functional.pad(lens_B.cumsum(0), (1, 0)).to(torch.int32)
     max_len = int(lens_B.max())
     N = idx_N.shape[0]
-    out = backbone(input_ids=input_ids_BT.reshape(-1)[idx_N][None], position_ids=position_ids_BT.reshape(-1)[idx_N][None],
+    src = (dict(input_ids=input_ids_BT.reshape(-1)[idx_N][None]) if inputs_embeds_BTH is None
+           else dict(inputs_embeds=inputs_embeds_BTH.reshape(B * T, -1)[idx_N][None]))
+    out = backbone(**src, position_ids=position_ids_BT.reshape(-1)[idx_N][None],
                    # no padding in the one packed row: the mask builder returns None (the varlen attention masks)
                    attention_mask=torch.ones(1, N, dtype=torch.long, device=input_ids_BT.device), use_cache=False,
                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)

@@ -69,6 +69,7 @@ from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, se
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import load_tokenizer
 from turborlhf.models.reference import same_model
+from turborlhf.models.trunk import clear_trunk_caches
 from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 import turborlhf.trainers.ppo.rlvr as rlvr     # dynamic sampling, score shaping, rollout correction
@@ -79,7 +80,7 @@ from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_sc
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
-__all__ = ["phases", "train", "train_steps", "make_experience", "score_and_advantages", "ppo_update", "merge_rank_stats",
+__all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update", "merge_rank_stats",
            "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     fields, for reward functions (`turborlhf.rewards.functions`); ``tool_mask``: per row, the tokens
     ``rollout.tool`` wrote (no actor loss)."""
     mb = cfg.train.micro_batch_size
+    clear_trunk_caches()                     # shared trunks (`share_trunks`): a new batch of sequences
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
     B, R = mask.shape
     rows = lambda s: (ids[s], attn[s])                                              # noqa: E731
@@ -379,10 +381,29 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
         cluster.shutdown()
 
 
+def share_trunks(cluster, cfg: PPOConfig) -> str:
+    """``distributed.share_frozen_trunk``: the roles in this process (local backend) whose frozen
+    lower layers are equal compute them once per sequence (`turborlhf.models.trunk`). Returns
+    what is shared, for the batch table ("no" when nothing is)."""
+    from turborlhf.models.trunk import share_frozen_trunk
+
+    D = cfg.distributed
+    if not D.share_frozen_trunk or D.backend != "local" or D.ref_reward_offload:
+        return "no"
+    named = []
+    for role in ("actor", "reference", "reward", "critic"):
+        obj = getattr(cluster.get(role), "obj", None)
+        if obj is not None:
+            named += [(role, m) for m in (obj._models() if hasattr(obj, "_models") else [obj.model])]
+    groups = share_frozen_trunk([m for _, m in named])
+    return "; ".join(f"{', '.join(named[i][0] for i in idx)}: lower {n} layers" for idx, n in groups) or "no"
+
+
 def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path],
          columns: Optional[list[dict]] = None) -> Iterator[tuple[int, int, dict]]:
     A, D = cfg.algo, cfg.distributed
     info = cluster["actor"].run("info")[0]
+    shared = share_trunks(cluster, cfg)
     rollout_rows = A.prompts_per_step * A.n_samples_per_prompt
     print_batch_table("ppo", [("prompts", len(prompt_ids)), ("prompts_per_step", A.prompts_per_step),
                               ("n_samples_per_prompt", A.n_samples_per_prompt),
@@ -398,6 +419,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                               ("reward sources", ", ".join(f"{n}×{w:g}" for n, w in cluster["reward"].run("sources")[0])),
                               ("ptx examples", info["ptx_examples"]),
                               ("rollout_engine", cluster["rollout"].run("engine_name")[0]),
+                              ("shared frozen trunk", shared),
                               ("backend", D.backend),
                               ("workers", ", ".join(f"{r}×{g.world_size}" for r, g in cluster.groups.items()))])
     kl_ctl = (AdaptiveKLController(A.kl_coef, A.kl_target, A.kl_horizon) if A.kl_target is not None
