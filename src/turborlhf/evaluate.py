@@ -117,8 +117,8 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
     fraction, and with `reference_dir` the k1 KL estimate Σ_t (log π − log π_ref) averaged over
     the sampled responses (log π: the fp32 engine's temperature-1 log-probs of its samples, else a
-    policy forward; ``kl_policy_logprobs`` says which). A response cut at `max_new_tokens` is scored as cut (no EOS added),
-    exactly as PPO's reward sees it.
+    policy forward; ``kl_policy_logprobs`` says which). A response cut at `max_new_tokens` is
+    scored as cut (no EOS added), exactly as PPO's reward sees it.
 
     A conditional-SFT policy (its directory holds ``conditional_sft.json``) generates from prompts
     conditioned with the tag of bin `tag_bin` (default: its best bin; `use_tag=False` turns this

@@ -89,7 +89,8 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
 
 
 def _stack_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                         position_ids_BT: torch.Tensor, inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         position_ids_BT: torch.Tensor,
+                         inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The decoder stack over a 2-D padding mask (packed without the padding where
     `packs_sequences`), from the token ids or from `inputs_embeds_BTH` (the hidden states a
     shared trunk computed, `turborlhf.models.trunk`)."""
@@ -149,7 +150,8 @@ def packs_sequences(backbone: nn.Module) -> bool:
 
 
 def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor,
-                          position_ids_BT: torch.Tensor, inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          position_ids_BT: torch.Tensor,
+                          inputs_embeds_BTH: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`hidden_states` without the padding: the N real tokens of the B rows go through the stack as
     one row ``1×N`` (positions restart with each sequence; attention stays within a sequence via
     flash-attention's varlen arguments ``cu_seq_lens_q/k``, ``max_length_q/k``), and the hidden

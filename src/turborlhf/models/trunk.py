@@ -133,7 +133,8 @@ def trunk_layers(a: nn.Module, b: nn.Module) -> int:
         return 0
     if getattr(ba, "rotary_emb", None) is not None:
         ra, rb = ba.rotary_emb, bb.rotary_emb
-        if not torch.equal(ra.inv_freq, rb.inv_freq) or getattr(ra, "attention_scaling", 1) != getattr(rb, "attention_scaling", 1):
+        same_scale = getattr(ra, "attention_scaling", 1) == getattr(rb, "attention_scaling", 1)
+        if not (same_scale and torch.equal(ra.inv_freq, rb.inv_freq)):
             return 0
     la, lb = decoder_layers(a), decoder_layers(b)
     n = 0

@@ -109,7 +109,8 @@ def raw_token_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor) -> torch.Te
 
 def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: Optional[Sequence[int] | torch.Tensor] = None,
-           generator: Optional[torch.Generator] = None, raw_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: Optional[torch.Generator] = None,
+           raw_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits_BV: B×V raw logits. temperature: 0 → greedy argmax. top_k <= 0 and top_p == 1 are off.

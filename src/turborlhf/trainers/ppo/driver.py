@@ -77,11 +77,11 @@ from turborlhf.trainers.ppo.actor import ActorWorker
 from turborlhf.trainers.ppo.async_rollout import RolloutPipeline, rollout_pipeline
 from turborlhf.trainers.ppo.critic import CriticWorker
 from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
-from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker
+from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, role_models
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
-__all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update", "merge_rank_stats",
-           "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
+__all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update",
+           "merge_rank_stats", "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +394,7 @@ def share_trunks(cluster, cfg: PPOConfig) -> str:
     for role in ("actor", "reference", "reward", "critic"):
         obj = getattr(cluster.get(role), "obj", None)
         if obj is not None:
-            named += [(role, m) for m in (obj._models() if hasattr(obj, "_models") else [obj.model])]
+            named += [(role, m) for m in role_models(obj)]
     groups = share_frozen_trunk([m for _, m in named])
     return "; ".join(f"{', '.join(named[i][0] for i in idx)}: lower {n} layers" for idx, n in groups) or "no"
 

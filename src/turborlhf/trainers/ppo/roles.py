@@ -47,7 +47,7 @@ from turborlhf.trainers.ppo.experience import Experience, shares_prompts
 from turborlhf.trainers.ppo.rollout import logprobs_mode
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
-           "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats"]
+           "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats", "role_models"]
 
 STATE_FILE = "worker_state.pt"
 
@@ -303,6 +303,12 @@ class RewardWorker(_Offload):
             total, per = self.reward(RewardInputs(ids_BS.to(self.device), attn_BS.to(self.device), prompt_ids,
                                                   response_ids, self.tok, rows_to_columns(columns)))
         return total.cpu(), {k: v.cpu() for k, v in per.items()}
+
+
+def role_models(worker) -> list[torch.nn.Module]:
+    """The models a role worker of this process holds: the trained model of the actor or critic,
+    the reference model, every reward model (the driver's trunk sharing looks at them)."""
+    return worker._models() if isinstance(worker, _Offload) else [worker.model]
 
 
 class RolloutWorker:
