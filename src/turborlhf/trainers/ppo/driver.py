@@ -69,7 +69,7 @@ from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, se
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import load_tokenizer
 from turborlhf.models.reference import same_model
-from turborlhf.models.trunk import clear_trunk_caches
+from turborlhf.models.trunk import clear_trunk_caches, share_frozen_trunk
 from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
 import turborlhf.trainers.ppo.rlvr as rlvr     # dynamic sampling, score shaping, rollout correction
@@ -385,8 +385,6 @@ def share_trunks(cluster, cfg: PPOConfig) -> str:
     """``distributed.share_frozen_trunk``: the roles in this process (local backend) whose frozen
     lower layers are equal compute them once per sequence (`turborlhf.models.trunk`). Returns
     what is shared, for the batch table ("no" when nothing is)."""
-    from turborlhf.models.trunk import share_frozen_trunk
-
     D = cfg.distributed
     if not D.share_frozen_trunk or D.backend != "local" or D.ref_reward_offload:
         return "no"

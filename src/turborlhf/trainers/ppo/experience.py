@@ -23,7 +23,7 @@ from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.engine.parallel import dp_rank_world
 
-__all__ = ["Experience", "assemble", "shares_prompts", "minibatch_schedule", "row_shards", "rank_micro_batches",
+__all__ = ["Experience", "assemble", "shares_prompts", "logprobs_mode", "minibatch_schedule", "row_shards", "rank_micro_batches",
            "minibatch_counts", "use_fused_update"]
 
 assemble = assemble_prompt_response     # the batch layout of the module docstring
@@ -71,6 +71,13 @@ class Experience:
         if torch.device(device).type == "cpu":
             return self
         return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+
+
+def logprobs_mode(cfg: PPOConfig) -> str:
+    """The engines' `SamplingParams.logprobs_mode`: ``raw_logprobs`` when they stand in for the
+    trainer's old log-probs (``algo.old_logprobs: rollout``), else ``processed_logprobs`` (the
+    sampling distribution's, for the mismatch metrics and TIS/MIS)."""
+    return "raw_logprobs" if cfg.algo.old_logprobs == "rollout" else "processed_logprobs"
 
 
 def shares_prompts(A: PPOAlgoCfg) -> bool:

@@ -43,8 +43,7 @@ from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_column
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.sync import check_engine, make_canary
 from turborlhf.rollout.tools import make_tool
-from turborlhf.trainers.ppo.experience import Experience, shares_prompts
-from turborlhf.trainers.ppo.rollout import logprobs_mode
+from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_prompts
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
            "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats", "role_models"]

@@ -11,16 +11,9 @@ import torch
 
 from turborlhf.config import PPOConfig
 from turborlhf.rollout.base import SamplingParams
-from turborlhf.trainers.ppo.experience import row_shards
+from turborlhf.trainers.ppo.experience import logprobs_mode, row_shards
 
-__all__ = ["rollout_items", "generate", "submit_rows", "score_rows", "logprobs_mode"]
-
-
-def logprobs_mode(cfg: PPOConfig) -> str:
-    """The engines' `SamplingParams.logprobs_mode`: ``raw_logprobs`` when they stand in for the
-    trainer's old log-probs (``algo.old_logprobs: rollout``), else ``processed_logprobs`` (the
-    sampling distribution's, for the mismatch metrics and TIS/MIS)."""
-    return "raw_logprobs" if cfg.algo.old_logprobs == "rollout" else "processed_logprobs"
+__all__ = ["rollout_items", "generate", "submit_rows", "score_rows"]
 
 
 def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
