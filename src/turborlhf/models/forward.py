@@ -29,6 +29,7 @@ from turborlhf.algo.losses import entropy_from_logits
 from turborlhf.data.tokenize import pad_batch, pad_masks
 from turborlhf.engine.train import autocast
 from turborlhf.models.load import backbone_of
+from turborlhf.models.trunk import trunk_hidden_states
 
 __all__ = ["hidden_states", "packs_sequences", "shared_prompt_hidden_states", "prompt_end", "SegmentPlan",
            "response_logprobs", "summed_logps", "sequence_logps", "last_token_scores", "token_values", "last_index",
@@ -71,6 +72,8 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
     attend), in which case `position_ids_BT` must be given. A 4-D mask is handed to the model in
     the form its attention needs (`_custom_mask`: additive for eager attention, with the sliding
     window of sliding-window layers applied), as transformers does for the masks it builds.
+    A model that shares frozen lower layers with others (`turborlhf.models.trunk`) reads their
+    output from the shared cache for a 2-D mask and runs only its upper layers.
     """
     backbone = backbone_of(model)
     if attention_mask_BT.dim() == 2:
@@ -78,8 +81,6 @@ def hidden_states(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_B
         if position_ids_BT is None:
             position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
             if trunk is not None:        # positions follow from the mask, so a row's tokens are its key
-                from turborlhf.models.trunk import trunk_hidden_states
-
                 return trunk_hidden_states(backbone, trunk, input_ids_BT, attention_mask_BT, position_ids_BT,
                                            _stack_hidden_states)
         return _stack_hidden_states(backbone, input_ids_BT, attention_mask_BT, position_ids_BT)
