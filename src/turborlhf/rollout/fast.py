@@ -439,7 +439,7 @@ class FastEngine(FastEngineWeights):
         library's three-pass sampler when the kernel linears are loaded, after `top_p_filter` on
         the temperature-scaled logits where top-p is on (the same uniforms from `gen`, so the same
         draws up to float rounding at a CDF boundary). With ``logprobs_mode="raw_logprobs"`` the
-        log-probs are the temperature-1 ones of the unmodified logits (`raw_token_logprobs`)."""
+        log-probs are the temperature-1 ones: the log-softmax of the unmodified logits."""
         if params.logprobs_mode == "raw_logprobs":
             raw_BV = logits_BV.float().log_softmax(-1)        # before the sampler may touch the logits
             ids_B, _ = self._sample_processed(logits_BV, params, suppress, gen)

@@ -21,7 +21,6 @@ __all__ = [
     "top_p_filter",
     "inverse_cdf_sample",
     "sample",
-    "raw_token_logprobs",
 ]
 
 _NEG_INF = float("-inf")
@@ -100,17 +99,9 @@ def inverse_cdf_sample(logits_BV: torch.Tensor, generator: Optional[torch.Genera
     return ids_B1.squeeze(-1), logp_B
 
 
-def raw_token_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits_BV)[b, ids_B[b]]`` in fp32 (``B``): the temperature-1 log-probability of
-    each row's token before any sampling transform (vLLM's ``raw_logprobs``)."""
-    x_BV = logits_BV.float()
-    return (x_BV.gather(-1, ids_B[:, None]) - torch.logsumexp(x_BV, dim=-1, keepdim=True)).squeeze(-1)
-
-
 def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: Optional[Sequence[int] | torch.Tensor] = None,
-           generator: Optional[torch.Generator] = None,
-           raw_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits_BV: B×V raw logits. temperature: 0 → greedy argmax. top_k <= 0 and top_p == 1 are off.
@@ -120,16 +111,11 @@ def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
     Returns (ids_B int64, logp_B float32). logp is the log-probability of the sampled token under
     the distribution actually sampled from (temperature-scaled and filtered); for greedy it is
     the log-probability under the temperature-1 distribution (after suppression), since the
-    greedy "distribution" is degenerate. With `raw_logprobs` it is the log-probability under the
-    unmodified temperature-1 distribution of `logits_BV` instead (vLLM's ``raw_logprobs``).
+    greedy "distribution" is degenerate.
     Raises ValueError for temperature < 0.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if raw_logprobs:
-        ids_B, _ = sample(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p, suppress_ids=suppress_ids,
-                          generator=generator)
-        return ids_B, raw_token_logprobs(logits_BV, ids_B)
     x_BV = suppress_tokens(logits_BV.float(), suppress_ids)
     if temperature == 0:
         ids_B = x_BV.argmax(dim=-1)
