@@ -508,12 +508,31 @@ class PPOConfig(Cfg):
                                         description="placement of the roles: local or Ray, devices, colocation")
     output_dir: str = Field("runs/ppo", description="where checkpoints, metrics and the final actor go")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _critic_section_starts_from_the_reward_model(cls, data: Any) -> Any:
+        """A critic section without ``name_or_path`` (``critic.freeze_layers=N`` alone) gets the
+        reward model's path written in, so the critic starts from the RM, not from ModelCfg's
+        default model, and the saved config says so (it then survives a dump and reload)."""
+        if not isinstance(data, dict) or data.get("critic") is None:
+            return data
+        critic = data["critic"]
+        if isinstance(critic, BaseModel):
+            if "name_or_path" in critic.model_fields_set:
+                return data
+            critic = critic.model_dump(exclude_unset=True)
+        elif not isinstance(critic, dict) or "name_or_path" in critic:
+            return data
+        get = lambda r, k: r.get(k) if isinstance(r, dict) else getattr(r, k, None)     # noqa: E731
+        init = data.get("reward_model") or next((get(r, "path") for r in data.get("rewards") or []
+                                                 if get(r, "kind") == "model"), None)
+        return {**data, "critic": {**critic, "name_or_path": init}} if init else data
+
     @property
     def critic_init(self) -> Optional[str]:
-        """Where the critic starts: `critic.name_or_path` when set, else the reward model, else the first
-        model source. A critic section that sets other fields only (``critic.freeze_layers``) still
-        starts from the reward model, not from ModelCfg's default model."""
-        if self.critic is not None and "name_or_path" in self.critic.model_fields_set:
+        """Where the critic starts: `critic.name_or_path` (a critic section without it gets the
+        reward model's), else the reward model, else the first model source."""
+        if self.critic is not None:
             return self.critic.name_or_path
         if self.reward_model:
             return self.reward_model

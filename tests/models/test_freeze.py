@@ -85,7 +85,15 @@ def test_ppo_critic_section_without_a_model_starts_from_the_reward_model():
     silently); critic.name_or_path still wins when set."""
     from turborlhf.config import PPOConfig
 
+    from turborlhf.config import config_to_dict
+
     base = dict(actor={"name_or_path": "a"}, reward_model="rm", data={"prompts_file": "p.jsonl"})
-    assert PPOConfig(**base, critic={"freeze_layers": 1}).critic_init == "rm"
+    cfg = PPOConfig(**base, critic={"freeze_layers": 1})
+    assert cfg.critic_init == "rm" and cfg.critic.freeze_layers == 1
+    assert PPOConfig(**config_to_dict(cfg)).critic_init == "rm"              # the saved config says so too
+    assert PPOConfig(**base, critic=ModelCfg(freeze_layers=1)).critic_init == "rm"      # the Python API's form
     assert PPOConfig(**base, critic={"name_or_path": "c", "freeze_layers": 1}).critic_init == "c"
     assert PPOConfig(**base).critic_init == "rm"
+    sources = dict(base, reward_model=None, rewards=[{"kind": "function", "path": "f.py:g"},
+                                                     {"kind": "model", "path": "rm2"}])
+    assert PPOConfig(**sources, critic={"freeze_layers": 1}).critic_init == "rm2"
