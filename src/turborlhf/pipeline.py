@@ -46,8 +46,6 @@ def stage_configs(cfg: PipelineConfig, model: str) -> dict:
     pairs = {"train_file": str(data / "train_pairs.jsonl"), "test_file": str(data / "test_pairs.jsonl")}
     ppo_base = {"actor": {"name_or_path": sft_out}, "reference": sft_out, "reward_model": str(run_dir / "rm"),
                 "output_dir": str(run_dir / "ppo"), "data": {"prompts_file": str(data / "train_prompts.jsonl")}}
-    if "critic" in cfg.ppo:         # a critic section (e.g. freeze_layers) still starts from this run's RM
-        ppo_base["critic"] = {"name_or_path": str(run_dir / "rm")}
     return {
         "sft": _stage_cfg(SFTConfig, {"model": {"name_or_path": model}, "output_dir": str(run_dir / "sft"),
                                       "data": pairs}, cfg.sft, "sft"),
