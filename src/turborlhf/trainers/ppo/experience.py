@@ -23,8 +23,8 @@ from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.engine.parallel import dp_rank_world
 
-__all__ = ["Experience", "assemble", "shares_prompts", "logprobs_mode", "minibatch_schedule", "row_shards", "rank_micro_batches",
-           "minibatch_counts", "use_fused_update"]
+__all__ = ["Experience", "assemble", "shares_prompts", "logprobs_mode", "minibatch_schedule", "row_shards",
+           "rank_micro_batches", "minibatch_counts", "use_fused_update"]
 
 assemble = assemble_prompt_response     # the batch layout of the module docstring
 
