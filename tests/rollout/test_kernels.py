@@ -181,8 +181,46 @@ def test_pack_rows_in_pieces_equals_whole(dtype):
         for r0, r1 in ((0, 40), (40, 48), (48, 96)):                  # q/k/v-like and gate/up-like cuts
             KERN.pack_rows(W[r0:r1], parts, r0, 96, swiglu)
         assert torch.equal(whole, parts)
-    with pytest.raises(ValueError, match="x must be contiguous"):   # x in another dtype than W
+    with pytest.raises(ValueError, match="no linears for torch.float16 x"):   # x in another dtype than W
         KERN.linear(torch.zeros(2, 64, dtype=torch.float16), whole, 96)
+
+
+@needs_f32_linear
+@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (8, 576, 960), (13, 64, 40), (33, 130, 70)])
+def test_bf16_weight_linears_match_rounded_fp32_reference(M, K, N):
+    """fp32 activations with bf16-stored weights (`weight_dtype=torch.bfloat16`): exactly the fp32
+    maths of the bf16-rounded weights (widening is exact), for all three ops and the tails."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x = torch.randn(M, K, generator=g)
+    W = torch.randn(N, K, generator=g) / K ** 0.5
+    b, other = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    Wr = W.bfloat16().float()                                        # round to nearest even
+    ref = x @ Wr.T + b
+    assert not torch.allclose(x @ W.T + b, ref, atol=1e-4, rtol=1e-4)   # the rounding is visible
+    p = KERN.new_packed(N, K, False, torch.float32, torch.bfloat16)
+    assert p.dtype == torch.bfloat16 and p.numel() == KERN.packed_numel(N, K, False, torch.float32)
+    for r0, r1 in ((0, N // 3), (N // 3, N)):                       # packed in pieces, from fp32 rows
+        KERN.pack_rows(W[r0:r1], p, r0, N, dtype=torch.float32)
+    assert torch.allclose(KERN.linear(x, p, N, b), ref, atol=1e-4, rtol=1e-4)
+    y = KERN.linear(x, p, N, None, other, KERN.ADD)
+    assert y.dtype == torch.float32 and torch.allclose(y, ref - b + other, atol=1e-4, rtol=1e-4)
+    if N % 2 == 0:
+        I = N // 2
+        ps = KERN.new_packed(N, K, True, torch.float32, torch.bfloat16)
+        KERN.pack_rows(W, ps, 0, N, True, dtype=torch.float32)
+        want = torch.nn.functional.silu(ref[:, :I]) * ref[:, I:]
+        assert torch.allclose(KERN.linear(x, ps, N, b, op=KERN.SWIGLU), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_f32_linear
+def test_bf16_weight_linear_errors():
+    with pytest.raises(ValueError, match="with torch.float32 weights"):   # only fp32 compute widens
+        KERN.new_packed(96, 64, False, torch.bfloat16, torch.float32)
+    p = KERN.new_packed(96, 64, False, torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="does not match|no linears for torch.bfloat16 x"):  # packed for fp32 x
+        KERN.linear(torch.zeros(2, 64, dtype=torch.bfloat16), p, 96)
+    with pytest.raises(ValueError, match="no linears for torch.float16 x"):
+        KERN.linear(torch.zeros(2, 64, dtype=torch.float16), p, 96)
 
 
 @needs_linear
@@ -214,11 +252,13 @@ def test_kernel_backend_with_biases_and_untied_head(prompts):
     assert max(abs(x - y) for ra, rb in zip(out.logprobs, a) for x, y in zip(ra, rb)) < 0.1
 
 
-@LINEAR_DTYPES
-def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype):
+@pytest.mark.parametrize("dtype,weight_dtype", [pytest.param(torch.bfloat16, None, marks=needs_linear),
+                                                pytest.param(torch.float32, None, marks=needs_f32_linear),
+                                                pytest.param(torch.float32, "bf16", marks=needs_f32_linear)])
+def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype, weight_dtype):
     """decode_layers (all layers of a step in one C call) runs the same kernels in the same
     order as the per-layer calls: identical tokens and log-probs, bit for bit."""
-    eng = FastEngine(model, dtype=dtype, linear_backend="kernel")
+    eng = FastEngine(model, dtype=dtype, linear_backend="kernel", weight_dtype=weight_dtype)
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=4, return_logprobs=True)
     calls = []
     real = eng._k.decode_layers
@@ -229,6 +269,52 @@ def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype)
     per_layer = eng.generate(prompts, sp)
     assert len(calls) == 9
     assert one.response_ids == per_layer.response_ids and one.logprobs == per_layer.logprobs
+
+
+def _round_matrices(model):
+    """A copy of `model` whose linear layers' weights (the decoder's and the LM head) are rounded
+    to bf16 and back: the policy a FastEngine with weight_dtype='bf16' runs, in plain fp32."""
+    import copy
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(mod.weight.bfloat16().float())
+    return m
+
+
+@needs_f32_linear
+def test_engine_with_bf16_weights_samples_the_rounded_policy(prompts):
+    """weight_dtype='bf16': the weight matrices are rounded to bf16, everything else is fp32, so
+    the engine equals an fp32 engine on a model with those matrices rounded (same draws, log-probs
+    to fp32 noise), scores what it samples, and differs from the unrounded fp32 engine."""
+    model = tiny_llama(3, tie=False)
+    w16 = FastEngine(model, dtype="fp32", weight_dtype="bf16")
+    assert w16.weight_dtype == torch.bfloat16 and w16._kp[0].dtype == torch.bfloat16
+    rounded = FastEngine(_round_matrices(model), dtype="fp32", linear_backend="kernel")
+    exact = FastEngine(model, dtype="fp32", linear_backend="kernel")
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2, n=2, return_logprobs=True)
+    a, b = w16.generate(prompts, sp), rounded.generate(prompts, sp)
+    assert a.response_ids == b.response_ids
+    diff = lambda u, v: max(abs(x - y) for ru, rv in zip(u, v) for x, y in zip(ru, rv))  # noqa: E731
+    assert diff(a.logprobs, b.logprobs) < 1e-4
+    rep = [p for p in prompts for _ in range(2)]
+    assert diff(w16.score_logprobs(rep, a.response_ids), a.logprobs) < 1e-4
+    assert diff(exact.score_logprobs(rep, a.response_ids), a.logprobs) > 1e-4
+    # a weight push re-rounds in place
+    w16.load_weights(rounded_state := _round_matrices(tiny_llama(4, tie=False)).state_dict().items())
+    del rounded_state
+    c = w16.generate(prompts, sp)
+    d = FastEngine(tiny_llama(4, tie=False), dtype="fp32", weight_dtype="bf16").generate(prompts, sp)
+    assert c.response_ids == d.response_ids and diff(c.logprobs, d.logprobs) < 1e-5
+
+
+def test_bf16_weight_storage_errors(model):
+    with pytest.raises(ValueError, match="only bf16 weights with fp32 compute"):
+        FastEngine(model, dtype="bf16", weight_dtype="fp32")
+    with pytest.raises(ValueError, match="needs the fp32 kernel linears"):
+        FastEngine(model, dtype="fp32", linear_backend="dense", weight_dtype="bf16")
+    assert FastEngine(model, dtype="fp32", linear_backend="dense", weight_dtype="fp32").weight_dtype == torch.float32
 
 
 @needs_kernels

@@ -33,7 +33,7 @@ _QKV, _O, _GATE, _UP, _DOWN = range(5)
 class FastEngineWeights:
     """The weight half of `FastEngine` (module docstring). It reads what the engine's constructor
     sets: the model sizes (hidden, n_heads, n_kv, head_dim, n_layers, vocab_size, config, tied,
-    biases), `dtype`, and the backend state (`_kl`/`_k` kernels, `_mkl` oneDNN, `int8_max_batch`,
+    biases), `dtype`, `weight_dtype`, and the backend state (`_kl`/`_k` kernels, `_mkl` oneDNN, `int8_max_batch`,
     `_packed`, `_pbias`, `_q8`, `_out_features`)."""
 
     # ------------------------------------------------------------------ weights
@@ -61,7 +61,8 @@ class FastEngineWeights:
         # (name → (slot, first row, its rows, rows of the whole matrix, gate/up fused))
         self._kslots: dict[str, tuple[int, int, int, int, bool]] = {}
         if self._kl:
-            kz = lambda n, k, swiglu=False: self._k.new_packed(n, k, swiglu, self.dtype)  # noqa: E731
+            kz = lambda n, k, swiglu=False: self._k.new_packed(n, k, swiglu, self.dtype,  # noqa: E731
+                                                               self.weight_dtype)
             self._kp: list[Optional[torch.Tensor]] = [None] * (5 * L + 1)
             self._kp[5 * L] = kz(self.vocab_size, E)
             self._out_features[5 * L] = self.vocab_size
@@ -152,7 +153,7 @@ class FastEngineWeights:
                             self._k.packed_numel(N, t.shape[1], swiglu, self.dtype) != self._kp[slot].numel():
                         raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit the engine's "
                                          f"{rows}-row slice of a {N}-row packed matrix")
-                    self._k.pack_rows(t, self._kp[slot], row0, N, swiglu)
+                    self._k.pack_rows(t, self._kp[slot], row0, N, swiglu, self.dtype)
                     if name not in self._slots:               # (a tied embedding is also kept dense)
                         self._unloaded.discard(name)
                         n += 1

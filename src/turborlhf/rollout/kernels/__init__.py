@@ -39,7 +39,9 @@ class DecodeKernels:
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
     has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
     linear_dtypes: the dtypes with packed linears and `decode_layers` (bf16: AVX-512-BF16;
-        float32: AVX2 + FMA). has_sampler: `sample` exists (always; AVX-512 intrinsics or
+        float32: AVX2 + FMA). The float32 linears also read weights stored in bf16
+        (`weight_dtype=torch.bfloat16`: half the bytes, the same fp32 arithmetic, each weight
+        widened exactly). has_sampler: `sample` exists (always; AVX-512 intrinsics or
         vectorised plain loops).
     new_packed / pack_rows → a packed weight; linear(x_MK, packed, N, ...) → y (see decode.c).
     """
@@ -80,6 +82,12 @@ class DecodeKernels:
             lib.f32_linear.restype = None
             lib.decode_layers_f32.argtypes = layers_args
             lib.decode_layers_f32.restype = None
+            lib.w16_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
+            lib.w16_linear_pack_rows.restype = None
+            lib.w16_linear.argtypes = [P, P, P, P, P, I, I, I, I]
+            lib.w16_linear.restype = None
+            lib.decode_layers_w16.argtypes = layers_args
+            lib.decode_layers_w16.restype = None
         for dt, suf in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
             if dt in self.linear_dtypes:
                 self._pack[dt] = getattr(lib, f"{suf}_linear_pack_rows")
@@ -117,33 +125,48 @@ class DecodeKernels:
 
     @staticmethod
     def packed_numel(N: int, K: int, swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Elements of the packed layout of an N × K weight: bf16, 32-output blocks of K/2 bf16
-        pairs; float32, 16-output blocks of K floats."""
+        """Elements of the packed layout of an N × K weight for activations of `dtype`: bf16,
+        32-output blocks of K/2 bf16 pairs; float32, 16-output blocks of K weights (fp32 or bf16)."""
         if dtype == torch.float32:
             return ((N // 2 + 7) // 8 if swiglu else (N + 15) // 16) * K * 16
         return ((N // 2 + 15) // 16 if swiglu else (N + 31) // 32) * ((K + 1) // 2) * 64
 
-    def new_packed(self, N: int, K: int, swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """A zero packed weight for N × K in `dtype` (fill it with `pack_rows`). Raises ValueError
-        for a dtype without linears on this CPU (`linear_dtypes`)."""
-        if dtype not in self.linear_dtypes:
-            raise ValueError(f"no {dtype} decode linears on this CPU (built: {sorted(map(str, self.linear_dtypes))})")
-        return torch.zeros(self.packed_numel(N, K, swiglu, dtype), dtype=dtype)
+    def _pack_fn(self, dtype: torch.dtype, weight_dtype: torch.dtype):
+        """The C packer for (activation dtype, weight storage dtype), or None if not built."""
+        if (dtype, weight_dtype) == (torch.float32, torch.bfloat16):
+            return self.lib.w16_linear_pack_rows if torch.float32 in self.linear_dtypes else None
+        return self._pack.get(dtype) if weight_dtype == dtype else None
 
-    def pack_rows(self, rows_nK: torch.Tensor, packed: torch.Tensor, row0: int, N: int, swiglu: bool = False) -> None:
-        """Write rows [row0, row0 + n) of an N × K weight into `packed` (from `new_packed`).
+    def new_packed(self, N: int, K: int, swiglu: bool = False, dtype: torch.dtype = torch.bfloat16,
+                   weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A zero packed weight for N × K, for activations of `dtype`, stored in `weight_dtype`
+        (default `dtype`; float32 activations also take bf16 weights). Fill it with `pack_rows`.
+        Raises ValueError for a combination without linears on this CPU (`linear_dtypes`)."""
+        wdt = dtype if weight_dtype is None else weight_dtype
+        if self._pack_fn(dtype, wdt) is None:
+            raise ValueError(f"no {dtype} decode linears with {wdt} weights on this CPU "
+                             f"(built: {sorted(map(str, self.linear_dtypes))})")
+        return torch.zeros(self.packed_numel(N, K, swiglu, dtype), dtype=wdt)
+
+    def pack_rows(self, rows_nK: torch.Tensor, packed: torch.Tensor, row0: int, N: int, swiglu: bool = False,
+                  dtype: Optional[torch.dtype] = None) -> None:
+        """Write rows [row0, row0 + n) of an N × K weight into `packed` (from `new_packed` with the
+        same activation `dtype`, default the packed tensor's dtype).
         swiglu: the weight is the fused [gate; up] (N = 2I; rows < I are gate rows), packed so
-        `linear(..., op=SWIGLU)` yields silu(gate)·up. Casts to the packed tensor's dtype. Raises
-        ValueError on a row range outside the weight or a mismatched packed size."""
+        `linear(..., op=SWIGLU)` yields silu(gate)·up. Casts to the packed tensor's dtype (bf16:
+        round to nearest even). Raises ValueError on a row range outside the weight or a
+        mismatched packed size."""
         n, K = rows_nK.shape
         if not 0 <= row0 <= row0 + n <= N or (swiglu and N % 2):
             raise ValueError(f"pack_rows: rows [{row0}, {row0 + n}) do not fit a {'fused gate/up ' if swiglu else ''}"
                              f"weight of {N} rows")
-        dt = packed.dtype
-        if dt not in self._pack or packed.numel() != self.packed_numel(N, K, swiglu, dt):
+        wdt = packed.dtype
+        adt = wdt if dtype is None else dtype
+        fn = self._pack_fn(adt, wdt)
+        if fn is None or packed.numel() != self.packed_numel(N, K, swiglu, adt):
             raise ValueError(f"pack_rows: packed tensor does not match a {N}×{K} weight")
-        src = rows_nK.detach().to(dt).contiguous()
-        self._pack[dt](src.data_ptr(), packed.data_ptr(), n, row0, N, K, int(swiglu))
+        src = rows_nK.detach().to(wdt).contiguous()
+        fn(src.data_ptr(), packed.data_ptr(), n, row0, N, K, int(swiglu))
 
     def linear(self, x_MK: torch.Tensor, packed: torch.Tensor, N: int, bias_N: Optional[torch.Tensor] = None,
                other_MN: Optional[torch.Tensor] = None, op: int = 0, out_f32: bool = False) -> torch.Tensor:
@@ -153,10 +176,14 @@ class DecodeKernels:
         M × N (or N/2) in that dtype, or fp32 with out_f32. Arithmetic: bf16 products summed in
         fp32 (vdpbf16ps); fp32 FMAs."""
         M, K = x_MK.shape
-        dt = packed.dtype
-        if dt not in self._pack or x_MK.dtype != dt or not x_MK.is_contiguous() or (dt == torch.bfloat16 and K % 2):
-            raise ValueError(f"linear: x must be contiguous {dt}{' with an even width' if dt == torch.bfloat16 else ''}"
-                             f", got {x_MK.dtype} {tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
+        dt = x_MK.dtype                  # the activations' dtype picks the layout and the arithmetic
+        w16 = dt == torch.float32 and packed.dtype == torch.bfloat16
+        if self._pack_fn(dt, packed.dtype) is None:
+            raise ValueError(f"linear: no linears for {dt} x with {packed.dtype} weights on this CPU "
+                             f"(built: {sorted(map(str, self.linear_dtypes))}; fp32 x also takes bf16 weights)")
+        if not x_MK.is_contiguous() or (dt == torch.bfloat16 and K % 2):
+            raise ValueError(f"linear: x must be contiguous{' with an even width' if dt == torch.bfloat16 else ''}, "
+                             f"got {x_MK.dtype} {tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
         if packed.numel() != self.packed_numel(N, K, op == self.SWIGLU, dt):
             raise ValueError(f"linear: packed weight does not match a {N}×{K} weight")
         n_out = N // 2 if op == self.SWIGLU else N
@@ -166,8 +193,9 @@ class DecodeKernels:
                 raise ValueError(f"linear: op ADD needs a contiguous {dt} `other` of shape M×N")
         out = torch.empty(M, n_out, dtype=torch.float32 if out_f32 else dt)
         if dt == torch.float32:
-            self.lib.f32_linear(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
-                                None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op)
+            fn = self.lib.w16_linear if w16 else self.lib.f32_linear
+            fn(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
+               None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op)
             return out
         self.lib.bf16_linear(x_MK.data_ptr(), packed.data_ptr(), None if bias_N is None else bias_N.data_ptr(),
                              None if other_MN is None else other_MN.data_ptr(), out.data_ptr(), M, K, N, op,
@@ -186,15 +214,20 @@ class DecodeKernels:
     def decode_layers(self, table, x_BE: torch.Tensor, cos_BD: torch.Tensor, sins_BD: torch.Tensor,
                       K_LBKTD: torch.Tensor, V_LBKTD: torch.Tensor, start_B: torch.Tensor, col: int,
                       n_heads: int, intermediate: int, scale: float, eps: float,
-                      scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      scratch: Optional[torch.Tensor] = None,
+                      weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Every decoder layer of one decode step in one call (see decode.c): x_BE, the residual
         stream (contiguous, a dtype of `linear_dtypes`), is updated in place and returned. K/V:
-        the whole cache L×B×KV×Tmax×D (contiguous). Raises ValueError on a dtype/layout mismatch."""
+        the whole cache L×B×KV×Tmax×D (contiguous). weight_dtype: the table's packed weights'
+        dtype (default x's; float32 activations with bf16 weights use the w16 linears). Raises
+        ValueError on a dtype/layout mismatch."""
         L, B, KV, Tmax, D = K_LBKTD.shape
         E = x_BE.shape[1]
         dt = x_BE.dtype
-        if dt not in self._layers:
-            raise ValueError(f"decode_layers: no {dt} decode linears on this CPU")
+        wdt = dt if weight_dtype is None else weight_dtype
+        if dt not in self._layers or self._pack_fn(dt, wdt) is None:
+            raise ValueError(f"decode_layers: no {dt} decode linears with {wdt} weights on this CPU")
+        layers_fn = self.lib.decode_layers_w16 if wdt != dt else self._layers[dt]
         for name, t in (("x", x_BE), ("cos", cos_BD), ("sins", sins_BD), ("K", K_LBKTD), ("V", V_LBKTD)):
             if t.dtype != dt or not t.is_contiguous():
                 raise ValueError(f"decode_layers: {name} must be contiguous {dt}")
@@ -205,9 +238,9 @@ class DecodeKernels:
         need = B * (2 * E + (n_heads + 2 * KV) * D + n_heads * D + intermediate)
         if scratch is None or scratch.numel() < need or scratch.dtype != dt:
             scratch = torch.empty(need, dtype=dt)
-        self._layers[dt](x_BE.data_ptr(), B, L, table, cos_BD.data_ptr(), sins_BD.data_ptr(),
-                                    K_LBKTD.data_ptr(), V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(),
-                                    E, n_heads, KV, D, intermediate, Tmax, col, scale, eps, scratch.data_ptr())
+        layers_fn(x_BE.data_ptr(), B, L, table, cos_BD.data_ptr(), sins_BD.data_ptr(), K_LBKTD.data_ptr(),
+                  V_LBKTD.data_ptr(), B * KV * Tmax * D, start_B.data_ptr(), E, n_heads, KV, D, intermediate,
+                  Tmax, col, scale, eps, scratch.data_ptr())
         return x_BE
 
     def sample(self, logits_BV: torch.Tensor, temperature: float, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
