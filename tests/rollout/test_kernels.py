@@ -272,23 +272,24 @@ def test_decode_layers_in_one_call_equals_per_layer_calls(model, prompts, dtype,
 
 
 def _round_matrices(model):
-    """A copy of `model` whose linear layers' weights (the decoder's and the LM head) are rounded
-    to bf16 and back: the policy a FastEngine with weight_dtype='bf16' runs, in plain fp32."""
+    """A copy of `model` whose 2-D weights (embeddings, the decoder's matrices and the LM head) are
+    rounded to bf16 and back: the policy a FastEngine with weight_dtype='bf16' runs, in plain fp32."""
     import copy
     m = copy.deepcopy(model)
     with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(mod.weight.bfloat16().float())
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
     return m
 
 
 @needs_f32_linear
-def test_engine_with_bf16_weights_samples_the_rounded_policy(prompts):
-    """weight_dtype='bf16': the weight matrices are rounded to bf16, everything else is fp32, so
-    the engine equals an fp32 engine on a model with those matrices rounded (same draws, log-probs
-    to fp32 noise), scores what it samples, and differs from the unrounded fp32 engine."""
-    model = tiny_llama(3, tie=False)
+@pytest.mark.parametrize("tie", [False, True])
+def test_engine_with_bf16_weights_samples_the_rounded_policy(prompts, tie):
+    """weight_dtype='bf16': the 2-D weights are rounded to bf16, everything else is fp32, so the
+    engine equals an fp32 engine on a model with those weights rounded (same draws, log-probs to
+    fp32 noise), scores what it samples, and differs from the unrounded fp32 engine."""
+    model = tiny_llama(3, tie=tie)
     w16 = FastEngine(model, dtype="fp32", weight_dtype="bf16")
     assert w16.weight_dtype == torch.bfloat16 and w16._kp[0].dtype == torch.bfloat16
     rounded = FastEngine(_round_matrices(model), dtype="fp32", linear_backend="kernel")
@@ -302,10 +303,9 @@ def test_engine_with_bf16_weights_samples_the_rounded_policy(prompts):
     assert diff(w16.score_logprobs(rep, a.response_ids), a.logprobs) < 1e-4
     assert diff(exact.score_logprobs(rep, a.response_ids), a.logprobs) > 1e-4
     # a weight push re-rounds in place
-    w16.load_weights(rounded_state := _round_matrices(tiny_llama(4, tie=False)).state_dict().items())
-    del rounded_state
+    w16.load_weights(tiny_llama(4, tie=tie).state_dict().items())
     c = w16.generate(prompts, sp)
-    d = FastEngine(tiny_llama(4, tie=False), dtype="fp32", weight_dtype="bf16").generate(prompts, sp)
+    d = FastEngine(tiny_llama(4, tie=tie), dtype="fp32", weight_dtype="bf16").generate(prompts, sp)
     assert c.response_ids == d.response_ids and diff(c.logprobs, d.logprobs) < 1e-5
 
 

@@ -9,12 +9,19 @@ from turborlhf.rollout.hf import HFEngine
 from turborlhf.rollout.sync import (Canary, WeightSyncError, make_canary, policy_weights, push_weights, start_sync_check,
                                     trainer_logprobs, verify_sync)
 
+from turborlhf.rollout import kernels as _kernels
+
+_K = _kernels.load(warn=False)
+HAS_W16 = _K is not None and torch.float32 in _K.linear_dtypes       # fp32 kernel linears (AVX2 + FMA)
+needs_w16 = pytest.mark.skipif(not HAS_W16, reason="no fp32 kernel linears here (bf16 weight storage needs them)")
 ENGINES = {
     "fast-fp32": lambda m: FastEngine(m, dtype="fp32"),
+    "fast-fp32-bf16-weights": lambda m: FastEngine(m, dtype="fp32", weight_dtype="bf16"),
     "fast-bf16": lambda m: FastEngine(m, dtype="bf16"),
     "hf-bf16": lambda m: HFEngine(m, dtype="bf16"),
 }
-TOL = {"fast-fp32": 1e-3, "fast-bf16": 0.05, "hf-bf16": 0.05}
+TOL = {"fast-fp32": 1e-3, "fast-fp32-bf16-weights": 1e-3, "fast-bf16": 0.05, "hf-bf16": 0.05}
+KINDS = [pytest.param(k, marks=needs_w16) if "weights" in k else k for k in ENGINES]
 
 
 def _update(model, seed=1, scale=0.05):
@@ -25,7 +32,7 @@ def _update(model, seed=1, scale=0.05):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-@pytest.mark.parametrize("kind", list(ENGINES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_correct_sync_passes_and_stale_engine_fails(kind, prompts):
     model = tiny_llama(0)
     eng = ENGINES[kind](model)
@@ -43,7 +50,7 @@ def test_correct_sync_passes_and_stale_engine_fails(kind, prompts):
     assert set(rep.metrics()) >= {"sync/logprob_mean_diff", "timing/weight_push"}
 
 
-@pytest.mark.parametrize("kind", ["fast-fp32", "fast-bf16", "hf-bf16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_one_perturbed_tensor_fails(kind, prompts):
     model = tiny_llama(0)
     eng = ENGINES[kind](model)
@@ -93,7 +100,8 @@ def test_push_without_verify_and_wrappers(prompts):
     assert push_weights(eng, wrapped, canary, 1e-3).verified   # names without 'module.'
 
 
-def test_lora_policy_is_merged(prompts):
+@pytest.mark.parametrize("weight_dtype", [None, pytest.param("bf16", marks=needs_w16)])
+def test_lora_policy_is_merged(prompts, weight_dtype):
     peft = pytest.importorskip("peft")
     base = tiny_llama(0)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -103,7 +111,7 @@ def test_lora_policy_is_merged(prompts):
                 p.normal_(0, 0.3)                          # adapters that change the outputs
     names = [n for n, _ in policy_weights(model)]
     assert names and not any("lora" in n or "base_model" in n for n in names)
-    eng = FastEngine(tiny_llama(0), dtype="fp32")
+    eng = FastEngine(tiny_llama(0), dtype="fp32", weight_dtype=weight_dtype)
     canary = make_canary(eng, prompts, n=2, response_tokens=6)
     with pytest.raises(WeightSyncError):
         verify_sync(eng, model, canary, 1e-3)              # engine still has the base weights
@@ -225,13 +233,19 @@ def _zero_down_proj_columns(model, layer=0, every=10):
     return [(name, w)]
 
 
-def test_an_fp32_engine_catches_one_unpushed_optimizer_step(prompts):
+@pytest.mark.parametrize("weight_dtype", [None, pytest.param("bf16", marks=needs_w16)])
+def test_an_fp32_engine_catches_one_unpushed_optimizer_step(prompts, weight_dtype):
     """fp32 engines agree with the trainer to ~1e-6 nats, so their default tolerance is tight: one
-    AdamW step that never reached the engine (0.013 here) passed the old one-size 0.05."""
+    AdamW step that never reached the engine (0.013 here) passed the old one-size 0.05. With bf16
+    weights the trainer's side rounds its weights alike, and the check stays as tight."""
     model = tiny_llama(0)
-    eng = FastEngine(model, dtype="fp32")
+    eng = FastEngine(model, dtype="fp32", weight_dtype=weight_dtype)
     canary = make_canary(eng, prompts, n=5, response_tokens=8)
+    assert canary.bf16_weights == (weight_dtype == "bf16")
     assert verify_sync(eng, model, canary).mean_diff < 1e-5
+    if weight_dtype:                  # unrounded, the trainer would differ by the rounding alone
+        import dataclasses
+        assert verify_sync(eng, model, dataclasses.replace(canary, bf16_weights=False), tol=1.0).mean_diff > 1e-4
     _stepped(model, 1)
     assert verify_sync(eng, model, canary, tol=0.05).verified        # what the old default let through
     with pytest.raises(WeightSyncError):

@@ -106,13 +106,14 @@ class FastEngine(FastEngineWeights):
     kernels: eager decode steps use the fused C kernels of `turborlhf.rollout.kernels` (RoPE +
         KV-cache write + attention in one pass per layer, and RMSNorm) when they build on this
         machine: 'auto' (default; torch ops if they do not build), True (require them), False.
-    weight_dtype: storage of the layer and LM-head matrices: None (default: `dtype`) or 'bf16'
-        with an fp32 `dtype` and the kernel linears: weights rounded to bf16 (nearest even) and
-        widened back exactly inside the kernel, activations, KV cache and arithmetic in fp32.
-        Half the bytes a decode step reads, so small-batch decoding (bound by those reads) runs
-        up to twice as fast on CPUs without native bf16. The engine then samples, prefills and
-        scores the bf16-rounded policy (the precision of a bf16 rollout engine's weights, with
-        fp32 arithmetic), not the trainer's fp32 one; `score_logprobs` reads the same weights.
+    weight_dtype: storage of the weights: None (default: `dtype`) or 'bf16' with an fp32 `dtype`
+        and the kernel linears: every 2-D weight (embeddings, layer matrices, LM head) rounded to
+        bf16 (nearest even; the matrices stored in bf16 and widened back exactly inside the
+        kernel), norms, biases, activations, KV cache and arithmetic in fp32. Half the bytes a
+        decode step reads, so small-batch decoding (bound by those reads) runs up to twice as
+        fast on CPUs without native bf16. The engine then samples, prefills and scores the policy
+        with bf16-rounded weights (a bf16 rollout engine's weights, with fp32 arithmetic), not the
+        trainer's fp32 one; `turborlhf.rollout.sync` rounds the trainer's side of its check alike.
     Raises ValueError for an unsupported architecture, an unknown/unavailable backend, or a
     `weight_dtype` this configuration cannot run.
     """

@@ -163,7 +163,10 @@ class FastEngineWeights:
                     dst = dst[sl]
                 if tuple(dst.shape) != tuple(t.shape):
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(dst.shape)}")
-                dst.copy_(t.detach())
+                src = t.detach()
+                if t.dim() == 2 and self.weight_dtype != self.dtype:    # the embedding rounds as the matrices do
+                    src = src.to(self.weight_dtype)
+                dst.copy_(src)
                 self._unloaded.discard(name)
                 n += 1
                 g = self._pack_group.get(name)

@@ -47,7 +47,8 @@ from .base import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "canary_windows", "trainer_logprobs",
-           "policy_weights", "verify_sync", "push_weights", "start_sync_check", "default_tolerance"]
+           "policy_weights", "verify_sync", "push_weights", "start_sync_check", "default_tolerance",
+           "rounds_weights"]
 
 
 def default_tolerance(dtype) -> float:
@@ -72,10 +73,15 @@ class WeightSyncError(RunError):
 
 @dataclass(frozen=True)
 class Canary:
-    """Fixed prompts and responses (token ids) scored after every weight push."""
+    """Fixed prompts and responses (token ids) scored after every weight push.
+
+    bf16_weights: the engine that built it computes in fp32 on weights rounded to bf16
+    (FastEngine's `weight_dtype='bf16'`), so `trainer_logprobs` rounds the trainer's 2-D weights
+    alike and the check keeps fp32's tolerance."""
 
     prompts: tuple[tuple[int, ...], ...]
     responses: tuple[tuple[int, ...], ...]
+    bf16_weights: bool = False
 
     def __post_init__(self):
         if not self.prompts or len(self.prompts) != len(self.responses):
@@ -119,7 +125,13 @@ def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 8, response_t
     ps = canary_windows(list(prompts)[:n], prompt_tokens)
     out = engine.generate(ps, SamplingParams(max_new_tokens=response_tokens, min_new_tokens=response_tokens,
                                              temperature=0.0, seed=0))  # seeded: leaves the global RNG alone
-    return Canary(tuple(tuple(p) for p in ps), tuple(tuple(r) for r in out.response_ids))
+    return Canary(tuple(tuple(p) for p in ps), tuple(tuple(r) for r in out.response_ids), rounds_weights(engine))
+
+
+def rounds_weights(engine) -> bool:
+    """True for an engine that computes in fp32 on bf16-rounded weights (FastEngine's
+    `weight_dtype='bf16'`)."""
+    return getattr(engine, "dtype", None) == torch.float32 and getattr(engine, "weight_dtype", None) == torch.bfloat16
 
 
 def canary_windows(prompts: Sequence[Sequence[int]], k: int) -> list[list[int]]:
@@ -168,11 +180,22 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
 
     compute_dtype: the engine's dtype ("bf16", torch.bfloat16, ...): a bf16 engine is compared
     with the trainer's weights under bf16 autocast (the same rounding of weights and matmuls),
-    which halves the precision noise of the check; None or fp32 = the parameters' own dtype."""
+    which halves the precision noise of the check; None or fp32 = the parameters' own dtype.
+    With `canary.bf16_weights` (an fp32 engine on bf16-rounded weights) the forward reads the
+    trainer's 2-D parameters rounded to bf16 (`torch.func.functional_call` on a rounded copy;
+    LoRA adapters merged first, as the engine receives them), so both sides compute the same
+    policy in fp32."""
     from ._util import resolve_dtype
 
     model = _unwrap(model)
     dt = resolve_dtype(compute_dtype) if compute_dtype is not None else None
+    params = None
+    if canary.bf16_weights and dt != torch.bfloat16:
+        if hasattr(model, "merge_and_unload"):  # peft: round the merged matrices, as pushed
+            from turborlhf.models.load import merge_lora_for_save
+            model = merge_lora_for_save(model)
+        params = {n: p.detach().to(torch.bfloat16).to(p.dtype) if p.dim() == 2 and p.is_floating_point() else p
+                  for n, p in model.named_parameters()}
     was_training = model.training
     dev = next(model.parameters()).device
     out: list[list[float]] = []
@@ -183,7 +206,8 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
             S = max(len(x) for x in seqs)
             ids = torch.tensor([x + [0] * (S - len(x)) for x in seqs], device=dev)
             attn = torch.tensor([[1] * len(x) + [0] * (S - len(x)) for x in seqs], device=dev)
-            logits_BSV = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            kw = dict(input_ids=ids, attention_mask=attn, use_cache=False)
+            logits_BSV = (model(**kw) if params is None else torch.func.functional_call(model, params, (), kw)).logits
             for i, (p, r) in enumerate(zip(canary.prompts, canary.responses)):
                 lp = logits_BSV[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
                 out.append(lp.gather(-1, torch.tensor(r, device=dev)[:, None]).squeeze(-1).cpu().tolist())
