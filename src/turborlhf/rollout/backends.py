@@ -26,7 +26,7 @@ from turborlhf.engine.hardware import cpu_features
 
 from .llama_ops import mkldnn_packing_available
 
-__all__ = ["choose_linear_backend", "warn_once", "MKLDNN_BF16_FEATURES"]
+__all__ = ["choose_linear_backend", "choose_weight_dtype", "warn_once", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
 # packed weights at run time (weights change after every policy update; no recompile). FastEngine
@@ -117,3 +117,28 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: 
                   "using dense F.linear in bf16 (emulated, slow: dtype='fp32' is much faster on this CPU)")
         return "dense"
     return "mkldnn" if mkldnn_packing_available() else "dense"
+
+
+def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, kernels="load") -> tuple[str, str]:
+    """(value, reason) of `rollout.weight_dtype` once `rollout.dtype` (`dtype`, 'bf16' | 'fp32') and
+    the engine's device are known: 'auto' is bf16 where FastEngine will compute in fp32 with its
+    kernel linears (fp32 arithmetic on bf16-rounded weights, half the bytes a decode step reads;
+    `turborlhf.rollout.fast.FastEngine`'s `weight_dtype`), else `dtype`. kernels: the loaded
+    `DecodeKernels` or None ('load': `turborlhf.rollout.kernels.load()`). Raises ValueError for a
+    combination `weight_dtype_conflict` refuses."""
+    from turborlhf.config import weight_dtype_conflict
+    why = weight_dtype_conflict(requested, dtype, engine, device)
+    if why:
+        raise ValueError(why)
+    if requested != "auto":
+        return requested, "set in the config"
+    if dtype != "fp32":
+        return dtype, "as rollout.dtype"
+    if engine not in ("auto", "fast") or device != "cpu":
+        return "fp32", f"as rollout.dtype (bf16 weight storage is FastEngine's; this engine: {engine} on {device})"
+    if kernels == "load":
+        from .kernels import load
+        kernels = load(warn=False)
+    if kernels is None or torch.float32 not in kernels.linear_dtypes:
+        return "fp32", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
+    return "bf16", "fp32 arithmetic on bf16-rounded weights: half the bytes per decode step"

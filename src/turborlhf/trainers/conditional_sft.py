@@ -146,7 +146,8 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     seeded by ``train.seed``, as ``[{prompt, response, source: "policy", finished}]``: on-policy
     examples, so the tags also separate the policy's own good and bad responses."""
     roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
-    engine = make_engine(roll.engine, model, dtype=roll.dtype, device=roll.device, max_batch_size=roll.batch_size)
+    engine = make_engine(roll.engine, model, dtype=roll.dtype, device=roll.device, weight_dtype=roll.weight_dtype,
+                         max_batch_size=roll.batch_size)
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)

@@ -278,7 +278,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                            device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,
-                         max_batch_size=roll.batch_size)
+                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size)
 
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:

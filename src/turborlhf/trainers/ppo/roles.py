@@ -333,7 +333,7 @@ class RolloutWorker:
         # vLLM fixes its log-prob mode per engine (the other engines take it per call)
         kw = {"logprobs_mode": logprobs_mode(self.cfg)} if roll.engine == "vllm" else {}
         return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
-                           max_batch_size=roll.batch_size, **kw)
+                           weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **kw)
 
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"
