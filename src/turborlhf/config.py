@@ -188,11 +188,9 @@ def weight_dtype_conflict(weight_dtype: str, dtype: str, engine: str, device: st
     """Why `rollout.weight_dtype` cannot go with the rest of the rollout section (None if it can).
     Decided only where the values are explicit ('auto' resolves in
     `turborlhf.rollout.backends.choose_weight_dtype`)."""
-    if weight_dtype == "fp32" and dtype == "bf16":
-        return "rollout.weight_dtype=fp32 needs rollout.dtype fp32 (a bf16 engine computes on bf16 weights)"
     if weight_dtype == "bf16" and dtype == "fp32" and (engine in ("hf", "vllm") or device in ("cuda", "mps")):
         return (f"rollout.weight_dtype=bf16 with rollout.dtype fp32 is FastEngine's (on the CPU); rollout.engine "
-                f"{engine} on device {device} stores the weights at rollout.dtype: set rollout.weight_dtype auto")
+                f"{engine} on device {device} keeps the weights at rollout.dtype: set rollout.weight_dtype auto or same")
     return None
 
 
@@ -210,11 +208,11 @@ class RolloutCfg(Cfg):
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="weights precision inside the engine; auto = bf16 where the engine's device computes it "
                             "natively (README: Hardware), else fp32")
-    weight_dtype: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="storage of the engine's weights: auto = bf16 where FastEngine computes in fp32 with its "
-                            "kernel linears (fp32 arithmetic on bf16-rounded weights: half the bytes per decode step, "
-                            "the weights a bf16 engine samples with), else rollout.dtype; fp32 needs rollout.dtype fp32 "
-                            "(docs/rollout.md)")
+    weight_dtype: Literal["auto", "same", "bf16"] = Field(
+        "auto", description="storage of the engine's weights: same = at rollout.dtype (the trainer's exact policy in "
+                            "fp32); bf16 = rounded to bf16 with fp32 arithmetic when rollout.dtype is fp32 (FastEngine: "
+                            "half the bytes per decode step, the weights a bf16 engine samples with); auto = bf16 where "
+                            "FastEngine computes in fp32 with its kernel linears, else same (docs/rollout.md)")
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
         "auto", description="where the engine generates; auto = CUDA for vllm, else the device the policy trains on "
                             "(FastEngine runs on the CPU only, so on a GPU auto takes HFEngine there)")

@@ -104,6 +104,27 @@ def test_mismatch_metrics_and_rollout_is(tiny_model, tiny_rm, tiny_data, tmp_pat
         assert max_weight_diff(weights(tmp_path / "bf16"), weights(out)) > 1e-7
 
 
+def test_fp32_engine_on_bf16_weights(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """``rollout.weight_dtype`` auto (or bf16) with an fp32 engine: the run records the choice,
+    every push passes fp32's 0.001 sync tolerance (the trainer's side rounds alike), and the
+    mismatch metrics see the rounding: far above the exact engine's, far below a bf16 engine's."""
+    import json
+
+    from turborlhf.rollout import kernels
+    k = kernels.load(warn=False)
+    if k is None or torch.float32 not in k.linear_dtypes:
+        pytest.skip("no fp32 kernel linears here: auto keeps fp32 weights")
+    rm = f"reward_model={tiny_rm}"
+    exact = _run(tiny_model, tiny_data, tmp_path / "fp32", rm)
+    rows = _run(tiny_model, tiny_data, tmp_path / "w16", rm, "rollout.weight_dtype=auto")
+    hw = json.loads((tmp_path / "w16" / "hardware.json").read_text())["choices"]
+    assert hw["rollout.weight_dtype"]["value"] == "bf16" and hw["rollout.dtype"]["value"] == "fp32"
+    bf16 = _run(tiny_model, tiny_data, tmp_path / "bf16", rm, "rollout.dtype=bf16")
+    for a, b, c in zip(exact, rows, bf16):
+        assert b["sync/logprob_mean_diff"] < 1e-4 and b["sync/logprob_mean_diff"] <= 1e-3
+        assert 100 * a["rollout/mismatch_kl"] < b["rollout/mismatch_kl"] < c["rollout/mismatch_kl"]
+
+
 def test_trainer_scores_at_the_sampling_temperature(tiny_model, tiny_rm, tiny_data, tmp_path):
     """At temperature 0.6 the fp32 engine's log-probs of its samples equal the trainer's (both of
     the tempered distribution); the trainer once scored at temperature 1, a mismatch KL of ~0.1

@@ -142,7 +142,7 @@ def test_bf16_choice_needs_native_features():
 
 def test_rollout_weight_dtype_choice():
     """`rollout.weight_dtype: auto` → bf16 only where FastEngine computes in fp32 with its kernel
-    linears; explicit clashes are config errors naming the field, at load or once auto resolved."""
+    linears, else same; bf16 asked of an engine that cannot store it so is a config error."""
     from turborlhf.config import ConfigError, PPOConfig, RolloutCfg
     from turborlhf.engine.run import resolve_hardware
     from turborlhf.rollout import kernels
@@ -155,31 +155,29 @@ def test_rollout_weight_dtype_choice():
 
     assert choose_weight_dtype("auto", "fp32", "auto", "cpu", Fp32Linears())[0] == "bf16"
     assert choose_weight_dtype("auto", "fp32", "fast", "cpu", Fp32Linears())[0] == "bf16"
-    assert choose_weight_dtype("auto", "fp32", "fast", "cpu", None)[0] == "fp32"        # no kernels here
-    assert choose_weight_dtype("auto", "fp32", "hf", "cpu", Fp32Linears())[0] == "fp32"
-    assert choose_weight_dtype("auto", "fp32", "auto", "cuda", Fp32Linears())[0] == "fp32"
-    assert choose_weight_dtype("auto", "bf16", "fast", "cpu", Fp32Linears())[0] == "bf16"
-    assert choose_weight_dtype("fp32", "fp32", "fast", "cpu", Fp32Linears()) == ("fp32", "set in the config")
-    with pytest.raises(ValueError, match="needs rollout.dtype fp32"):
-        choose_weight_dtype("fp32", "bf16", "fast", "cpu", Fp32Linears())
-    for bad, field in ((["rollout.dtype=bf16", "rollout.weight_dtype=fp32"], "needs rollout.dtype fp32"),
-                       (["rollout.dtype=fp32", "rollout.weight_dtype=bf16", "rollout.engine=hf"], "FastEngine's")):
-        with pytest.raises(ConfigError, match=field):
-            load_config(PPOConfig, overrides=[*PPO_BASE, *bad])
+    assert choose_weight_dtype("auto", "fp32", "fast", "cpu", None)[0] == "same"        # no kernels here
+    assert choose_weight_dtype("auto", "fp32", "hf", "cpu", Fp32Linears())[0] == "same"
+    assert choose_weight_dtype("auto", "fp32", "auto", "cuda", Fp32Linears())[0] == "same"
+    assert choose_weight_dtype("auto", "bf16", "fast", "cpu", Fp32Linears())[0] == "same"
+    assert choose_weight_dtype("same", "fp32", "fast", "cpu", Fp32Linears()) == ("same", "set in the config")
+    with pytest.raises(ValueError, match="FastEngine's"):
+        choose_weight_dtype("bf16", "fp32", "vllm", "cuda", Fp32Linears())
+    with pytest.raises(ConfigError, match="rollout.weight_dtype=bf16"):
+        load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32", "rollout.weight_dtype=bf16",
+                                          "rollout.engine=hf"])
     assert RolloutCfg().weight_dtype == "auto"
     # resolved with the rest of the hardware choices, as this host allows
-    r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32"]),
-                         show=False)
+    r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32"]), show=False)
     k = kernels.load(warn=False)
     has = k is not None and torch.float32 in k.linear_dtypes
-    assert r.rollout.weight_dtype == ("bf16" if has else "fp32")
+    assert r.rollout.weight_dtype == ("bf16" if has else "same")
     assert r._hardware["rollout.weight_dtype"]["reason"]
     assert r.rollout.sync_tolerance == 1e-3                     # the trainer's side rounds alike
-    if choose_precision("auto", "cpu").dtype == "fp32":       # auto → fp32 here: an explicit fp32 weight is fine,
-        r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE,
-                                                               "rollout.weight_dtype=fp32"]), show=False)
-        assert (r.rollout.dtype, r.rollout.weight_dtype) == ("fp32", "fp32")
-    else:                                                      # auto → bf16 here: fp32 weights clash
-        with pytest.raises(ConfigError, match="rollout.weight_dtype.*auto chose bf16"):
-            resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE,
-                                                               "rollout.weight_dtype=fp32"]), show=False)
+    r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=bf16"]), show=False)
+    assert r.rollout.weight_dtype == "same"
+    hf_bf16 = load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.engine=hf", "rollout.weight_dtype=bf16"])
+    if choose_precision("auto", "cpu").dtype == "fp32":      # the clash shows once auto chose fp32
+        with pytest.raises(ConfigError, match="rollout.weight_dtype.*auto chose fp32"):
+            resolve_hardware(hf_bf16, show=False)
+    else:                                                     # a bf16 engine's weights are bf16: no clash
+        assert resolve_hardware(hf_bf16, show=False).rollout.dtype == "bf16"

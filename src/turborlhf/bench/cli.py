@@ -378,10 +378,13 @@ def _generate_result(r: dict, ctx: RunContext, ours: Side, peer: Side, hw_runs: 
         key = "bf16_gflops" if ctx.dtype == "bf16" else "fp32_gflops"      # the peak of the precision run
         gflops = max(h.get(key) or h.get("bf16_gflops") or 0.0 for h in hw_runs)
         bw = max(h["read_gb_s"] for h in hw_runs)
-        flops_tok, wbytes = 2.0 * n_params, (2.0 if ctx.dtype == "bf16" else 4.0) * n_params
+        # bytes per weight a decode step reads: our engine's storage (bf16 weights with fp32
+        # arithmetic where it chose so: the bound both sides are measured against is then the lower)
+        wdt = next((run.extra.get("weight_dtype") for run in ours.runs if run.extra.get("weight_dtype")), ctx.dtype)
+        flops_tok, wbytes = 2.0 * n_params, (2.0 if "bf16" in (ctx.dtype, wdt) else 4.0) * n_params
         bf16 = [h["bf16_gflops"] for h in hw_runs if h.get("bf16_gflops")]
         r["hardware"] = {"bf16_gflops": max(bf16) if bf16 else None, "matmul_gflops": gflops,
-                         "dtype": ctx.dtype, "read_gb_s": bw, "n_params": n_params,
+                         "dtype": ctx.dtype, "weight_dtype": wdt, "read_gb_s": bw, "n_params": n_params,
                          "gflop_per_token": flops_tok / 1e9, "weight_mb": wbytes / 1e6}
         if all(h.get("fp32_gflops") for h in hw_runs):
             r["hardware"]["fp32_gflops"] = max(h["fp32_gflops"] for h in hw_runs)
@@ -391,7 +394,8 @@ def _generate_result(r: dict, ctx: RunContext, ours: Side, peer: Side, hw_runs: 
     r["peer_roofline_fraction"] = {k: R.ratio(r["peer_tokens_per_s"][k], r["roofline_tokens_per_s"][k])
                                    for k in r["tokens_per_s"]}
     engine = next((run.extra.get("engine") for run in ours.runs if run.extra.get("engine")), None)
-    r["ours_extra"] = {"engine": engine}
+    r["ours_extra"] = {"engine": engine, "weight_dtype": next(
+        (run.extra.get("weight_dtype") for run in ours.runs if run.extra.get("weight_dtype")), None)}
     for name, t in r["targets"].items():
         k = name.split("@")[1]
         r["target_met"][name] = R.check_target(r["tokens_per_s"].get(k), t)

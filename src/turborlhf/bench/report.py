@@ -108,7 +108,7 @@ def format_table(r: dict) -> str:
             dt = hw.get("dtype", "bf16")
             lines.append(f"roofline inputs: {dt} matmul {fmt(hw.get('matmul_gflops', hw.get('bf16_gflops')), 0)} GFLOP/s, "
                          f"memory read {fmt(hw.get('read_gb_s'), 1)} GB/s, {fmt(hw.get('gflop_per_token'), 3)} GFLOP and "
-                         f"{fmt(hw.get('weight_mb'), 0)} MB of {dt} weights per generated token")
+                         f"{fmt(hw.get('weight_mb'), 0)} MB of {hw.get('weight_dtype') or dt} weights per generated token")
     else:
         unit = r["sample_unit"]
         t_speed, t_rss = r["targets"].get("speedup"), r["targets"].get("rss_ratio")

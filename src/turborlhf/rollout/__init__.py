@@ -25,7 +25,7 @@ def _config_of(model_or_path):
 def _other_engine_weights(weight_dtype: Optional[str], dtype, engine: str) -> None:
     """One warning where bf16 weight storage was asked of an engine that keeps its weights at its
     dtype (only FastEngine rounds them)."""
-    if weight_dtype is None:
+    if weight_dtype in (None, "same"):
         return
     from ._util import resolve_dtype
     from .backends import warn_once
@@ -47,7 +47,7 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", wei
     dtype: 'auto' | 'bf16' | 'fp32' | 'fp16' ('auto': bf16 where the engine's device computes it
         natively, else fp32; `turborlhf.engine.hardware`).
     device: 'cpu' | 'cuda' | 'mps' | 'auto' (cuda, then mps, then cpu) or a ``torch.device``.
-    weight_dtype: None (default: the weights at `dtype`) or 'bf16' | 'fp32' (`rollout.weight_dtype`
+    weight_dtype: None or 'same' (default: the weights at `dtype`), or 'bf16' (`rollout.weight_dtype`
         as `turborlhf.engine.run.resolve_hardware` resolved it): FastEngine's storage of its weights
         (bf16 with an fp32 `dtype`: fp32 arithmetic on bf16-rounded weights). An engine that
         cannot store them so (HFEngine, vLLM) keeps them at `dtype`, with one warning.

@@ -120,12 +120,13 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: 
 
 
 def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, kernels="load") -> tuple[str, str]:
-    """(value, reason) of `rollout.weight_dtype` once `rollout.dtype` (`dtype`, 'bf16' | 'fp32') and
-    the engine's device are known: 'auto' is bf16 where FastEngine will compute in fp32 with its
-    kernel linears (fp32 arithmetic on bf16-rounded weights, half the bytes a decode step reads;
-    `turborlhf.rollout.fast.FastEngine`'s `weight_dtype`), else `dtype`. kernels: the loaded
-    `DecodeKernels` or None ('load': `turborlhf.rollout.kernels.load()`). Raises ValueError for a
-    combination `weight_dtype_conflict` refuses."""
+    """(value, reason) of `rollout.weight_dtype` ('same' | 'bf16') once `rollout.dtype` (`dtype`,
+    'bf16' | 'fp32') and the engine's device are known: 'auto' is bf16 where FastEngine will
+    compute in fp32 with its kernel linears (fp32 arithmetic on bf16-rounded weights, half the
+    bytes a decode step reads; `turborlhf.rollout.fast.FastEngine`'s `weight_dtype`), else 'same'
+    (the weights at `dtype`). kernels: the loaded `DecodeKernels` or None ('load':
+    `turborlhf.rollout.kernels.load()`). Raises ValueError for a combination
+    `turborlhf.config.weight_dtype_conflict` refuses."""
     from turborlhf.config import weight_dtype_conflict
     why = weight_dtype_conflict(requested, dtype, engine, device)
     if why:
@@ -133,12 +134,12 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
     if requested != "auto":
         return requested, "set in the config"
     if dtype != "fp32":
-        return dtype, "as rollout.dtype"
+        return "same", f"as rollout.dtype ({dtype})"
     if engine not in ("auto", "fast") or device != "cpu":
-        return "fp32", f"as rollout.dtype (bf16 weight storage is FastEngine's; this engine: {engine} on {device})"
+        return "same", f"as rollout.dtype (bf16 weight storage is FastEngine's; this engine: {engine} on {device})"
     if kernels == "load":
         from .kernels import load
         kernels = load(warn=False)
     if kernels is None or torch.float32 not in kernels.linear_dtypes:
-        return "fp32", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
+        return "same", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
     return "bf16", "fp32 arithmetic on bf16-rounded weights: half the bytes per decode step"
