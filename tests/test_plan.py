@@ -180,3 +180,19 @@ def test_parse_bytes():
     assert parse_bytes("512 MiB") == 512 * 2 ** 20 and parse_bytes("1e9") == 10 ** 9
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
+
+
+def test_engine_weights_follow_rollout_weight_dtype(tiny_model):
+    """The rollout engine's weights count 2 bytes per parameter with bf16 weight storage
+    (`rollout.weight_dtype: bf16` on an fp32 engine), 4 with `same`."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.plan import plan_config
+
+    def engine_bytes(weight_dtype):
+        cfg = load_config(PPOConfig, overrides=[f"actor.name_or_path={tiny_model}", "reward_model=rm",
+                                                "data.prompts_file=p.jsonl", "rollout.dtype=fp32",
+                                                "rollout.engine=fast", f"rollout.weight_dtype={weight_dtype}"])
+        plan = plan_config("ppo", cfg, model_config=str(tiny_model))[0]
+        return next(r for r in plan.roles if r.name == "rollout").weights
+
+    assert engine_bytes("bf16") * 2 == engine_bytes("same") > 0

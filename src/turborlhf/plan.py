@@ -16,7 +16,8 @@ adds up, per role:
   formulas), whose terms were read off the tensors the model code
   saves (tests compare the formula with the exact saved-tensor bytes of tiny models), plus the
   transient of the LM-head chunk in backward;
-- the rollout engine: its own weights (``rollout.dtype``) and the static KV cache
+- the rollout engine: its own weights (``rollout.dtype``, or bf16 with ``rollout.weight_dtype``
+  bf16) and the static KV cache
   ``2·layers·rows·kv_heads·ceil64(prompt+new)·head_dim``.
 
 Roles are then placed on devices: one process for ``distributed.backend: local`` (the default
@@ -69,6 +70,12 @@ CPU_ALLOCATOR_RETENTION = 0.60
 CUDA_CONTEXT = int(0.5 * GIB)
 # NF4 weight + double-quantised block constants (QLoRA paper: 4.127 bits per parameter).
 NF4_BYTES = 4.127 / 8
+
+
+def _engine_weight_bytes(roll) -> int:
+    """Bytes per parameter of the rollout engine's weights: 2 for a bf16 engine or bf16 weight
+    storage (`rollout.weight_dtype`, resolved by `resolve_hardware`), else 4."""
+    return 2 if roll.dtype == "bf16" or getattr(roll, "weight_dtype", "same") == "bf16" else 4
 
 
 def parse_bytes(text: str) -> int:
@@ -370,7 +377,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
             rs = _shape(ref_path, None, resolve)
             roles["reference"] = _frozen_role("reference", rs, frozen_dtype, scalar=False)
         exp["reference"] = infer_a
-    engine = Role(name="rollout", model=actor_s.name, weights=(2 if roll.dtype == "bf16" else 4) * actor_s.params)
+    engine = Role(name="rollout", model=actor_s.name, weights=_engine_weight_bytes(roll) * actor_s.params)
     gen_rows = min(rows, roll.batch_size)
     engine.kv_cache = kv_cache_bytes(actor_s, gen_rows, prompt_len, roll.max_new_tokens, roll.dtype)
     prefill = (kv_cache_bytes(actor_s, gen_rows, prompt_len, 0, roll.dtype)
@@ -421,7 +428,7 @@ def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     rm_s = _shape(cfg.reward_model, None, resolve)
     sp.roles["reward"] = _frozen_role("reward", rm_s, cfg.model.dtype, scalar=True)
     rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, roll.batch_size)
-    engine = Role(name="rollout", model=s.name, weights=(2 if roll.dtype == "bf16" else 4) * s.params,
+    engine = Role(name="rollout", model=s.name, weights=_engine_weight_bytes(roll) * s.params,
                   kv_cache=kv_cache_bytes(s, rows, roll.max_prompt_len, roll.max_new_tokens, roll.dtype))
     sp.roles["rollout"] = engine
     L = roll.max_prompt_len + roll.max_new_tokens
