@@ -49,8 +49,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     """`cfg` with every ``auto`` of device and precision replaced by this host's choice
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
-    ``rollout.dtype`` (for that device), ``rollout.weight_dtype`` and ``optim.state_dtype`` (bf16 moments where the models
-    compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with
+    ``rollout.dtype`` (for that device), ``rollout.weight_dtype``
+    (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype`` (bf16 moments
+    where the models compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with
     `show=False`); `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
     a device this host lacks."""

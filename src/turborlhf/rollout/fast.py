@@ -106,8 +106,8 @@ class FastEngine(FastEngineWeights):
     kernels: eager decode steps use the fused C kernels of `turborlhf.rollout.kernels` (RoPE +
         KV-cache write + attention in one pass per layer, and RMSNorm) when they build on this
         machine: 'auto' (default; torch ops if they do not build), True (require them), False.
-    weight_dtype: storage of the weights: None or 'same' (default: `dtype`) or 'bf16' with an fp32 `dtype`
-        and the kernel linears: every 2-D weight (embeddings, layer matrices, LM head) rounded to
+    weight_dtype: storage of the weights: None or 'same' (default: `dtype`), or 'bf16' with an
+        fp32 `dtype` and the kernel linears: every 2-D weight (embeddings, layer matrices, LM head) rounded to
         bf16 (nearest even; the matrices stored in bf16 and widened back exactly inside the
         kernel), norms, biases, activations, KV cache and arithmetic in fp32. Half the bytes a
         decode step reads, so small-batch decoding (bound by those reads) runs up to twice as
