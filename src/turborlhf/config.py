@@ -184,16 +184,6 @@ class EvalLoopCfg(TrainLoopCfg):
 SYNC_TOLERANCE = {"fp32": 1e-3, "bf16": 0.025}
 
 
-def weight_dtype_conflict(weight_dtype: str, dtype: str, engine: str, device: str) -> Optional[str]:
-    """Why `rollout.weight_dtype` cannot go with the rest of the rollout section (None if it can).
-    Decided only where the values are explicit ('auto' resolves in
-    `turborlhf.rollout.backends.choose_weight_dtype`)."""
-    if weight_dtype == "bf16" and dtype == "fp32" and (engine in ("hf", "vllm") or device in ("cuda", "mps")):
-        return (f"rollout.weight_dtype=bf16 with rollout.dtype fp32 is FastEngine's (on the CPU); rollout.engine "
-                f"{engine} on device {device} keeps the weights at rollout.dtype: set rollout.weight_dtype auto or same")
-    return None
-
-
 class RolloutCfg(Cfg):
     engine: Literal["auto", "hf", "fast", "vllm"] = Field(
         "auto", description="rollout engine: auto = the embedded fast engine on the CPU, HF generate on a GPU "
@@ -226,6 +216,7 @@ class RolloutCfg(Cfg):
 
     @model_validator(mode="after")
     def _check_weight_dtype(self):
+        from turborlhf.engine.hardware import weight_dtype_conflict   # (imports no torch)
         why = weight_dtype_conflict(self.weight_dtype, self.dtype, self.engine, self.device)
         if why:
             raise ValueError(why)

@@ -24,9 +24,11 @@ import platform
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 __all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
-           "resolve_device", "Precision", "choose_precision", "compute_dtype", "cpu_bf16_slowdown", "DEVICES", "DTYPES"]
+           "resolve_device", "Precision", "choose_precision", "compute_dtype", "cpu_bf16_slowdown", "DEVICES", "DTYPES",
+           "weight_dtype_conflict"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -267,3 +269,13 @@ def choose_precision(requested: str = "auto", device="cpu") -> Precision:
 def compute_dtype(requested: str = "auto", device="cpu") -> str:
     """``"bf16"`` or ``"fp32"``: `choose_precision(...)`.dtype."""
     return choose_precision(requested, device).dtype
+
+
+def weight_dtype_conflict(weight_dtype: str, dtype: str, engine: str, device: str) -> Optional[str]:
+    """Why `rollout.weight_dtype` cannot go with the rest of the rollout section (None if it can).
+    Decided only where the values are explicit ('auto' resolves in
+    `turborlhf.rollout.backends.choose_weight_dtype`)."""
+    if weight_dtype == "bf16" and dtype == "fp32" and (engine in ("hf", "vllm") or device in ("cuda", "mps")):
+        return (f"rollout.weight_dtype=bf16 with rollout.dtype fp32 is FastEngine's (on the CPU); rollout.engine "
+                f"{engine} on device {device} keeps the weights at rollout.dtype: set rollout.weight_dtype auto or same")
+    return None

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from turborlhf.engine.hardware import cpu_features
+from turborlhf.engine.hardware import cpu_features, weight_dtype_conflict
 
 from .llama_ops import mkldnn_packing_available
 
@@ -126,8 +126,7 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
     bytes a decode step reads; `turborlhf.rollout.fast.FastEngine`'s `weight_dtype`), else 'same'
     (the weights at `dtype`). kernels: the loaded `DecodeKernels` or None ('load':
     `turborlhf.rollout.kernels.load()`). Raises ValueError for a combination
-    `turborlhf.config.weight_dtype_conflict` refuses."""
-    from turborlhf.config import weight_dtype_conflict
+    `turborlhf.engine.hardware.weight_dtype_conflict` refuses."""
     why = weight_dtype_conflict(requested, dtype, engine, device)
     if why:
         raise ValueError(why)

@@ -76,18 +76,11 @@ class DecodeKernels:
             lib.decode_layers_bf16.argtypes = layers_args
             lib.decode_layers_bf16.restype = None
         if torch.float32 in self.linear_dtypes:
-            lib.f32_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
-            lib.f32_linear_pack_rows.restype = None
-            lib.f32_linear.argtypes = [P, P, P, P, P, I, I, I, I]
-            lib.f32_linear.restype = None
-            lib.decode_layers_f32.argtypes = layers_args
-            lib.decode_layers_f32.restype = None
-            lib.w16_linear_pack_rows.argtypes = [P, P, I, I, I, I, I]
-            lib.w16_linear_pack_rows.restype = None
-            lib.w16_linear.argtypes = [P, P, P, P, P, I, I, I, I]
-            lib.w16_linear.restype = None
-            lib.decode_layers_w16.argtypes = layers_args
-            lib.decode_layers_w16.restype = None
+            for suf in ("f32", "w16"):            # fp32 activations on fp32 / bf16 weights
+                for name, args in ((f"{suf}_linear_pack_rows", [P, P, I, I, I, I, I]),
+                                   (f"{suf}_linear", [P, P, P, P, P, I, I, I, I]),
+                                   (f"decode_layers_{suf}", layers_args)):
+                    getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
         for dt, suf in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
             if dt in self.linear_dtypes:
                 self._pack[dt] = getattr(lib, f"{suf}_linear_pack_rows")
