@@ -165,9 +165,10 @@ class DecodeKernels:
                other_MN: Optional[torch.Tensor] = None, op: int = 0, out_f32: bool = False) -> torch.Tensor:
         """y = x·Wᵀ (+ bias) of a `new_packed`/`pack_rows` weight with N output rows, then op 0: y;
         ADD: y + other_MN; SWIGLU: silu(gate)·up, N/2 columns (W packed with swiglu=True, bias of
-        the fused [gate; up]). x_MK: contiguous, the packed weight's dtype (bf16: K even). Returns
-        M × N (or N/2) in that dtype, or fp32 with out_f32. Arithmetic: bf16 products summed in
-        fp32 (vdpbf16ps); fp32 FMAs."""
+        the fused [gate; up]). x_MK: contiguous, the activation dtype the weight was packed for
+        (bf16: K even; fp32 x reads fp32 or bf16 weights). Returns M × N (or N/2) in x's dtype, or
+        fp32 with out_f32. Arithmetic: bf16 products summed in fp32 (vdpbf16ps); fp32 FMAs (bf16
+        weights widened exactly first)."""
         M, K = x_MK.shape
         dt = x_MK.dtype                  # the activations' dtype picks the layout and the arithmetic
         w16 = dt == torch.float32 and packed.dtype == torch.bfloat16
