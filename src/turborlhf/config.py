@@ -19,13 +19,14 @@ from typing import Any, Literal, Optional, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from turborlhf.config_rlvr import RLVRAlgoFields, check_rlvr
+from turborlhf.config_rollout import SYNC_TOLERANCE, RolloutFields
 from turborlhf.errors import UserError
 
 __all__ = [
     "ConfigError", "Cfg", "load_config", "config_help", "config_to_dict",
     "ModelCfg", "LoraCfg", "OptimCfg", "LogCfg", "TrainLoopCfg", "EvalLoopCfg", "RolloutCfg", "PPORolloutCfg",
     "DistributedCfg", "RoleResourcesCfg", "SFTConfig", "RMConfig", "PPOConfig", "PipelineConfig", "PrepareCfg", "EvalCfg",
-    "DPOConfig", "KTOConfig", "DataFormatCfg", "default_tree",
+    "DPOConfig", "KTOConfig", "DataFormatCfg", "default_tree", "SYNC_TOLERANCE",
 ]
 
 
@@ -179,56 +180,9 @@ class EvalLoopCfg(TrainLoopCfg):
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
 
 
-# `rollout.sync_tolerance` by engine dtype (nats): the canary statistic of a correct push, measured on
-# SmolLM2-135M with FastEngine, times a margin (benchmarks/sync_tolerance.py, docs/rollout.md)
-SYNC_TOLERANCE = {"fp32": 1e-3, "bf16": 0.025}
-
-
-class RolloutCfg(Cfg):
-    engine: Literal["auto", "hf", "fast", "vllm"] = Field(
-        "auto", description="rollout engine: auto = the embedded fast engine on the CPU, HF generate on a GPU "
-                            "(vllm: set it explicitly)")
-    max_new_tokens: int = Field(64, ge=1, description="maximum generated tokens per response")
-    min_new_tokens: int = Field(0, ge=0, description="EOS/stop tokens are suppressed before this many tokens")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
-    top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
-    max_prompt_len: int = Field(256, ge=1, description="prompts are cut from the left to this many tokens")
-    batch_size: int = Field(32, ge=1, description="sequences generated together")
-    dtype: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="weights precision inside the engine; auto = bf16 where the engine's device computes it "
-                            "natively (README: Hardware), else fp32")
-    weight_dtype: Literal["auto", "same", "bf16"] = Field(
-        "auto", description="storage of the engine's weights: same = at rollout.dtype (the trainer's exact policy in "
-                            "fp32); bf16 = rounded to bf16 with fp32 arithmetic when rollout.dtype is fp32 (FastEngine: "
-                            "half the bytes per decode step, the weights a bf16 engine samples with); auto = bf16 where "
-                            "FastEngine computes in fp32 with its kernel linears, else same (docs/rollout.md)")
-    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", description="where the engine generates; auto = CUDA for vllm, else the device the policy trains on "
-                            "(FastEngine runs on the CPU only, so on a GPU auto takes HFEngine there)")
-    verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
-                                                "canary batch against the trainer's (rollout/sync.py)")
-    sync_tolerance: Optional[float] = Field(
-        None, gt=0, description="max |difference| of the mean per-token log-prob (nats) between engine and trainer, "
-                                "averaged over the canary rows; default (None) = by rollout.dtype, measured noise x "
-                                "margin: " + ", ".join(f"{k} {v:g}" for k, v in SYNC_TOLERANCE.items())
-                                + " (docs/rollout.md)")
-
-    @model_validator(mode="after")
-    def _check_weight_dtype(self):
-        from turborlhf.engine.hardware import weight_dtype_conflict   # (imports no torch)
-        why = weight_dtype_conflict(self.weight_dtype, self.dtype, self.engine, self.device)
-        if why:
-            raise ValueError(why)
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_sync_tolerance(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("sync_tolerance") is None:
-            # dtype auto: filled by turborlhf.engine.run.resolve_hardware once the dtype is chosen
-            data = {**data, "sync_tolerance": SYNC_TOLERANCE.get(str(data.get("dtype", "auto")))}
-        return data
+class RolloutCfg(Cfg, RolloutFields):   # the engine settings: config_rollout.py
+    """The ``rollout`` section of the commands that generate (`ppo`, `rejection-sampling`,
+    `conditional-sft`)."""
 
 
 class PPORolloutCfg(RolloutCfg):
