@@ -186,10 +186,11 @@ def test_pack_rows_in_pieces_equals_whole(dtype):
 
 
 @needs_f32_linear
-@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (8, 576, 960), (13, 64, 40), (33, 130, 70)])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (8, 576, 960), (13, 64, 40), (33, 130, 70), (11, 65, 48), (3, 1, 17)])
 def test_bf16_weight_linears_match_rounded_fp32_reference(M, K, N):
     """fp32 activations with bf16-stored weights (`weight_dtype=torch.bfloat16`): exactly the fp32
-    maths of the bf16-rounded weights (widening is exact), for all three ops and the tails."""
+    maths of the bf16-rounded weights (widening is exact), for all three ops and the tails (N not
+    a multiple of 16; an odd K, whose last step the tiles read in another order than the pairs)."""
     g = torch.Generator().manual_seed(M * 7 + N)
     x = torch.randn(M, K, generator=g)
     W = torch.randn(N, K, generator=g) / K ** 0.5

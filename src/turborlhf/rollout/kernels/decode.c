@@ -587,8 +587,18 @@ int f32_linear_available(void) { return 1; }
  * fp32) into the packed layout (zero-filled by the caller): out[(nb*K + k)*16 + c] = W[row(nb, c)][k];
  * plain: row(nb, c) = nb*16 + c; swiglu (W = [gate; up], N = 2I rows): block nb holds gate rows
  * nb*8 + c (c < 8) and up rows I + nb*8 + c - 8 (c >= 8), so a block yields 8 outputs silu(g)*u.
- * w16_linear_pack_rows: the same layout with bf16 elements (src: bf16 rows), for w16_linear. */
-#define DEFINE_F32_PACK(NAME, WT)                                                                  \
+ * w16_linear_pack_rows: the same blocks of bf16 elements (src: bf16 rows), for w16_linear, with
+ * the steps k, k + 1 (k even) of a block interleaved by fours: the 32 weights at (nb*K + k)*16 are,
+ * per 128-bit lane L = c / 4, step k's outputs 4L..4L+3 then step k + 1's (`w16_at`). Unpacking a
+ * lane's low or high four 16-bit words against zero (`_mm*_unpack{lo,hi}_epi16`) then yields
+ * step k's or k + 1's fp32 weights in output order, one instruction per vector where widening
+ * (`vpmovzxwd` + `vpslld`) takes two. An odd K's last step keeps the plain order. */
+static inline int64_t w16_at(int nb, int c, int k, int K) {
+    if ((K & 1) && k == K - 1) return ((int64_t)nb * K + k) * 16 + c;
+    return ((int64_t)nb * K + (k & ~1)) * 16 + (c / 4) * 8 + (k & 1) * 4 + c % 4;
+}
+static inline int64_t f32_at(int nb, int c, int k, int K) { return ((int64_t)nb * K + k) * 16 + c; }
+#define DEFINE_F32_PACK(NAME, WT, AT)                                                              \
 void NAME(const WT *src, WT *out, int n, int row0, int N, int K, int swiglu) {                     \
     const int I = N / 2;                                                                           \
     _Pragma("omp parallel for schedule(static)")                                                   \
@@ -597,13 +607,12 @@ void NAME(const WT *src, WT *out, int n, int row0, int N, int K, int swiglu) {  
         int nb, c;                                                                                 \
         if (swiglu) { const int j = g < I ? g : g - I; nb = j / 8; c = j % 8 + (g < I ? 0 : 8); }  \
         else { nb = g / 16; c = g % 16; }                                                          \
-        WT *o = out + (int64_t)nb * K * 16 + c;                                                    \
         const WT *w = src + (int64_t)r * K;                                                        \
-        for (int k = 0; k < K; ++k) o[k * 16] = w[k];                                              \
+        for (int k = 0; k < K; ++k) out[AT(nb, c, k, K)] = w[k];                                   \
     }                                                                                              \
 }
-DEFINE_F32_PACK(f32_linear_pack_rows, float)
-DEFINE_F32_PACK(w16_linear_pack_rows, bf16)
+DEFINE_F32_PACK(f32_linear_pack_rows, float, f32_at)
+DEFINE_F32_PACK(w16_linear_pack_rows, bf16, w16_at)
 
 /* The post-op of one 16-output block nb for rows [m0, m0 + mb): r holds 16 sums per row. */
 static inline void f32_block_out(const float *r, int mb, int64_t m0, int nb, int N, int NO, int swiglu, int op,
@@ -641,16 +650,48 @@ static inline void f32_block_out(const float *r, int mb, int64_t m0, int nb, int
     }
 
 /* Weight loads of the tiles, by storage type: fp32, or bf16 widened to fp32 exactly (the bf16 bits
- * are the top half of the float). The arithmetic is fp32 FMAs either way. */
+ * are the top half of the float). The arithmetic is fp32 FMAs either way. The w16 tiles take two
+ * steps k, k + 1 per iteration from the interleaved layout of w16_linear_pack_rows: UNPK_LO gives
+ * step k's vector, UNPK_HI step k + 1's, one unpack against zero (z_) each; LDW_w16 widens the
+ * plain-order last step of an odd K. */
 #ifdef __AVX512F__
 #define LDW_f32(p) _mm512_loadu_ps(p)
 #define LDW_w16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(                    \
                        _mm256_loadu_si256((const __m256i *)(p))), 16))
+#define UNPK_LO(p) _mm512_castsi512_ps(_mm512_unpacklo_epi16(z_, _mm512_loadu_si512(p)))
+#define UNPK_HI(p) _mm512_castsi512_ps(_mm512_unpackhi_epi16(z_, _mm512_loadu_si512(p)))
+#define ZERO_I _mm512_setzero_si512()
+typedef __m512i wveci;
 #else
 #define LDW_f32(p) _mm256_loadu_ps(p)
 #define LDW_w16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(                    \
                        _mm_loadu_si128((const __m128i *)(p))), 16))
+#define UNPK_LO(p) _mm256_castsi256_ps(_mm256_unpacklo_epi16(z_, _mm256_loadu_si256((const __m256i *)(p))))
+#define UNPK_HI(p) _mm256_castsi256_ps(_mm256_unpackhi_epi16(z_, _mm256_loadu_si256((const __m256i *)(p))))
+#define ZERO_I _mm256_setzero_si256()
+typedef __m256i wveci;
 #endif
+
+/* The k loop of a tile, by weight type: FMA_ROWS(MB, NBT, W0, W1, k) (per ISA, below) adds
+ * x[:, k] times the weight vectors W0 and W1 to the tile's accumulators. W0 is read at the
+ * tile's block `wp`, W1 at the offset O1_* from it (AVX-512: the next block; AVX2: the same
+ * block's outputs 8-15, 8 fp32 or 16 interleaved bf16 on). */
+#define KLOOP_f32(MB, NBT)                                                                         \
+    for (int k = 0; k < K; ++k) {                                                                  \
+        W_PREFETCH(pf, pfl, k, 4)                                                                  \
+        FMA_ROWS(MB, NBT, LDW_f32(wp + k * 16), LDW_f32(wp + O1_PLAIN + k * 16), k)                \
+    }
+#define KLOOP_w16(MB, NBT)                                                                         \
+    const wveci z_ = ZERO_I;                                                                       \
+    for (int k = 0; k + 1 < K; k += 2) {                                                           \
+        W_PREFETCH(pf, pfl, k, 2) W_PREFETCH(pf, pfl, k + 1, 2)                                    \
+        FMA_ROWS(MB, NBT, UNPK_LO(wp + k * 16), UNPK_LO(wp + O1_PAIRS + k * 16), k)            \
+        FMA_ROWS(MB, NBT, UNPK_HI(wp + k * 16), UNPK_HI(wp + O1_PAIRS + k * 16), k + 1)        \
+    }                                                                                              \
+    if (K & 1) {                                                                                   \
+        W_PREFETCH(pf, pfl, K - 1, 2)                                                              \
+        FMA_ROWS(MB, NBT, LDW_w16(wp + (K - 1) * 16), LDW_w16(wp + O1_PLAIN + (K - 1) * 16), K - 1) \
+    }
 
 #ifdef __AVX512F__
 /* AVX-512: a tile is up to 12 rows × two 16-output blocks (NBT = 2; 24 accumulators, 2 weight
@@ -658,22 +699,27 @@ static inline void f32_block_out(const float *r, int mb, int64_t m0, int nb, int
  * FMA width of the AVX2 tile: on CPUs with two 512-bit FMA units (Intel Xeon) that is twice the
  * arithmetic per cycle, where batch-32 decode steps are compute-bound. */
 #define F32_MR 12
+#define MR_f32 12
+#define MR_w16 12
 #define F32_NBT 2
+#define O1_PLAIN o1
+#define O1_PAIRS o1
+#define FMA_ROWS(MB, NBT, W0, W1, k)                                                               \
+    {                                                                                              \
+        const __m512 w0_ = (W0), w1_ = NBT > 1 ? (W1) : w0_;                                       \
+        _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {                                    \
+            const __m512 xb = _mm512_set1_ps(x[m * xs + (k)]);                                     \
+            acc[NBT * m] = _mm512_fmadd_ps(xb, w0_, acc[NBT * m]);                                 \
+            if (NBT > 1) acc[NBT * m + 1] = _mm512_fmadd_ps(xb, w1_, acc[NBT * m + 1]);            \
+        }                                                                                          \
+    }
 #define TILE_F32(SUF, WT, MB, NBT)                                                                 \
 static inline void tile##SUF##MB##_##NBT(const float *x, int64_t xs, const WT *wp, int64_t bs, int K, \
                                          float *res, const WT *pf, int pfl) {                      \
     __m512 acc[NBT * MB];                                                                          \
     _Pragma("GCC unroll 24") for (int i = 0; i < NBT * MB; ++i) acc[i] = _mm512_setzero_ps();      \
-    for (int k = 0; k < K; ++k) {                                                                  \
-        W_PREFETCH(pf, pfl, k, sizeof(WT))                                                         \
-        const __m512 w0 = LDW_##SUF(wp + k * 16);                                                  \
-        const __m512 w1 = NBT > 1 ? LDW_##SUF(wp + bs + k * 16) : w0;                              \
-        _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {                                    \
-            const __m512 xb = _mm512_set1_ps(x[m * xs + k]);                                       \
-            acc[NBT * m] = _mm512_fmadd_ps(xb, w0, acc[NBT * m]);                                  \
-            if (NBT > 1) acc[NBT * m + 1] = _mm512_fmadd_ps(xb, w1, acc[NBT * m + 1]);             \
-        }                                                                                          \
-    }                                                                                              \
+    const int64_t o1 = NBT > 1 ? bs : 0;                                                           \
+    KLOOP_##SUF(MB, NBT)                                                                           \
     _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {                                        \
         _mm512_storeu_ps(res + 16 * m, acc[NBT * m]);                                              \
         if (NBT > 1) _mm512_storeu_ps(res + 16 * (F32_MR + m), acc[NBT * m + 1]);                  \
@@ -698,23 +744,29 @@ static inline void SUF##_tile(const float *xm, int mb, const WT *w, int64_t bs, 
 }
 #else
 /* AVX2: a tile is up to 6 rows × one 16-output block: 12 accumulators, 2 weight vectors and a
- * broadcast, the 15 of AVX2's 16 registers. */
+ * broadcast, 15 of AVX2's 16 registers. The w16 tiles also hold the zero of the unpacks: at 6
+ * rows GCC spilled accumulators in the k loop (25% slower at 16-32 rows), so they take 5. */
 #define F32_MR 6
+#define MR_f32 6
+#define MR_w16 5
 #define F32_NBT 1
+#define O1_PLAIN 8
+#define O1_PAIRS 16
+#define FMA_ROWS(MB, NBT, W0, W1, k)                                                               \
+    {                                                                                              \
+        const __m256 w0_ = (W0), w1_ = (W1);                                                       \
+        _Pragma("GCC unroll 6") for (int m = 0; m < MB; ++m) {                                     \
+            const __m256 xb = _mm256_broadcast_ss(x + m * xs + (k));                               \
+            acc[2 * m] = _mm256_fmadd_ps(xb, w0_, acc[2 * m]);                                     \
+            acc[2 * m + 1] = _mm256_fmadd_ps(xb, w1_, acc[2 * m + 1]);                             \
+        }                                                                                          \
+    }
 #define TILE_F32(SUF, WT, MB)                                                                      \
 static inline void tile##SUF##MB(const float *x, int64_t xs, const WT *wp, int K, float *res,      \
                                  const WT *pf, int pfl) {                                          \
     __m256 acc[2 * MB];                                                                            \
     _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) acc[i] = _mm256_setzero_ps();        \
-    for (int k = 0; k < K; ++k) {                                                                  \
-        W_PREFETCH(pf, pfl, k, sizeof(WT))                                                         \
-        const __m256 w0 = LDW_##SUF(wp + k * 16), w1 = LDW_##SUF(wp + k * 16 + 8);                 \
-        _Pragma("GCC unroll 6") for (int m = 0; m < MB; ++m) {                                     \
-            const __m256 xb = _mm256_broadcast_ss(x + m * xs + k);                                 \
-            acc[2 * m] = _mm256_fmadd_ps(xb, w0, acc[2 * m]);                                      \
-            acc[2 * m + 1] = _mm256_fmadd_ps(xb, w1, acc[2 * m + 1]);                              \
-        }                                                                                          \
-    }                                                                                              \
+    KLOOP_##SUF(MB, 1)                                                                             \
     _Pragma("GCC unroll 12") for (int i = 0; i < 2 * MB; ++i) _mm256_storeu_ps(res + 8 * i, acc[i]); \
 }
 #define DEFINE_F32_TILES(SUF, WT)                                                                  \
@@ -764,7 +816,7 @@ void SUF##_linear(const float *x, const WT *wp, const float *bias, const float *
         const int nb = (int)(it % NG) * F32_NBT, mc = (int)(it / NG);                              \
         const int nbt = NB - nb < F32_NBT ? NB - nb : F32_NBT;                                     \
         const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;                                   \
-        const int n_tiles = (m_end - mc * MC + F32_MR - 1) / F32_MR;                               \
+        const int n_tiles = (m_end - mc * MC + MR_##SUF - 1) / MR_##SUF;                           \
         const int nb_next = it + 1 < n_items ? (int)((it + 1) % NG) * F32_NBT : NB;                \
         const int nbt_next = NB - nb_next < F32_NBT ? NB - nb_next : F32_NBT; /* 0: nothing next */\
         const WT *w = wp + nb * bs, *pf_next = wp + (int64_t)nb_next * bs;                         \
