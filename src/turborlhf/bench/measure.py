@@ -1,15 +1,22 @@
 """Run one child process and measure it: wall time, exit code, and peak resident memory of its
 whole process tree.
 
-Peak RSS is the larger of two measurements:
+Peak RSS is the largest of three measurements:
 - polling: every `poll_s` seconds, the sum of the RSS of the child and all its descendants
   (psutil), which sees a tree of several processes but can miss a peak shorter than `poll_s`;
+- polling as well, the largest ``VmHWM`` (the kernel's peak RSS of a process since its exec) in
+  the tree: exact for a single process up to the last poll;
 - the kernel's ``ru_maxrss`` of the child (``os.wait4``), the exact peak of the largest single
-  process among the child and the descendants it waited for.
+  process among the child and the descendants it waited for, including one between the last poll
+  and the exit. Linux starts it at the RSS the child inherited from this process when it was
+  spawned (the forked copy's at exec), so it only counts where it exceeds this process's own peak
+  at the spawn; otherwise a large parent (a test process after heavy tests) would report its own
+  size as the child's.
 """
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -29,15 +36,17 @@ class ChildResult:
     cmd: list[str]
     returncode: int
     wall_s: float
-    peak_rss_bytes: int        # max(polled tree sum, ru_maxrss)
+    peak_rss_bytes: int        # max(polled tree sum, polled VmHWM, ru_maxrss where it counts)
     polled_peak_bytes: int     # largest polled sum over the process tree
-    maxrss_bytes: int          # ru_maxrss of the child (largest single process), from wait4
+    maxrss_bytes: int          # ru_maxrss of the child (largest single process), from wait4; 0 where
+                               # it did not exceed this process's peak at the spawn (inherited)
     stdout_path: Path
     stderr_path: Path
     timed_out: bool = False
     cpu_s: float = 0.0         # user + system CPU seconds of the child and its waited-for descendants
     loadavg_start: float = 0.0  # 1-minute load average of the machine when the child started / ended
     loadavg_end: float = 0.0
+    hwm_bytes: int = 0         # largest polled VmHWM of a process in the tree
 
     @property
     def ok(self) -> bool:
@@ -65,20 +74,40 @@ def tree_rss_bytes(pid: int) -> int:
 
     Processes that exit while being read are skipped. Raises nothing.
     """
+    return _tree_memory(pid)[0]
+
+
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of the RSS, largest VmHWM) over process `pid` and its descendants, in bytes; (0, 0)
+    if it is gone. Processes that exit while being read are skipped. Raises nothing."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return 0
-    total = 0
+        return 0, 0
+    total, hwm = 0, 0
     for p in procs:
         try:
             total += p.memory_info().rss
+            hwm = max(hwm, _vm_hwm_bytes(p.pid))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    return total
+    return total, hwm
+
+
+def _vm_hwm_bytes(pid: int) -> int:
+    """The kernel's peak RSS of process `pid` since its exec (``VmHWM`` in /proc/PID/status), in
+    bytes; 0 where it cannot be read (gone, a zombie, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024        # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional[str | Path] = None,
@@ -104,10 +133,11 @@ def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional
     err_p = Path(stderr_path) if stderr_path else out_p.with_name(out_p.name + ".err")
     out_p.parent.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]
+    inherited = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
     t0 = time.perf_counter()
     with open(out_p, "wb") as out_f, open(err_p, "wb") as err_f:
         proc = subprocess.Popen(list(cmd), stdout=out_f, stderr=err_f, env=env, cwd=cwd, start_new_session=True)
-    polled, status, rusage, timed_out, killed_at = 0, None, None, False, None
+    polled, hwm, status, rusage, timed_out, killed_at = 0, 0, None, None, False, None
     reader = open(out_p, "rb") if on_line else None
     buf = b""
     try:
@@ -116,7 +146,8 @@ def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional
             if pid_done == proc.pid:
                 status, rusage = st, ru
                 break
-            polled = max(polled, tree_rss_bytes(proc.pid))
+            rss, peak = _tree_memory(proc.pid)
+            polled, hwm = max(polled, rss), max(hwm, peak)
             if reader is not None:
                 buf = _emit_lines(reader, buf, on_line)
             elapsed = time.perf_counter() - t0
@@ -137,8 +168,10 @@ def run_child(cmd: Sequence[str], stdout_path: str | Path, stderr_path: Optional
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)   # reaped by wait4: tell Popen
     maxrss = int(rusage.ru_maxrss) * 1024                  # Linux reports KiB
-    return ChildResult(list(cmd), proc.returncode, wall, max(polled, maxrss), polled, maxrss, out_p, err_p, timed_out,
-                       cpu_s=rusage.ru_utime + rusage.ru_stime, loadavg_start=load0, loadavg_end=os.getloadavg()[0])
+    maxrss = maxrss if maxrss > inherited + 16 * 2 ** 20 else 0   # else indistinguishable from the inherited RSS
+    return ChildResult(list(cmd), proc.returncode, wall, max(polled, hwm, maxrss), polled, maxrss, out_p, err_p,
+                       timed_out, cpu_s=rusage.ru_utime + rusage.ru_stime, loadavg_start=load0,
+                       loadavg_end=os.getloadavg()[0], hwm_bytes=hwm)
 
 
 def _signal_group(pid: int, sig: int) -> None:
