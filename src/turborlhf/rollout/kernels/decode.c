@@ -793,11 +793,12 @@ static inline int mb_of(int rows, int n, int tile) { return rows / n + (tile < r
 
 /* y = x W^T (+ bias) then: op 0 → y; 1 → y + other; 2 (swiglu-packed W) → silu(g)*u.
  * x: M x K fp32; other/out: M x N_out fp32; bias fp32 or NULL (swiglu: of the fused [gate; up]).
- * f32_linear reads fp32 weights, w16_linear bf16 ones, widened in the tile (half the bytes; a decode
- * step at a few rows is bound by the weight reads): same layout, same fp32 arithmetic. Measured on
- * a 2-core Xeon, 24 matrices of 1536 × 576 streamed from memory, w16 against f32: 1.9-2.7× as fast
- * at 1-4 rows, 1.2-1.75× at 8-16, 0.9× at 32 (AVX-512) and 1.0× (AVX2). Widening a block once into
- * an fp32 scratch shared by the row tiles measured no faster, so the tiles widen as they load.
+ * f32_linear reads fp32 weights, w16_linear bf16 ones, unpacked to fp32 in the tile (half the
+ * bytes; a decode step at a few rows is bound by the weight reads): same blocks, same fp32
+ * arithmetic. Measured on a 2-core Xeon, 24 matrices of 1536 × 576 streamed from memory, w16
+ * against f32: 1.7-2.0× as fast at 1-4 rows, 1.3-1.8× at 8-16, 1.16× at 32 (AVX-512 and AVX2;
+ * docs/rollout.md). Widening a block once into an fp32 scratch shared by the row tiles measured
+ * no faster, so the tiles widen as they load.
  * Work items: (row chunk, group of F32_NBT blocks). While a thread computes one item, its row
  * tiles prefetch the next item's weights (each block's K lines: one tile per block, or a lone
  * tile all of them). */
