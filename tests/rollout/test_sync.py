@@ -6,8 +6,8 @@ import torch
 from rollout_helpers import tiny_llama
 from turborlhf.rollout.fast import FastEngine
 from turborlhf.rollout.hf import HFEngine
-from turborlhf.rollout.sync import (Canary, WeightSyncError, make_canary, policy_weights, push_weights, start_sync_check,
-                                    trainer_logprobs, verify_sync)
+from turborlhf.rollout.sync import (Canary, WeightSyncError, canary_rows, make_canary, policy_weights, push_weights,
+                                    start_sync_check, trainer_logprobs, verify_sync)
 
 from turborlhf.rollout import kernels as _kernels
 
@@ -48,6 +48,16 @@ def test_correct_sync_passes_and_stale_engine_fails(kind, prompts):
     assert rep.verified and rep.max_mean_diff <= TOL[kind] and rep.push_s > 0
     assert model.training                                      # trainer's mode restored
     assert set(rep.metrics()) >= {"sync/logprob_mean_diff", "timing/weight_push"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_canary_rows_follow_the_engines_arithmetic(kind, prompts):
+    """8 rows where the engine computes in bf16 (the mean over rows averages its noise), 4 where
+    it computes in fp32 (bf16-stored weights included): the default of make_canary."""
+    eng = ENGINES[kind](tiny_llama(0))
+    want = 4 if kind.startswith("fast-fp32") else 8
+    assert canary_rows(eng) == want
+    assert len(make_canary(eng, prompts * 3, response_tokens=4).prompts) == want
 
 
 @pytest.mark.parametrize("kind", KINDS)

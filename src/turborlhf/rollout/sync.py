@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Canary", "SyncReport", "WeightSyncError", "make_canary", "canary_windows", "trainer_logprobs",
            "policy_weights", "verify_sync", "push_weights", "start_sync_check", "default_tolerance",
-           "rounds_weights"]
+           "rounds_weights", "canary_rows"]
 
 
 def default_tolerance(dtype) -> float:
@@ -113,7 +113,7 @@ class SyncReport:
         return out
 
 
-def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 8, response_tokens: int = 16,
+def make_canary(engine, prompts: Sequence[Sequence[int]], n: Optional[int] = None, response_tokens: int = 16,
                 prompt_tokens: int = 16) -> Canary:
     """Canary from the first `n` prompts, each cut to `prompt_tokens` tokens of its own (see
     `canary_windows`), with the engine's greedy response of exactly `response_tokens` tokens (no
@@ -121,11 +121,22 @@ def make_canary(engine, prompts: Sequence[Sequence[int]], n: int = 8, response_t
 
     Short windows keep the check cheap (every weight is exercised by any tokens; 16 instead of 32
     prompt tokens took it from 1.15 to 0.87 s per push on SmolLM2, trainer and engine side
-    together, with the same statistic). Raises ValueError if `prompts` is empty."""
+    together, with the same statistic). `n` (None: `canary_rows(engine)`) sets how many rows the
+    statistic averages precision noise over. Raises ValueError if `prompts` is empty."""
+    n = canary_rows(engine) if n is None else n
     ps = canary_windows(list(prompts)[:n], prompt_tokens)
     out = engine.generate(ps, SamplingParams(max_new_tokens=response_tokens, min_new_tokens=response_tokens,
                                              temperature=0.0, seed=0))  # seeded: leaves the global RNG alone
     return Canary(tuple(tuple(p) for p in ps), tuple(tuple(r) for r in out.response_ids), rounds_weights(engine))
+
+
+def canary_rows(engine) -> int:
+    """Rows of a canary for `engine`: 8 where it computes in bf16 (precision noise 0.008-0.016
+    nats per row against a tolerance of 0.025-0.05, so the mean over rows needs them), 4 where it
+    computes in fp32 (noise below 1e-5 against 0.001, bf16-rounded weights included: the trainer's
+    side is rounded alike). Half the rows halve the check on both sides, which every PPO step pays
+    (about 0.4 of 1.1 s per step on the PPO bench, 2-core Xeon); a sync fault moves every row."""
+    return 4 if getattr(engine, "dtype", None) == torch.float32 else 8
 
 
 def rounds_weights(engine) -> bool:
@@ -282,7 +293,7 @@ def push_weights(engine, model: torch.nn.Module, canary: Optional[Canary] = None
 
 
 def start_sync_check(engine, model: torch.nn.Module, prompts: Sequence[Sequence[int]], verify: bool,
-                     tol: Optional[float] = None, n: int = 8, response_tokens: int = 16) -> Optional[Canary]:
+                     tol: Optional[float] = None, n: Optional[int] = None, response_tokens: int = 16) -> Optional[Canary]:
     """A trainer's start-up step: if `verify`, build the canary from the first `n` prompts and
     check the freshly built engine against the trainer (WeightSyncError if it was built wrong);
     returns the canary to pass to every later `push_weights`, or None when not verifying."""
