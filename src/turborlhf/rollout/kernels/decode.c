@@ -685,8 +685,8 @@ typedef __m256i wveci;
     const wveci z_ = ZERO_I;                                                                       \
     for (int k = 0; k + 1 < K; k += 2) {                                                           \
         W_PREFETCH(pf, pfl, k, 2) W_PREFETCH(pf, pfl, k + 1, 2)                                    \
-        FMA_ROWS(MB, NBT, UNPK_LO(wp + k * 16), UNPK_LO(wp + O1_PAIRS + k * 16), k)            \
-        FMA_ROWS(MB, NBT, UNPK_HI(wp + k * 16), UNPK_HI(wp + O1_PAIRS + k * 16), k + 1)        \
+        FMA_ROWS(MB, NBT, UNPK_LO(wp + k * 16), UNPK_LO(wp + O1_PAIRS + k * 16), k)                \
+        FMA_ROWS(MB, NBT, UNPK_HI(wp + k * 16), UNPK_HI(wp + O1_PAIRS + k * 16), k + 1)            \
     }                                                                                              \
     if (K & 1) {                                                                                   \
         W_PREFETCH(pf, pfl, K - 1, 2)                                                              \
