@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["main", "eval_rm", "eval_policy"]
+__all__ = ["main", "eval_rm", "eval_policy", "eval_policy_pair", "sample_policy", "PolicySamples"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,122 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     return ids, out.response_ids, out.finished, out.logprobs
 
 
+@dataclasses.dataclass
+class PolicySamples:
+    """One policy's seeded samples on the evaluation prompts (`sample_policy`): the untagged
+    prompts, the prompts it generated from (tagged for a conditional-SFT policy), token ids, EOS
+    flags, the engine's temperature-1 log-probs (or None), decoded texts, and the policy model
+    (kept only where a KL forward still needs it)."""
+    policy_dir: str
+    prompts: list
+    gen_prompts: list
+    prompt_ids: list
+    response_ids: list
+    finished: list
+    engine_logprobs: Optional[list]
+    texts: list
+    tag: Optional[dict]
+    generate_seconds: float
+    model: object = None
+
+
+def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                  seed: int, engine: str, dtype: str, device, kl_wanted: bool = False, tag_bin: Optional[int] = None,
+                  use_tag: bool = True) -> PolicySamples:
+    """Generate for the first `n` prompts of `prompts_file` (`eval_policy`'s sampling half).
+    `dtype`: already resolved (``bf16``/``fp32``); `device`: a ``torch.device``. With `kl_wanted`
+    an fp32 engine returns its temperature-1 log-probs (the policy's side of the KL); where it
+    cannot, the policy model is kept in `PolicySamples.model` for a forward."""
+    from turborlhf.data.conditioning import TAG_FILE, condition_prompt, load_tag_info
+    from turborlhf.data.loaders import load_prompts
+    from turborlhf.engine.hardware import compute_dtype
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(policy_dir)
+    policy = load_causal_lm(policy_dir, tok, device=device)
+    prompts = load_prompts(prompts_file, tok)[:n]
+    tag = None
+    gen_prompts = prompts
+    if use_tag and (Path(policy_dir) / TAG_FILE).exists():
+        info = load_tag_info(policy_dir)
+        k = info["best_bin"] if tag_bin is None else tag_bin
+        tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
+        gen_prompts = [condition_prompt(p, info, k) for p in prompts]
+        logger.info(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}")
+    gen_dtype = compute_dtype(dtype, "cuda" if engine == "vllm" else device.type)
+    # the policy's side of the KL: an fp32 engine's temperature-1 log-probs of its samples are the
+    # policy forward's (the weight-sync check measures them equal to ~1e-6) and save that forward; a
+    # bf16 engine rounds differently from the scoring models, so they score both sides there
+    engine_logps = kl_wanted and gen_dtype == "fp32" and engine != "vllm"
+    p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
+                                                    engine, dtype=gen_dtype, device=device, raw_logprobs=engine_logps)
+    texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
+    keep = kl_wanted and r_logps is None
+    return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, r_ids, fin, r_logps, texts, tag,
+                         time.perf_counter() - t0, policy if keep else None)
+
+
+def _reward_sequences(rm_tok, s: PolicySamples) -> list[list[int]]:
+    """The reward model's token ids of each (untagged prompt, response): EOS only where the policy
+    emitted it, so a response cut at max_new_tokens is scored as cut, exactly as PPO's reward model
+    sees it (closing it with EOS inflated its score)."""
+    from turborlhf.data.tokenize import encode_prompt_response
+
+    return [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
+            for p, t, f in zip(s.prompts, s.texts, s.finished)]
+
+
+def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device, frozen) -> dict:
+    """k1 KL Σ_t (log π − log π_ref) per sampled response, averaged (π: the engine's log-probs or a
+    policy forward, ``kl_policy_logprobs`` says which)."""
+    import torch
+
+    from turborlhf.data.tokenize import assemble_prompt_response, encode_prompt
+    from turborlhf.engine.train import autocast
+    from turborlhf.models.forward import response_logprobs
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(s.policy_dir)
+    ref = load_causal_lm(reference_dir, tok, dtype=frozen, device=device)
+    ref_p_ids = s.prompt_ids if s.tag is None else [encode_prompt(tok, p, 256) for p in s.prompts]
+    kls = []
+    with torch.no_grad(), autocast(dtype, device):
+        for i in range(0, len(s.prompt_ids), 8):
+            sums = []
+            for model, pids in ((s.model, s.prompt_ids), (ref, ref_p_ids)):
+                if model is None:           # the policy's side from the engine
+                    sums.append(torch.tensor([sum(lp) for lp in s.engine_logprobs[i:i + 8]]))
+                    continue
+                ids, attn, P, mask = assemble_prompt_response(pids[i:i + 8], s.response_ids[i:i + 8], tok.pad_token_id)
+                target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
+                sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1).float().cpu())
+            kls.append(sums[0] - sums[1])
+    return {"kl_to_reference": float(torch.cat(kls).mean()),
+            "kl_policy_logprobs": "engine" if s.model is None else "forward"}
+
+
+def _policy_result(s: PolicySamples, scores, reward_model_dir: str, settings: dict, samples_out: Optional[str]) -> dict:
+    """`eval_policy`'s result for one policy's samples and their reward-model scores; writes
+    `samples_out` (JSONL: prompt, response, score, and the conditioned prompt of a tagged policy)."""
+    import torch
+
+    lens = torch.tensor([len(r) for r in s.response_ids], dtype=torch.float32)
+    res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+           "n": len(s.prompts), "response_length_mean": float(lens.mean()),
+           "eos_fraction": float(torch.tensor(s.finished, dtype=torch.float32).mean()),
+           "policy": s.policy_dir, "reward_model": reward_model_dir, **settings,
+           "generate_seconds": round(s.generate_seconds, 2), **(s.tag or {})}
+    if samples_out:
+        with open(samples_out, "w") as f:
+            for p, g, t, sc in zip(s.prompts, s.gen_prompts, s.texts, scores.tolist()):
+                row = {"prompt": p, "response": t, "score": sc}
+                if s.tag is not None:
+                    row["conditioned_prompt"] = g
+                f.write(json.dumps(row) + "\n")
+    return res
+
+
 def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64, max_new_tokens: int = 64,
                 temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
                 reference_dir: Optional[str] = None, samples_out: Optional[str] = None,
@@ -128,84 +245,78 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     `dtype`/`device`: as a trainer's ``model.dtype``/``model.device`` for the scoring models and the
     rollout engine (``auto``: this host's choice, README: Hardware).
     """
+    from turborlhf.rewards.model import score_token_ids
+
+    t0 = time.perf_counter()
+    load_rm, rm_tok, dtype, dev, frozen = _scoring_setup(reward_model_dir, dtype, device)
+    s = sample_policy(policy_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine, dtype, dev,
+                      kl_wanted=bool(reference_dir), tag_bin=tag_bin, use_tag=use_tag)
+    rm = load_rm()
+    scores = score_token_ids(rm, rm_tok.pad_token_id, _reward_sequences(rm_tok, s), dtype)
+    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+    res = _policy_result(s, scores, reward_model_dir, settings, samples_out)
+    if reference_dir:
+        res.update(_kl_to_reference(s, reference_dir, dtype, dev, frozen))
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64,
+                     max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234,
+                     engine: str = "auto", samples_out: tuple[Optional[str], Optional[str]] = (None, None),
+                     dtype: str = "auto", device: str = "auto") -> tuple[dict, dict]:
+    """`eval_policy` of a base policy (e.g. the SFT model) and of a policy trained from it (e.g. PPO's)
+    on the same prompts with the same seed, the trained one with its KL to the base: the results of
+    ``eval_policy(base_dir, ...)`` and ``eval_policy(policy_dir, ..., reference_dir=base_dir)``.
+
+    The reward model scores each prompt's two responses in one packed row ``[prompt | base's |
+    policy's]`` (`turborlhf.models.forward.pack_shared_prefix`), so the prompt goes through it once
+    instead of twice; the scores equal the separate passes' to float rounding. `samples_out`: the
+    two policies' JSONL sample files (or None). Returns ``(base_result, policy_result)``; their
+    ``seconds`` is the whole call's.
+    """
+    from turborlhf.trainers.reward_model import score_pairs
+
+    t0 = time.perf_counter()
+    load_rm, rm_tok, dtype, dev, frozen = _scoring_setup(reward_model_dir, dtype, device)
+    kw = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
+              dtype=dtype, device=dev)
+    base = sample_policy(base_dir, prompts_file, **kw)
+    pol = sample_policy(policy_dir, prompts_file, kl_wanted=True, **kw)
+    if base.prompts != pol.prompts:
+        raise ValueError(f"{base_dir} and {policy_dir} read different prompts from {prompts_file} (their tokenizers "
+                         "differ); evaluate them with eval_policy one by one")
+    rm = load_rm()
+    pairs = [{"chosen": a, "rejected": b}
+             for a, b in zip(_reward_sequences(rm_tok, base), _reward_sequences(rm_tok, pol))]
+    base_scores, pol_scores = score_pairs(rm, rm_tok, pairs, dtype, batch_size=8)
+    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+    res_base = _policy_result(base, base_scores, reward_model_dir, settings, samples_out[0])
+    res_pol = _policy_result(pol, pol_scores, reward_model_dir, settings, samples_out[1])
+    res_pol.update(_kl_to_reference(pol, base_dir, dtype, dev, frozen))
+    seconds = round(time.perf_counter() - t0, 2)
+    res_base["seconds"] = res_pol["seconds"] = seconds
+    return res_base, res_pol
+
+
+def _scoring_setup(reward_model_dir: str, dtype: str, device: str):
+    """Check the reward model (before minutes of generation) and resolve the device and precision.
+    Returns ``(load_rm, rm_tokenizer, dtype, device, frozen_torch_dtype)``; `load_rm()` loads the
+    reward model (after generation, so the policy and its engine are gone by then)."""
     import torch
 
-    from turborlhf.data.loaders import load_prompts
-    from turborlhf.data.tokenize import encode_prompt, encode_prompt_response
     from turborlhf.engine.hardware import compute_dtype, resolve_device
-    from turborlhf.engine.train import autocast, set_threads
-    from turborlhf.models.load import load_causal_lm, load_tokenizer
-    from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
-    from turborlhf.data.conditioning import TAG_FILE, condition_prompt, load_tag_info
+    from turborlhf.engine.train import set_threads
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.rewards.model import check_reward_model, load_reward_model
 
     set_threads()
-    t0 = time.perf_counter()
-    check_reward_model(reward_model_dir)                  # before minutes of generation
-    tok = load_tokenizer(policy_dir)
+    check_reward_model(reward_model_dir)
     dev = resolve_device(device)
     dtype = compute_dtype(dtype, dev)
     frozen = torch.bfloat16 if dtype == "bf16" else torch.float32
-    policy = load_causal_lm(policy_dir, tok, device=dev)
-    prompts = load_prompts(prompts_file, tok)[:n]
-    tag = None
-    gen_prompts = prompts
-    if use_tag and (Path(policy_dir) / TAG_FILE).exists():
-        info = load_tag_info(policy_dir)
-        k = info["best_bin"] if tag_bin is None else tag_bin
-        tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
-        gen_prompts = [condition_prompt(p, info, k) for p in prompts]
-        logger.info(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}")
-    gen_dtype = compute_dtype(dtype, "cuda" if engine == "vllm" else dev.type)
-    # the policy's side of the KL: an fp32 engine's temperature-1 log-probs of its samples are the
-    # policy forward's (the weight-sync check measures them equal to ~1e-6) and save that forward; a
-    # bf16 engine rounds differently from the scoring models, so they score both sides there
-    engine_logps = bool(reference_dir) and gen_dtype == "fp32" and engine != "vllm"
-    p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
-                                                    engine, dtype=gen_dtype, device=dev, raw_logprobs=engine_logps)
-    t_gen = time.perf_counter() - t0
     rm_tok = load_tokenizer(reward_model_dir)
-    rm = load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)
-    texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
-    # EOS only where the policy emitted it: a response cut at max_new_tokens is scored as cut,
-    # exactly as PPO's reward model sees it (closing it with EOS inflated its score)
-    seqs = [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
-            for p, t, f in zip(prompts, texts, fin)]
-    scores = score_token_ids(rm, rm_tok.pad_token_id, seqs, dtype)
-    lens = torch.tensor([len(r) for r in r_ids], dtype=torch.float32)
-    res = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-           "n": len(prompts), "response_length_mean": float(lens.mean()),
-           "eos_fraction": float(torch.tensor(fin, dtype=torch.float32).mean())}
-    if reference_dir:
-        from turborlhf.data.tokenize import assemble_prompt_response
-        from turborlhf.models.forward import response_logprobs
-
-        ref = load_causal_lm(reference_dir, tok, dtype=frozen, device=dev)
-        ref_p_ids = p_ids if tag is None else [encode_prompt(tok, p, 256) for p in prompts]
-        kls = []
-        with torch.no_grad(), autocast(dtype, dev):
-            for s in range(0, len(p_ids), 8):
-                sums = []
-                for model, pids in ((policy, p_ids), (ref, ref_p_ids)):
-                    if model is policy and r_logps is not None:
-                        sums.append(torch.tensor([sum(lp) for lp in r_logps[s:s + 8]]))
-                        continue
-                    ids, attn, P, mask = assemble_prompt_response(pids[s:s + 8], r_ids[s:s + 8], tok.pad_token_id)
-                    target = torch.cat([torch.zeros(ids.shape[0], P), mask], 1)
-                    sums.append((response_logprobs(model, ids, attn, target)[0][:, P:] * mask).sum(-1).float().cpu())
-                kls.append(sums[0] - sums[1])
-        res["kl_to_reference"] = float(torch.cat(kls).mean())
-        res["kl_policy_logprobs"] = "engine" if r_logps is not None else "forward"
-    res.update({"policy": policy_dir, "reward_model": reward_model_dir, "seed": seed, "temperature": temperature,
-                "top_p": top_p, "max_new_tokens": max_new_tokens, "generate_seconds": round(t_gen, 2),
-                "seconds": round(time.perf_counter() - t0, 2), **(tag or {})})
-    if samples_out:
-        with open(samples_out, "w") as f:
-            for p, g, t, s in zip(prompts, gen_prompts, texts, scores.tolist()):
-                row = {"prompt": p, "response": t, "score": s}
-                if tag is not None:
-                    row["conditioned_prompt"] = g
-                f.write(json.dumps(row) + "\n")
-    return res
+    return (lambda: load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)), rm_tok, dtype, dev, frozen
 
 
 def main(name: str, argv: list[str]) -> int:

@@ -9,7 +9,8 @@ Stage wiring (each stage section of the YAML overrides the command's own config)
   the RM from the SFT model).
 - ppo: actor and reference = SFT model, critic initialised from the RM → ``<run_dir>/ppo``.
 - eval: RM accuracy on the test pairs; SFT and PPO policies sampled with the same seed on the
-  same test prompts and scored by the same RM; a plot and a summary.
+  same test prompts and scored by the same RM, each prompt's two answers in one pass
+  (`turborlhf.evaluate.eval_policy_pair`); a plot and a summary.
 
 ``--resume`` skips stages whose directory holds a ``.done`` marker and resumes an interrupted
 stage from its last checkpoint.

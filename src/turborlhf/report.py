@@ -36,7 +36,7 @@ def plot_ppo(metrics_file: Path, out_png: Path) -> bool:
 
 
 def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict) -> dict:
-    from turborlhf.evaluate import eval_policy, eval_rm
+    from turborlhf.evaluate import eval_policy_pair, eval_rm
 
     E = cfg.eval
     rm_dir, ppo_dir, ev_dir = str(run_dir / "rm"), str(run_dir / "ppo"), run_dir / "eval"
@@ -55,9 +55,10 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     common = dict(n=E.n_prompts, max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
                   seed=E.seed, engine=R.engine)
     prompts = str(data / "test_prompts.jsonl")
-    sft_res = eval_policy(sft_dir, rm_dir, prompts, samples_out=str(ev_dir / "sft_samples.jsonl"), **common)
-    ppo_res = eval_policy(ppo_dir, rm_dir, prompts, reference_dir=sft_dir,
-                          samples_out=str(ev_dir / "ppo_samples.jsonl"), **common)
+    # both policies on the same prompts and seed; the RM scores each prompt's two answers with the
+    # prompt computed once, and the PPO policy's KL is to the SFT policy
+    outs = (str(ev_dir / "sft_samples.jsonl"), str(ev_dir / "ppo_samples.jsonl"))
+    sft_res, ppo_res = eval_policy_pair(sft_dir, ppo_dir, rm_dir, prompts, **common, samples_out=outs)
     std = sft_res["reward_std"] or 1.0
     summary["sft_policy"] = {k: sft_res[k] for k in ("reward_mean", "reward_std", "n", "response_length_mean",
                                                     "eos_fraction")}

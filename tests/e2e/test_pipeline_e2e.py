@@ -45,3 +45,42 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     # --resume skips finished stages
     run_cli("pipeline", "--config", REPO / "configs/tiny/pipeline.yaml", f"model={tiny_model}", f"run_dir={run_dir}",
             f"prepare.input={REPO / 'data/hh-rlhf/harmless-base-1800.jsonl.gz'}", "--resume")
+
+
+def test_eval_policy_pair_equals_two_evals_with_the_prompt_scored_once(tiny_model, tiny_rm, tiny_data, tmp_path,
+                                                                        monkeypatch):
+    """The pipeline's evaluation (`eval_policy_pair`): the same results as `eval_policy` on each
+    policy (the trained one with its KL to the base), while the reward model scores each prompt's
+    two answers in one packed row whose prompt it computes once."""
+    import pytest
+
+    import turborlhf.rewards.model as rmod
+    from turborlhf.evaluate import eval_policy, eval_policy_pair
+    from turborlhf.models.tiny import save_tiny_causal_lm
+
+    trained = save_tiny_causal_lm(tmp_path / "trained", seed=1)     # another model: a KL far from 0
+    prompts = str(tiny_data / "test_prompts.jsonl")
+    kw = dict(n=6, max_new_tokens=6, seed=3, dtype="fp32")
+    base = eval_policy(str(tiny_model), str(tiny_rm), prompts, **kw)
+    pol = eval_policy(str(trained), str(tiny_rm), prompts, reference_dir=str(tiny_model), **kw)
+
+    packed = []
+    spf = rmod.shared_prefix_scores
+    monkeypatch.setattr(rmod, "shared_prefix_scores", lambda m, b: packed.append(b) or spf(m, b))
+    monkeypatch.setattr(rmod, "score_token_ids", None)              # no separate pass per policy
+    outs = (tmp_path / "base.jsonl", tmp_path / "trained.jsonl")
+    pb, pp = eval_policy_pair(str(tiny_model), str(trained), str(tiny_rm), prompts, **kw,
+                              samples_out=tuple(map(str, outs)))
+    for want, got in ((base, pb), (pol, pp)):
+        for k, v in want.items():
+            if "seconds" in k:
+                continue
+            assert got[k] == (pytest.approx(v, abs=1e-4) if isinstance(v, float) else v), k
+    assert abs(pp["kl_to_reference"]) > 0.1 and "kl_to_reference" not in pb
+    # every prompt once: its two answers continue it in one row
+    assert sum(len(b.prefix_len) for b in packed) == 6
+    assert all(p > 0 for b in packed for p in b.prefix_len)
+    rows = [[json.loads(l) for l in o.read_text().splitlines()] for o in outs]
+    assert [r["prompt"] for r in rows[0]] == [r["prompt"] for r in rows[1]] and len(rows[0]) == 6
+    scores = [sum(r["score"] for r in rs) / 6 for rs in rows]
+    assert scores == [pytest.approx(pb["reward_mean"], abs=1e-5), pytest.approx(pp["reward_mean"], abs=1e-5)]
