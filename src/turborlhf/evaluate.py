@@ -273,7 +273,8 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     policy's]`` (`turborlhf.models.forward.pack_shared_prefix`), so the prompt goes through it once
     instead of twice; the scores equal the separate passes' to float rounding. `samples_out`: the
     two policies' JSONL sample files (or None). Returns ``(base_result, policy_result)``; their
-    ``seconds`` is the whole call's.
+    ``seconds`` is the whole call's. Raises ValueError if the two policies' tokenizers read
+    different prompts from `prompts_file`.
     """
     from turborlhf.trainers.reward_model import score_pairs
 
