@@ -233,6 +233,7 @@ class SFTDataCfg(DataFormatCfg):
     test_file: Optional[str] = _held_out()
     max_len: int = _max_len()
     max_samples: int = _at_most("training examples")
+    max_test_samples: int = _at_most("test examples (the file's first)", verb="evaluate on")
 
 
 class SFTTrainCfg(EvalLoopCfg):
@@ -255,6 +256,7 @@ class RMDataCfg(DataFormatCfg):
     test_file: Optional[str] = _held_out("pairs in the same formats")
     max_len: int = _max_len(384)
     max_samples: int = _at_most("training pairs")
+    max_test_samples: int = _at_most("test pairs (the file's first)", verb="evaluate on")
 
 
 class RMTrainCfg(EvalLoopCfg):
@@ -536,7 +538,7 @@ class DPODataCfg(DataFormatCfg):
     test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
     max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
     max_samples: int = _at_most("training pairs")
-    max_test_samples: int = _at_most("test pairs", verb="evaluate on")
+    max_test_samples: int = _at_most("test pairs (the file's first)", verb="evaluate on")
 
 
 class DPOAlgoCfg(Cfg):
@@ -595,7 +597,7 @@ class KTODataCfg(DataFormatCfg):
     test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
     max_len: int = _max_len()
     max_samples: int = _at_most("training examples")
-    max_test_samples: int = _at_most("test examples", verb="evaluate on")
+    max_test_samples: int = _at_most("test examples (the file's first)", verb="evaluate on")
 
 
 class KTOAlgoCfg(Cfg):
@@ -673,6 +675,8 @@ class CSFTDataCfg(DataFormatCfg):
     test_file: Optional[str] = _held_out(note=" (tagged NLL at the end)")
     max_len: int = _max_len()
     max_samples: int = Field(0, ge=0, description="use at most this many lines' records (pairs or examples; 0 = all)")
+    max_test_samples: int = Field(0, ge=0, description="evaluate on at most this many of the test file's records "
+                                                       "(its first; pairs or examples; 0 = all)")
     score_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward pass when scoring")
     policy_samples_per_prompt: int = Field(
         0, ge=0, description="also sample this many responses per training prompt from the starting policy "

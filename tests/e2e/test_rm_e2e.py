@@ -44,5 +44,6 @@ def test_rm_trains_saves_and_resumes(tiny_model, tiny_data, tmp_path):
 
 def test_rm_margin_and_centering_options_run(tiny_model, tiny_data, tmp_path):
     _rm(tiny_model, tiny_data, tmp_path / "rm2", "train.max_steps=2", "train.center_rewards_coef=0.01",
-        "train.freeze_embeddings=true")
+        "train.freeze_embeddings=true", "data.max_test_samples=3")
     assert len(metrics(tmp_path / "rm2")) >= 2
+    assert json.loads((tmp_path / "rm2" / "eval.json").read_text())["n"] == 3    # the test file's first 3 pairs

@@ -205,7 +205,9 @@ def test_conditional_sft_policy_samples_only(tiny_model, tiny_rm, tiny_data, tmp
     out = tmp_path / "csft"
     args = ("--config", REPO / "configs/tiny/conditional_sft.yaml", f"model.name_or_path={tiny_model}",
             f"reward_model={tiny_rm}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}")
-    run_cli("conditional-sft", *args, "data.policy_samples_per_prompt=3", "data.dataset_responses=false")
+    run_cli("conditional-sft", *args, "data.policy_samples_per_prompt=3", "data.dataset_responses=false",
+            f"data.test_file={tiny_data / 'test_pairs.jsonl'}", "data.max_test_samples=2")
+    assert len(_rows(out / "scored_test.jsonl")) == 4                 # the test file's first 2 pairs, both answers
     scored = _rows(out / "scored.jsonl")
     assert len(scored) == 12 * 3 and {r["source"] for r in scored} == {"policy"}
     assert json.loads((out / "conditional_sft.json").read_text())["bin_counts"] == [12, 12, 12]

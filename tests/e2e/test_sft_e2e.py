@@ -28,3 +28,21 @@ def test_sft_trains_saves_and_resumes(tiny_model, tiny_data, tmp_path):
     _sft(tiny_model, tiny_data, out, "--resume")
     assert max_weight_diff(final, weights(out)) < 1e-6
     assert len([r for r in metrics(out) if "train/loss" in r]) == 4  # steps 1-2 kept, 3-4 appended
+
+
+def test_sft_max_test_samples_evaluates_the_test_files_first_examples(tiny_model, tiny_data, tmp_path):
+    """`data.max_test_samples=N`: the held-out NLL is that of the test file's first N examples."""
+    from turborlhf.data.tokenize import encode_examples
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.trainers.common import evaluate_nll
+
+    out = tmp_path / "sft"
+    _sft(tiny_model, tiny_data, out, "train.max_steps=1", "data.max_test_samples=3")
+    logged = [r["eval/loss"] for r in metrics(out) if "eval/loss" in r][-1]
+    tok = load_tokenizer(str(out))
+    enc = encode_examples(tok, load_sft(str(tiny_data / "test_pairs.jsonl"), tok), 96)   # configs/tiny/sft.yaml
+    model = load_causal_lm(str(out))
+    first, every = (evaluate_nll(model, tok, e, "fp32", 8) for e in (enc[:3], enc))
+    assert len(enc) > 3
+    assert abs(logged - first) < 1e-4 and abs(first - every) > 1e-3

@@ -192,7 +192,8 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
         test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
         return [obj for _, obj in read_jsonl(scored)], test_rows, load_tag_info(out)
     rows = load_examples(cfg.data.train_file, tok, cfg.data.max_samples, **cfg.data.loader_kwargs())
-    test_rows = load_examples(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
+    test_rows = (load_examples(cfg.data.test_file, tok, cfg.data.max_test_samples, **cfg.data.loader_kwargs())
+                 if cfg.data.test_file else [])
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))

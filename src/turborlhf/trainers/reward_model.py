@@ -102,6 +102,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
         pairs = pairs[:cfg.data.max_samples]
     train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
     test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
+    if cfg.data.max_test_samples:
+        test_pairs = test_pairs[:cfg.data.max_test_samples]
     test_enc = encode_pairs(tok, test_pairs, cfg.data.max_len)
     plan = plan_pair_steps(train_enc, loop)
 

@@ -56,7 +56,10 @@ def train_steps(cfg: SFTConfig, resume: bool = False) -> Iterator[tuple[int, int
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     train_enc = encode_examples(tok, rows, cfg.data.max_len)
-    test_enc = encode_examples(tok, load_sft(cfg.data.test_file, tok, **cfg.data.loader_kwargs()), cfg.data.max_len) if cfg.data.test_file else []
+    test_rows = load_sft(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
+    if cfg.data.max_test_samples:
+        test_rows = test_rows[:cfg.data.max_test_samples]
+    test_enc = encode_examples(tok, test_rows, cfg.data.max_len)
     loop = cfg.train
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], loop.sequences_per_step,
                       loop.epochs, loop.max_steps, loop.seed)
