@@ -7,7 +7,9 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["evaluate_pipeline", "plot_ppo"]
+from turborlhf.data.jsonl import file_sha256
+
+__all__ = ["evaluate_pipeline", "plot_ppo", "rm_eval_covers"]
 
 
 def plot_ppo(metrics_file: Path, out_png: Path) -> bool:
@@ -35,6 +37,17 @@ def plot_ppo(metrics_file: Path, out_png: Path) -> bool:
     return True
 
 
+def rm_eval_covers(rm_res: dict, test_pairs: str) -> bool:
+    """Whether the RM stage's ``eval.json`` (`rm_res`) scored `test_pairs` with length strata: the
+    same file content (``data_sha256``; a run directory copied or moved keeps it), or, written
+    before the digest was stored, the same path."""
+    if "length" not in rm_res:
+        return False
+    if "data_sha256" in rm_res:
+        return Path(test_pairs).exists() and rm_res["data_sha256"] == file_sha256(test_pairs)
+    return Path(rm_res.get("data", "")).resolve() == Path(test_pairs).resolve()
+
+
 def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict) -> dict:
     from turborlhf.evaluate import eval_policy_pair, eval_rm
 
@@ -46,7 +59,7 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     # a reward model trained elsewhere, or by a version that wrote no length strata, is scored here
     rm_eval, test_pairs = run_dir / "rm" / "eval.json", str(data / "test_pairs.jsonl")
     rm_res = json.loads(rm_eval.read_text()) if rm_eval.exists() else {}
-    if "length" not in rm_res or Path(rm_res.get("data", "")).resolve() != Path(test_pairs).resolve():
+    if not rm_eval_covers(rm_res, test_pairs):
         rm_res = eval_rm(rm_dir, test_pairs)
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]

@@ -46,6 +46,19 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     run_cli("pipeline", "--config", REPO / "configs/tiny/pipeline.yaml", f"model={tiny_model}", f"run_dir={run_dir}",
             f"prepare.input={REPO / 'data/hh-rlhf/harmless-base-1800.jsonl.gz'}", "--resume")
 
+    # the RM stage's scores stay valid for a copy of the run directory (same test pairs by content),
+    # not for other pairs; an eval.json without the digest is matched by its path
+    import shutil
+
+    from turborlhf.report import rm_eval_covers
+    copy = tmp_path / "moved"
+    shutil.copytree(run_dir / "data", copy / "data")
+    assert rm_eval_covers(rm_eval, str(copy / "data" / "test_pairs.jsonl"))
+    assert not rm_eval_covers(rm_eval, str(copy / "data" / "train_pairs.jsonl"))
+    assert not rm_eval_covers({k: v for k, v in rm_eval.items() if k != "length"}, rm_eval["data"])
+    old = {k: v for k, v in rm_eval.items() if k != "data_sha256"}
+    assert rm_eval_covers(old, rm_eval["data"]) and not rm_eval_covers(old, str(copy / "data" / "test_pairs.jsonl"))
+
 
 def test_eval_policy_pair_equals_two_evals_with_the_prompt_scored_once(tiny_model, tiny_rm, tiny_data, tmp_path,
                                                                         monkeypatch):

@@ -1,8 +1,10 @@
-"""JSON-lines reading and atomic writing (``.jsonl`` and gzip-compressed ``.jsonl.gz``)."""
+"""JSON-lines reading and atomic writing (``.jsonl`` and gzip-compressed ``.jsonl.gz``), and a data
+file's content digest (`file_sha256`)."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -119,3 +121,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of the file's bytes: names a data file by its content, so a result computed on it
+    is recognised after the run directory was copied or moved. Raises OSError if it cannot be read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

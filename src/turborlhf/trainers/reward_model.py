@@ -20,6 +20,7 @@ import torch
 
 from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
+from turborlhf.data.jsonl import file_sha256
 from turborlhf.data.loaders import load_pairs
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
@@ -164,7 +165,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
         ev = summarize_scores(ch, rj)
         # eval-rm's fields, so the pipeline's evaluation reads this file instead of scoring the pairs again
         ev.update({"length": length_strata(test_pairs, (ch > rj).tolist()), "data": str(cfg.data.test_file),
-                   "max_len": cfg.data.max_len})
+                   "data_sha256": file_sha256(cfg.data.test_file), "max_len": cfg.data.max_len})
         log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
         extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
         (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
