@@ -116,3 +116,89 @@ def test_hf_engine_on_cuda_matches_cpu_greedy(tiny_model):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
     with pytest.raises(ValueError, match="CPU only"):
         make_engine("fast", str(tiny_model), device="cuda")
+
+
+def test_grpo_through_ray_on_one_gpu_matches_local(tiny_model, tiny_data, tiny_rm, tmp_path, capsys):
+    """The Ray backend with a GPU worker: every role colocated on the one GPU (one bundle of
+    {GPU: 1, CPU: 1}) gives the local backend's metrics and weights on the same GPU (fp32, so
+    both sides run the same kernels)."""
+    pytest.importorskip("ray")
+    from tests.e2e.helpers import max_weight_diff, weights
+
+    def args(out, *extra):
+        return ["ppo", "--config", REPO / "configs/tiny/grpo.yaml", f"actor.name_or_path={tiny_model}",
+                f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+                "data.max_samples=16", "train.max_steps=2", f"output_dir={out}", "log.tensorboard=false",
+                "log.progress=false", "actor.dtype=fp32", "rollout.dtype=fp32", *extra]
+
+    _run_on_gpu(*args(tmp_path / "local"))
+    run_cli(*args(tmp_path / "ray", "distributed.backend=ray", "distributed.device=gpu",
+                  "distributed.colocate_all_models=true", "distributed.timeout_s=300"))
+    out = capsys.readouterr().out
+    assert "GPUs ['0']" in out, out[-3000:]   # Ray gave the worker the GPU (worker_device requires CUDA)
+    a, b = metrics(tmp_path / "local"), metrics(tmp_path / "ray")
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        keys = [k for k in ra if not k.startswith("timing/") and k != "rollout/tokens_per_s"]
+        assert "rollout/reward_mean" in keys and all(k in rb for k in keys)
+        for k in keys:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-3, abs=1e-4), (ra.get("step"), k, ra[k], rb[k])
+    assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "ray")) < 1e-4
+
+
+def _fsdp_one_rank(rank: int, port: int, tiny_model: str, out_file: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf.engine.parallel import full_state_dict, init_distributed, is_fsdp, root_forward, shard_fsdp
+    from turborlhf.models.forward import response_logprobs
+
+    init_distributed("nccl", "127.0.0.1", port, 0, 1, timeout_s=120)
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (4, 24), generator=g)
+    attn = torch.ones_like(ids)
+    target = torch.cat([torch.zeros(4, 8), torch.ones(4, 16)], 1)
+    out = {"backend": dist.get_backend()}
+    for sharded in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(dev).train()
+        if sharded:
+            shard_fsdp(model, dev)
+            out["is_fsdp"] = is_fsdp(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            logp, _ = root_forward(model, response_logprobs, ids, attn, target)
+            loss = -logp.sum() / target[:, 1:].sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out["sharded" if sharded else "plain"] = full_state_dict(model)
+    torch.save(out, out_file)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_over_nccl_on_one_gpu_equals_plain_training(tiny_model, tmp_path):
+    """Our FSDP2 helpers over NCCL on the GPU (one rank: the machine has one GPU): `shard_fsdp`,
+    `root_forward` through the root unit's hooks, and `full_state_dict`'s gather give the weights
+    of the same two AdamW steps on the unsharded model."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_file = str(tmp_path / "fsdp.pt")
+    mp.start_processes(_fsdp_one_rank, args=(port, str(tiny_model), out_file), nprocs=1, join=True,
+                       start_method="spawn")
+    got = torch.load(out_file)
+    assert got["backend"] == "nccl" and got["is_fsdp"]
+    plain, sharded = got["plain"], got["sharded"]
+    assert plain.keys() == sharded.keys()
+    from tests.e2e.helpers import weights
+
+    init = weights(tiny_model)
+    assert max(float((plain[k] - init[k]).abs().max()) for k in init) > 1e-4     # it trained
+    diff = max(float((plain[k].float() - sharded[k].float()).abs().max()) for k in plain)
+    assert diff < 1e-5, diff
+

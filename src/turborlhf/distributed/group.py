@@ -65,9 +65,17 @@ class Host:
         self.objs: dict[str, Any] = {}
 
     def info(self) -> dict:
+        """``{"pid", "host", "gpus"}``: gpus are the GPU ids Ray assigned to this worker (empty
+        on a CPU slot, and outside Ray)."""
         import socket
 
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        try:
+            import ray
+
+            gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        except ImportError:
+            gpus = []
+        return {"pid": os.getpid(), "host": socket.gethostname(), "gpus": gpus}
 
     def free_port(self) -> tuple[str, int]:
         from turborlhf.engine.parallel import free_port
@@ -184,7 +192,7 @@ class RayGroup:
     Args:
         role: role name (errors name it).
         hosts: Ray actor handles of `Host`, in rank order (shared with colocated roles).
-        infos: per rank ``{"pid", "host"}`` for error messages.
+        infos: per rank ``{"pid", "host", "gpus"}`` for error messages.
         timeout_s: longest wait for any call.
         shared_with: other roles living in the same processes (named when a process dies).
     """

@@ -193,8 +193,9 @@ def _launch_all(ray, dist, groups_of_roles, specs, cluster, env, threads, placem
     infos_of = {}
     for roles, hosts, refs in started:
         infos_of[roles] = _wait(ray, refs, "+".join(roles), "start", dist.timeout_s)
+        gpus = [",".join(i.get("gpus", [])) for i in infos_of[roles]]
         print(f"[distributed] {'+'.join(roles)}: {len(hosts)} worker(s), pids "
-              f"{[i['pid'] for i in infos_of[roles]]}", flush=True)
+              f"{[i['pid'] for i in infos_of[roles]]}" + (f", GPUs {gpus}" if any(gpus) else ""), flush=True)
     rendezvous = []
     for roles, hosts, _ in started:
         if len(hosts) > 1 and any(r in TRAINED_ROLES for r in roles):
