@@ -139,7 +139,11 @@ class DecodeKernels:
         if self._pack_fn(dtype, wdt) is None:
             raise ValueError(f"no {dtype} decode linears with {wdt} weights on this CPU "
                              f"(built: {sorted(map(str, self.linear_dtypes))})")
-        return torch.zeros(self.packed_numel(N, K, swiglu, dtype), dtype=wdt)
+        packed = torch.zeros(self.packed_numel(N, K, swiglu, dtype), dtype=wdt)
+        # the layout follows the activations' dtype, which the storage dtype does not tell apart
+        # (bf16 weights for fp32 x, or for bf16 x, can have the same size): `linear` checks it
+        packed.act_dtype = dtype
+        return packed
 
     def pack_rows(self, rows_nK: torch.Tensor, packed: torch.Tensor, row0: int, N: int, swiglu: bool = False,
                   dtype: Optional[torch.dtype] = None) -> None:
@@ -154,7 +158,7 @@ class DecodeKernels:
             raise ValueError(f"pack_rows: rows [{row0}, {row0 + n}) do not fit a {'fused gate/up ' if swiglu else ''}"
                              f"weight of {N} rows")
         wdt = packed.dtype
-        adt = wdt if dtype is None else dtype
+        adt = dtype or getattr(packed, "act_dtype", None) or wdt
         fn = self._pack_fn(adt, wdt)
         if fn is None or packed.numel() != self.packed_numel(N, K, swiglu, adt):
             raise ValueError(f"pack_rows: packed tensor does not match a {N}×{K} weight")
@@ -166,7 +170,8 @@ class DecodeKernels:
         """y = x·Wᵀ (+ bias) of a `new_packed`/`pack_rows` weight with N output rows, then op 0: y;
         ADD: y + other_MN; SWIGLU: silu(gate)·up, N/2 columns (W packed with swiglu=True, bias of
         the fused [gate; up]). x_MK: contiguous, the activation dtype the weight was packed for
-        (bf16: K even; fp32 x reads fp32 or bf16 weights). Returns M × N (or N/2) in x's dtype, or
+        (bf16: K even; fp32 x reads fp32 or bf16 weights; a weight from `new_packed` remembers it
+        and any other x dtype raises ValueError). Returns M × N (or N/2) in x's dtype, or
         fp32 with out_f32. Arithmetic: bf16 products summed in fp32 (vdpbf16ps); fp32 FMAs (bf16
         weights widened exactly first)."""
         M, K = x_MK.shape
@@ -175,6 +180,9 @@ class DecodeKernels:
         if self._pack_fn(dt, packed.dtype) is None:
             raise ValueError(f"linear: no linears for {dt} x with {packed.dtype} weights on this CPU "
                              f"(built: {sorted(map(str, self.linear_dtypes))}; fp32 x also takes bf16 weights)")
+        if getattr(packed, "act_dtype", dt) != dt:
+            raise ValueError(f"linear: the weight was packed for {packed.act_dtype} x, got {dt} x "
+                             "(the layout does not match)")
         if not x_MK.is_contiguous() or (dt == torch.bfloat16 and K % 2):
             raise ValueError(f"linear: x must be contiguous{' with an even width' if dt == torch.bfloat16 else ''}, "
                              f"got {x_MK.dtype} {tuple(x_MK.shape)} (contiguous={x_MK.is_contiguous()})")
