@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.e2e.helpers import REPO, metrics, run_cli
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -123,7 +123,6 @@ def test_grpo_through_ray_on_one_gpu_matches_local(tiny_model, tiny_data, tiny_r
     {GPU: 1, CPU: 1}) gives the local backend's metrics and weights on the same GPU (fp32, so
     both sides run the same kernels)."""
     pytest.importorskip("ray")
-    from tests.e2e.helpers import max_weight_diff, weights
 
     def args(out, *extra):
         return ["ppo", "--config", REPO / "configs/tiny/grpo.yaml", f"actor.name_or_path={tiny_model}",
@@ -195,8 +194,6 @@ def test_fsdp2_over_nccl_on_one_gpu_equals_plain_training(tiny_model, tmp_path):
     assert got["backend"] == "nccl" and got["is_fsdp"]
     plain, sharded = got["plain"], got["sharded"]
     assert plain.keys() == sharded.keys()
-    from tests.e2e.helpers import weights
-
     init = weights(tiny_model)
     assert max(float((plain[k] - init[k]).abs().max()) for k in init) > 1e-4     # it trained
     diff = max(float((plain[k].float() - sharded[k].float()).abs().max()) for k in plain)
