@@ -181,3 +181,44 @@ def test_rollout_weight_dtype_choice():
             resolve_hardware(hf_bf16, show=False)
     else:                                                     # a bf16 engine's weights are bf16: no clash
         assert resolve_hardware(hf_bf16, show=False).rollout.dtype == "bf16"
+
+
+def test_rollout_dtype_auto_takes_the_faster_decode_arithmetic(monkeypatch):
+    """`rollout.dtype: auto` that chose bf16 becomes fp32 (on bf16 weights) for FastEngine on the CPU
+    only where the decode probe measures its fp32 linears at least 10% faster; never otherwise."""
+    from turborlhf.rollout import backends
+
+    class Both:
+        linear_dtypes = frozenset({torch.float32, torch.bfloat16})
+
+    class Fp32Only:
+        linear_dtypes = frozenset({torch.float32})
+
+    for ratio, want in ((0.7, "fp32"), (0.95, "bf16"), (1.6, "bf16")):
+        monkeypatch.setattr(backends, "decode_fp32_over_bf16", lambda k, r=ratio: r)
+        dt, why = backends.choose_rollout_dtype("bf16", "native", "auto", "auto", "cpu", "auto", Both())
+        assert dt == want, (ratio, dt)
+        assert (why == "native") == (want == "bf16") and (want == "bf16" or "1.4x" in why)
+    monkeypatch.setattr(backends, "decode_fp32_over_bf16", lambda k: 0.5)
+    keep = [("bf16", "native", "bf16", "auto", "cpu", "auto", Both()),      # explicit bf16
+            ("fp32", "no bf16", "auto", "auto", "cpu", "auto", Both()),     # auto already fp32
+            ("bf16", "native", "auto", "hf", "cpu", "auto", Both()),        # not FastEngine
+            ("bf16", "native", "auto", "auto", "cuda", "auto", Both()),     # not the CPU
+            ("bf16", "native", "auto", "auto", "cpu", "same", Both()),      # weights asked at bf16 arithmetic
+            ("bf16", "native", "auto", "auto", "cpu", "auto", Fp32Only()),  # no bf16 linears to compare
+            ("bf16", "native", "auto", "auto", "cpu", "auto", None)]        # no kernels
+    for args in keep:
+        assert backends.choose_rollout_dtype(*args) == (args[0], args[1]), args
+
+
+def test_decode_probe_is_cached_per_host(tmp_path, monkeypatch):
+    from turborlhf.engine.hardware import cached_probe
+
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path))
+    calls = []
+    assert cached_probe("a", lambda: calls.append(1) or 0.5) == 0.5
+    assert cached_probe("a", lambda: calls.append(1) or 9.0) == 0.5       # read back, not re-measured
+    assert cached_probe("b", lambda: 2.0) == 2.0                           # beside it in the same file
+    assert cached_probe("a", lambda: 9.0) == 0.5 and len(calls) == 1
+    (rec,) = [json.loads(p.read_text()) for p in (tmp_path / "host").iterdir()]
+    assert rec["a"] == 0.5 and rec["b"] == 2.0 and rec["host"]["cores"] >= 1

@@ -28,7 +28,7 @@ from typing import Optional
 
 __all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
            "resolve_device", "Precision", "choose_precision", "compute_dtype", "cpu_bf16_slowdown", "DEVICES", "DTYPES",
-           "weight_dtype_conflict"]
+           "weight_dtype_conflict", "cached_probe"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -187,30 +187,44 @@ def _time_linear(dtype, M: int = 256, K: int = 576, N: int = 1536, reps: int = 5
     return best
 
 
+def cached_probe(name: str, measure) -> float:
+    """`measure()` once per host: its float is cached as `name` in ``$TURBORLHF_CACHE/host/
+    probe-<key>.json`` (key: CPU model, usable instruction sets, torch version, threads, the ISA
+    limits), beside the other probes of that host. A read-only cache only costs a re-probe."""
+    import torch
+
+    path = _probe_path()
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        rec = {}
+    try:
+        return float(rec[name])
+    except (KeyError, TypeError, ValueError):
+        pass
+    value = float(measure())
+    rec = {**(rec if isinstance(rec, dict) else {}), name: value, "host": host_summary(), "torch": torch.__version__}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_bf16_slowdown() -> float:
     """Measured time of a bf16 ``F.linear`` over the fp32 one on this CPU (below 1: bf16 is faster).
 
     A short probe (~0.1 s where bf16 is native, up to ~1 s where it is emulated), cached per host
-    (CPU model, usable instruction sets, torch version, threads) in
-    ``$TURBORLHF_CACHE/host/probe-<key>.json``. Measured on 2-core AMD EPYCs: ~0.3 with
-    AVX-512-BF16 (Zen 4), ~5 with AVX2 only (Zen 3)."""
+    (`cached_probe`). Measured on 2-core AMD EPYCs: ~0.3 with AVX-512-BF16 (Zen 4), ~5 with AVX2
+    only (Zen 3); 0.22 on a 2-core Xeon with AMX."""
     import torch
 
-    path = _probe_path()
-    try:
-        return float(json.loads(path.read_text())["bf16_over_fp32"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    ratio = _time_linear(torch.bfloat16) / max(_time_linear(torch.float32), 1e-9)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"bf16_over_fp32": ratio, "host": host_summary(), "torch": torch.__version__}))
-        os.replace(tmp, path)
-    except OSError:
-        pass                                                # a read-only cache only costs a re-probe
-    return ratio
+    return cached_probe("bf16_over_fp32",
+                        lambda: _time_linear(torch.bfloat16) / max(_time_linear(torch.float32), 1e-9))
 
 
 _warned: set[str] = set()

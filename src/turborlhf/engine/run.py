@@ -49,7 +49,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     """`cfg` with every ``auto`` of device and precision replaced by this host's choice
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
-    ``rollout.dtype`` (for that device), ``rollout.weight_dtype``
+    ``rollout.dtype`` (for that device; `choose_rollout_dtype`), ``rollout.weight_dtype``
     (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype`` (bf16 moments
     where the models compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with
     `show=False`); `setup_run` saves them in ``hardware.json``. Explicit values are kept
@@ -57,7 +57,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     a device this host lacks."""
     from turborlhf.config import SYNC_TOLERANCE, ConfigError, ModelCfg, OptimCfg, RolloutCfg
     from turborlhf.engine.hardware import choose_precision, resolve_device
-    from turborlhf.rollout.backends import choose_weight_dtype
+    from turborlhf.rollout.backends import choose_rollout_dtype, choose_weight_dtype
 
     choices: dict[str, dict] = {}
     dist = getattr(cfg, "distributed", None)
@@ -103,19 +103,21 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                 else:
                     dev = resolve_device(value.device).type
                 prec = choose_precision(value.dtype, dev)
-                choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
-                if value.dtype != prec.dtype:
-                    upd["dtype"] = prec.dtype
+                rdt, rwhy = choose_rollout_dtype(prec.dtype, prec.reason, value.dtype, value.engine, dev,
+                                                 value.weight_dtype)
+                choices[f"{where}.dtype"] = {"value": rdt, "reason": rwhy}
+                if value.dtype != rdt:
+                    upd["dtype"] = rdt
                 try:
-                    wd, why = choose_weight_dtype(value.weight_dtype, prec.dtype, value.engine, dev)
+                    wd, why = choose_weight_dtype(value.weight_dtype, rdt, value.engine, dev)
                 except ValueError as e:
-                    chose = f" (rollout.dtype auto chose {prec.dtype} here)" if value.dtype == "auto" else ""
+                    chose = f" (rollout.dtype auto chose {rdt} here)" if value.dtype == "auto" else ""
                     raise ConfigError(f"{where}.weight_dtype: {e}{chose}") from None
                 choices[f"{where}.weight_dtype"] = {"value": wd, "reason": why}
                 if value.weight_dtype != wd:
                     upd["weight_dtype"] = wd
                 if value.sync_tolerance is None:            # the weight-sync check's tolerance for that dtype
-                    upd["sync_tolerance"] = SYNC_TOLERANCE[prec.dtype]
+                    upd["sync_tolerance"] = SYNC_TOLERANCE[rdt]
                 if upd:
                     updates[field] = value.model_copy(update=upd)
             elif isinstance(value, Cfg) and not isinstance(value, OptimCfg):

@@ -16,17 +16,19 @@ backend that cannot run is a one-line ValueError.
 """
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from typing import Optional
 
 import torch
 
-from turborlhf.engine.hardware import cpu_features, weight_dtype_conflict
+from turborlhf.engine.hardware import cached_probe, cpu_features, weight_dtype_conflict
 
 from .llama_ops import mkldnn_packing_available
 
-__all__ = ["choose_linear_backend", "choose_weight_dtype", "warn_once", "MKLDNN_BF16_FEATURES"]
+__all__ = ["choose_linear_backend", "choose_weight_dtype", "choose_rollout_dtype", "decode_fp32_over_bf16",
+           "warn_once", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
 # packed weights at run time (weights change after every policy update; no recompile). FastEngine
@@ -142,3 +144,53 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
     if kernels is None or torch.float32 not in kernels.linear_dtypes:
         return "same", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
     return "bf16", "fp32 arithmetic on bf16-rounded weights: half the bytes per decode step"
+
+
+def _time_decode_linear(kernels, dtype: torch.dtype, M: int = 8, K: int = 576, N: int = 1536, reps: int = 20) -> float:
+    """Best-of-`reps` seconds of the kernel library's linear on bf16-stored weights with `dtype`
+    activations (bf16: ``vdpbf16ps``; fp32: widened weights and fp32 FMAs), at a decode shape."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(N, K, generator=g) / K ** 0.5
+    p = kernels.new_packed(N, K, False, dtype, torch.bfloat16)
+    kernels.pack_rows(W, p, 0, N, dtype=dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    kernels.linear(x, p, N)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kernels.linear(x, p, N)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def decode_fp32_over_bf16(kernels) -> float:
+    """Time of FastEngine's fp32 decode linear on bf16 weights over its bf16 one, on this CPU
+    (below 1: the fp32 arithmetic is faster). A few milliseconds, cached per host with the other
+    probes (`turborlhf.engine.hardware.cached_probe`). On a 2-core Xeon with AMX the whole engine
+    decoded 1.3-1.4× faster with fp32 arithmetic (`docs/benchmarks.md`)."""
+    return cached_probe("decode_fp32_over_bf16", lambda: _time_decode_linear(kernels, torch.float32)
+                        / max(_time_decode_linear(kernels, torch.bfloat16), 1e-9))
+
+
+def choose_rollout_dtype(dtype: str, reason: str, requested: str, engine: str, device: str, weight_dtype: str,
+                         kernels="load") -> tuple[str, str]:
+    """(value, reason) of `rollout.dtype` once `choose_precision` gave `dtype` for `requested`.
+
+    Only an ``auto`` that chose bf16 for FastEngine on the CPU can change: to fp32 when its fp32
+    decode linears on bf16 weights (`rollout.weight_dtype` auto/bf16) measure at least 10% faster
+    than its bf16 ones here (`decode_fp32_over_bf16`). The engine then stores the bf16 weights
+    the bf16 engine would and computes in fp32, no less exact; the weight-sync check scores the
+    trainer's side alike. kernels: the loaded `DecodeKernels` or None ('load': load them)."""
+    if requested != "auto" or dtype != "bf16" or device != "cpu" or engine not in ("auto", "fast") \
+            or weight_dtype not in ("auto", "bf16"):
+        return dtype, reason
+    if kernels == "load":
+        from .kernels import load
+        kernels = load(warn=False)
+    if kernels is None or not {torch.float32, torch.bfloat16} <= set(kernels.linear_dtypes):
+        return dtype, reason
+    ratio = decode_fp32_over_bf16(kernels)
+    if ratio > 0.9:
+        return dtype, reason
+    return "fp32", (f"fp32 arithmetic on bf16 weights: FastEngine's fp32 decode linear measured {1 / ratio:.1f}x "
+                    "as fast as its bf16 one on this CPU")
