@@ -28,7 +28,7 @@ from typing import Optional
 
 __all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
            "resolve_device", "Precision", "choose_precision", "compute_dtype", "cpu_bf16_slowdown", "DEVICES", "DTYPES",
-           "weight_dtype_conflict", "cached_probe"]
+           "weight_dtype_conflict", "cached_probe", "best_time"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -178,11 +178,17 @@ def _time_linear(dtype, M: int = 256, K: int = 576, N: int = 1536, reps: int = 5
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=g).to(dtype)
     w = torch.randn(N, K, generator=g).to(dtype)
-    torch.nn.functional.linear(x, w)                       # warm-up (oneDNN primitive creation)
+    return best_time(lambda: torch.nn.functional.linear(x, w), reps)
+
+
+def best_time(fn, reps: int) -> float:
+    """Best-of-`reps` seconds of `fn()`, after one untimed call (warm-up: oneDNN primitive
+    creation, first-touch allocation)."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
+        fn()
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -16,14 +16,13 @@ backend that cannot run is a one-line ValueError.
 """
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from typing import Optional
 
 import torch
 
-from turborlhf.engine.hardware import cached_probe, cpu_features, weight_dtype_conflict
+from turborlhf.engine.hardware import best_time, cached_probe, cpu_features, weight_dtype_conflict
 
 from .llama_ops import mkldnn_packing_available
 
@@ -154,13 +153,7 @@ def _time_decode_linear(kernels, dtype: torch.dtype, M: int = 8, K: int = 576, N
     p = kernels.new_packed(N, K, False, dtype, torch.bfloat16)
     kernels.pack_rows(W, p, 0, N, dtype=dtype)
     x = torch.randn(M, K, generator=g).to(dtype)
-    kernels.linear(x, p, N)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        kernels.linear(x, p, N)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_time(lambda: kernels.linear(x, p, N), reps)
 
 
 def decode_fp32_over_bf16(kernels) -> float:
