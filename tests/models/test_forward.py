@@ -137,6 +137,33 @@ def test_packed_forward_under_bf16_autocast_is_close(tiny_model, monkeypatch):
     assert (lp - lp0).abs().max() < 0.05 * lp0.abs().max()
 
 
+def test_packed_bf16_autocast_with_grad_takes_the_matmul_path(tiny_model, monkeypatch):
+    """fp32 master weights under bf16 autocast: the rotary embedding hands fp32 queries to the
+    attention, which still computes in bf16, so short packed sequences with grad take the padded
+    matmul path (not per-sequence flash attention, whose CPU backward is slow in bf16); fp32
+    training and no-grad passes go one sequence at a time."""
+    import turborlhf.models.attention as A
+
+    m = load_causal_lm(str(tiny_model))
+    ids, attn, target = _ppo_layout(seed=2)
+    calls = []
+    real_seq = A._per_sequence_attention
+    monkeypatch.setattr(A, "_per_sequence_attention", lambda *a, **k: calls.append("seq") or real_seq(*a, **k))
+    real_apply = A._SoftmaxAttention.apply
+    monkeypatch.setattr(A._SoftmaxAttention, "apply", lambda *a: calls.append("matmul") or real_apply(*a))
+    n = m.config.num_hidden_layers
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        response_logprobs(m, ids, attn, target)[0].sum().backward()
+        assert calls == ["matmul"] * n
+        calls.clear()
+        with torch.no_grad():
+            response_logprobs(m, ids, attn, target)
+        assert calls == ["seq"] * n
+    calls.clear()
+    response_logprobs(m, ids, attn, target)[0].sum().backward()
+    assert calls == ["seq"] * n
+
+
 def test_sdpa_models_are_not_packed(tiny_model):
     from turborlhf.models.forward import packs_sequences
 
