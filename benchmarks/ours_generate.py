@@ -4,9 +4,12 @@ peers/hf_generate.py (whose options it shares); prompts go in as unpadded token 
 
 Also reports the model's parameter count and the engine's weight storage, from which the harness
 derives the roofline (2 FLOP per parameter per generated token; weights of 2 (bf16) or 4 (fp32)
-bytes per parameter). `--dtype auto` (default) is bf16 where the CPU has native bf16, else fp32, as
-on the HF side; `--weight-dtype auto` (default) then stores the weights in bf16 where FastEngine
-computes in fp32 with its kernel linears, as the trainers' `rollout.weight_dtype: auto` does.
+bytes per parameter). `--dtype auto` (default) is what the trainers' `rollout.dtype: auto` chooses:
+bf16 where the CPU has native bf16, else fp32, as on the HF side, except that FastEngine computes
+in fp32 on bf16 weights where its decode probe measures that faster than its bf16 arithmetic
+(`turborlhf.rollout.backends.choose_rollout_dtype`); `--weight-dtype auto` (default) then stores the
+weights in bf16 where FastEngine computes in fp32 with its kernel linears, as the trainers'
+`rollout.weight_dtype: auto` does.
 
 usage: PYTHONPATH=src python benchmarks/ours_generate.py --model DIR --data prompts.jsonl --batch-sizes 1,8,32
 """
@@ -30,13 +33,14 @@ if __name__ == "__main__":
 
     from turborlhf.models.load import load_causal_lm, load_tokenizer
     from turborlhf.rollout import SamplingParams, make_engine
-    from turborlhf.rollout.backends import choose_weight_dtype
+    from turborlhf.rollout.backends import choose_rollout_dtype, choose_weight_dtype
 
     tok = load_tokenizer(a.model)
     model = load_causal_lm(a.model, tok)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
     dtype = C.resolve_dtype(a.dtype)
+    dtype, dtype_reason = choose_rollout_dtype(dtype, "", a.dtype, a.engine, "cpu", a.weight_dtype)
     weight_dtype = choose_weight_dtype(a.weight_dtype, dtype, a.engine, "cpu")[0]
     eng = make_engine(a.engine, model, dtype=dtype, weight_dtype=weight_dtype,
                       max_batch_size=max(int(x) for x in a.batch_sizes.split(",")))
@@ -46,7 +50,7 @@ if __name__ == "__main__":
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]
     res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}, "n_params": n_params,
-           "engine": type(eng).__name__, "build_s": t_build, "dtype": dtype,
+           "engine": type(eng).__name__, "build_s": t_build, "dtype": dtype, "dtype_reason": dtype_reason,
            "weight_dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(getattr(eng, "weight_dtype", None), dtype),
            "linear_backend": getattr(eng, "linear_backend", None)}
     for bs in [int(x) for x in a.batch_sizes.split(",")]:

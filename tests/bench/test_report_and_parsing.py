@@ -91,6 +91,13 @@ def test_training_table_shows_ratio_targets_and_errors():
     assert "TRL 1.12.0 PPOTrainer has no numbers: could not be installed: no network" in t
 
 
+def test_header_names_our_rollout_arithmetic_where_it_differs():
+    head = R.format_table(_training_result(precision={"ours": "bf16", "ours_rollout": "bf16"})).splitlines()[0]
+    assert "2 threads, bf16 on both sides, 2026" in head
+    head = R.format_table(_training_result(precision={"ours": "bf16", "ours_rollout": "fp32"})).splitlines()[0]
+    assert "bf16 on both sides (our rollout engine: fp32 arithmetic on bf16 weights), 2026" in head
+
+
 def test_generate_table_per_batch_size():
     r = {"command": "generate", "peer": "HF generate", "description": "gen", "reps": 1, "warmup": 1, "steps": 3,
          "threads": 2, "date": "d", "batch_sizes": [1, 32], "tokens_per_s": {"1": 90.0, "32": 1200.0},
@@ -120,3 +127,23 @@ def test_peer_folder_ends_in_site_packages(tmp_path):
     # dill (used by datasets to hash tables) pickles modules outside a "site-packages" path by value
     p = peer_dir("trl", "1.12.0", tmp_path)
     assert p.name == "site-packages" and p.parent.name.startswith("trl-1.12.0-py3")
+
+
+def test_our_rollout_dtype_is_read_from_the_run(tmp_path):
+    """The dtype `rollout.dtype: auto` chose is taken from the run's hardware.json into the result."""
+    from turborlhf.bench.cli import Side, _parse_child, _rollout_dtype
+    from turborlhf.bench.measure import ChildResult
+    from turborlhf.bench.workloads import WORKLOADS, RunContext
+
+    rows = [{"step": i, "timing/step": 1.0} for i in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "hardware.json").write_text(json.dumps({"choices": {"rollout.dtype": {"value": "fp32"}}}))
+    ctx = RunContext(repo=tmp_path, model_dir="m", data={}, threads=2, warmup=1, steps=1)
+    res = ChildResult(["x"], 0, 1.0, 0, 0, 0, tmp_path / "out", tmp_path / "err")
+    side = Side("ours", 2)
+    _parse_child(WORKLOADS["ppo"], side, "ours", res, tmp_path, ctx)
+    assert side.error is None and _rollout_dtype(side) == "fp32"
+    (tmp_path / "hardware.json").unlink()
+    side = Side("ours", 2)
+    _parse_child(WORKLOADS["ppo"], side, "ours", res, tmp_path, ctx)
+    assert side.error is None and _rollout_dtype(side) is None

@@ -109,6 +109,20 @@ def test_both_sides_run_at_the_harness_precision(command, dtype, tmp_path):
     assert model["dtype"] == dtype and raw.get("rollout", {"dtype": dtype})["dtype"] == dtype
 
 
+@pytest.mark.parametrize("command", ["ppo", "grpo", "generate"])
+def test_our_rollout_engine_chooses_its_arithmetic_under_dtype_auto(command, tmp_path):
+    """`bench --dtype auto`: our engine gets `rollout.dtype: auto` (it may compute in fp32 on the
+    same bf16 weights where that measures faster), the training and the peer keep the harness's."""
+    w, ctx = WORKLOADS[command], _ctx(tmp_path, dtype="bf16", rollout_dtype="auto")
+    raw = our_config(w, ctx, tmp_path / "run", 0) if w.trainer else None
+    assert _opt(peer_args(w, raw, ctx, tmp_path, 0), "--dtype") == "bf16"
+    if raw is None:
+        assert _opt(our_command(w, ctx, None, 0), "--dtype") == "auto"
+    else:
+        assert raw["actor"]["dtype"] == "bf16" and raw["rollout"]["dtype"] == "auto"
+        C.PPOConfig.model_validate(raw)
+
+
 def test_generate_sides_share_their_options(tmp_path):
     ctx = _ctx(tmp_path)
     ours = our_command(WORKLOADS["generate"], ctx, None, 3)

@@ -179,7 +179,10 @@ def _main(a: argparse.Namespace) -> int:
     _log(f"[bench] precision of both sides: {precision.dtype} ({precision.reason})")
     ctx = RunContext(repo=repo, model_dir=model_dir, data={}, threads=threads, warmup=a.warmup, steps=a.steps,
                      force_length=not a.no_force_length, gradient_checkpointing=a.gradient_checkpointing,
-                     batch_sizes=batch_sizes, dtype=precision.dtype, response_tokens=a.new_tokens)
+                     batch_sizes=batch_sizes, dtype=precision.dtype, response_tokens=a.new_tokens,
+                     # our rollout engine as users get it: with --dtype auto it may compute in fp32 on bf16
+                     # weights where that measures faster (`rollout.dtype: auto`); never below the precision
+                     rollout_dtype="auto" if a.dtype == "auto" else precision.dtype)
     if a.new_tokens is not None:
         if a.new_tokens < 1:
             raise SystemExit("error: --new-tokens must be at least 1")
@@ -245,7 +248,8 @@ def _main(a: argparse.Namespace) -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
     result = _result(w, ctx, a, ours, peer, hw_runs, peer_info, load_start, t_start)
-    result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason}
+    result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason,
+                           "ours_rollout": _rollout_dtype(ours)}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(R.format_table(result), flush=True)
     if a.json:
@@ -272,16 +276,28 @@ def _hw_peak(repo: Path, ctx: RunContext, env: dict, logs: Path, rep: int, timeo
         _log(f"[bench] {tag}: no hardware figures ({e}); the roofline will be missing")
 
 
+def _rollout_dtype(ours: Side) -> Optional[str]:
+    """The `rollout.dtype` our side's engine ran with (its first run's), or None where it has none."""
+    return next((run.extra["rollout_dtype"] for run in ours.runs if run.extra.get("rollout_dtype")), None)
+
+
 def _parse_child(w: Workload, side: Side, which: str, res: ChildResult, run_dir: Path, ctx: RunContext) -> None:
     try:
         if which == "ours" and w.trainer:
             run = parse_metrics_jsonl((run_dir / "metrics.jsonl").read_text())
+            hw = run_dir / "hardware.json"         # the rollout engine's dtype, as `rollout.dtype: auto` chose it
+            if hw.exists():
+                choice = json.loads(hw.read_text()).get("choices", {}).get("rollout.dtype") or {}
+                if choice.get("value"):
+                    run.extra["rollout_dtype"] = choice["value"]
             ref = parse_reference_pass(res.stdout()) if w.command == "dpo" else None
             if ref is not None:
                 run.extra["reference_pass"] = {"sequences": ref[0], "seconds": ref[1]}
         else:
             obj = parse_bench_result(res.stdout())
             run = SideRun([float(x) for x in obj.pop("step_times", [])], obj)
+            if which == "ours" and w.command == "generate" and obj.get("dtype"):
+                run.extra["rollout_dtype"] = obj["dtype"]
     except (OSError, ValueError) as e:
         side.fail(f"could not read the timings of {res.stdout_path.name}: {e}")
         return

@@ -83,8 +83,13 @@ def format_table(r: dict) -> str:
     """Markdown table of a result object (see the module docstring), with a header line."""
     m = r.get("machine") or {}
     prec = (r.get("precision") or {}).get("ours", "bf16")
+    rollout = (r.get("precision") or {}).get("ours_rollout")
+    if rollout and rollout != prec:      # `rollout.dtype: auto` took fp32 arithmetic on the same bf16 weights
+        prec += f" on both sides (our rollout engine: {rollout} arithmetic on {prec} weights)"
+    else:
+        prec += " on both sides"
     head = (f"turborlhf bench {r['command']} vs {r['peer']}: {r['description']}; {r['reps']} rep(s) x "
-            f"({r['warmup']} warm-up + {r['steps']} measured), {r['threads']} threads, {prec} on both sides, "
+            f"({r['warmup']} warm-up + {r['steps']} measured), {r['threads']} threads, {prec}, "
             f"{r['date']}")
     lines = [head, ""]
     if m.get("cpu"):

@@ -92,6 +92,8 @@ class RunContext:
     response_tokens: Optional[int] = None   # ppo/grpo: rollout.max_new_tokens (and min, when forced); None = config's
     max_prompt_len: int = 96
     dtype: str = "bf16"            # both sides' compute precision: the host's best (`bench.cli`)
+    rollout_dtype: Optional[str] = None   # our rollout engine's `rollout.dtype` ("auto" under `--dtype auto`,
+                                          # see `bench.cli`); None = `dtype`
     reward_model_dir: Optional[str] = None   # ppo: the base model with a fresh scalar head (`bench.data`)
 
     @property
@@ -163,7 +165,7 @@ def our_config(w: Workload, ctx: RunContext, output_dir: Path, seed: int) -> dic
         if section in cfg:
             set_dotted(cfg, f"{section}.dtype", ctx.dtype)
     if "rollout" in cfg:
-        set_dotted(cfg, "rollout.dtype", ctx.dtype)
+        set_dotted(cfg, "rollout.dtype", ctx.rollout_dtype or ctx.dtype)
     return cfg
 
 
@@ -219,7 +221,7 @@ _PEER_OPTIONS: dict[str, list[tuple[str, str]]] = {
 def peer_args(w: Workload, cfg: dict, ctx: RunContext, out_dir: Path, seed: int) -> list[str]:
     """Arguments of the peer script (after the script path), the shared numbers taken from `cfg`."""
     if w.command == "generate":
-        return _generate_args(ctx, seed)
+        return _generate_args(ctx, seed, ctx.dtype)
     args = ["--model", ctx.model_dir, "--data", str(ctx.data[w.data_kind]), "--steps", str(ctx.total_steps),
             "--threads", str(ctx.threads), "--seed", str(seed), "--out", str(out_dir), "--dtype", ctx.dtype]
     for opt, key in _PEER_OPTIONS[w.command]:
@@ -234,17 +236,18 @@ def peer_args(w: Workload, cfg: dict, ctx: RunContext, out_dir: Path, seed: int)
     return args
 
 
-def _generate_args(ctx: RunContext, seed: int) -> list[str]:
+def _generate_args(ctx: RunContext, seed: int, dtype: str) -> list[str]:
     return ["--model", ctx.model_dir, "--data", str(ctx.data["prompts"]),
             "--batch-sizes", ",".join(str(b) for b in ctx.batch_sizes), "--new", str(ctx.new_tokens),
             "--max-prompt-len", str(ctx.max_prompt_len), "--warmup", str(ctx.warmup), "--calls", str(ctx.steps),
-            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", ctx.dtype]
+            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", dtype]
 
 
 def our_command(w: Workload, ctx: RunContext, config_path: Optional[Path], seed: int) -> list[str]:
     """Our child's command line."""
     if w.command == "generate":
-        return [sys.executable, str(ctx.repo / "benchmarks" / "ours_generate.py"), *_generate_args(ctx, seed)]
+        return [sys.executable, str(ctx.repo / "benchmarks" / "ours_generate.py"),
+                *_generate_args(ctx, seed, ctx.rollout_dtype or ctx.dtype)]
     return [sys.executable, "-m", "turborlhf", w.trainer, "--config", str(config_path)]
 
 
