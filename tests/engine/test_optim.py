@@ -171,3 +171,55 @@ def test_make_optimizer_picks_the_state_dtype(monkeypatch, compute):
     assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
     with pytest.raises(ValueError, match="state_dtype"):
         OptimCfg(state_dtype="fp8")
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(None, marks=needs_kernel)])
+def test_scaled_step_equals_clipping_the_gradients_first(use_kernel):
+    """`step_scaled(c)` (the clip folded into the update) writes what clip_grads_with_norm_'s
+    ``grad *= c`` followed by `step` writes, and leaves the gradients alone."""
+    a, b = _params(), _params()
+    oa, ob = (BF16StateAdamW(x, lr=1e-3, weight_decay=0.1, use_kernel=use_kernel) for x in (a, b))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for pa, pb in zip(a, b):
+            pa.grad = torch.randn(pa.shape, generator=g)
+            pb.grad = pa.grad.clone()
+        grads = [p.grad.clone() for p in a]
+        bad = oa.step_scaled(0.37)
+        for p in b:
+            p.grad.mul_(torch.tensor(0.37))
+        ob.step()
+        assert all(torch.equal(p.grad, q) for p, q in zip(a, grads))
+        assert bad == (None if use_kernel is False else 0)
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(oa.state[pa][k], ob.state[pb][k])
+
+
+@needs_kernel
+def test_kernel_counts_the_non_finite_weights_it_writes():
+    ps = _params(n=2)
+    opt = BF16StateAdamW(ps, lr=3e38)            # step size lr/(1-b1) overflows fp32: every weight of ps[0] non-finite
+    ps[0].grad = torch.ones_like(ps[0])
+    ps[1].grad = None                            # not stepped
+    assert opt.step_scaled(1.0) == ps[0].numel()
+    assert not torch.isfinite(ps[0]).any() and torch.isfinite(ps[1]).all()
+
+
+@needs_kernel
+def test_sum_of_squares_and_count_nonfinite_kernels():
+    from turborlhf.engine.optim import count_nonfinite, sum_of_squares
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g) * 3 for n in (1, 17, 70_001, 200_000)]   # tails and several 64k chunks
+    ref = sum(float((t.double() ** 2).sum()) for t in ts)
+    assert sum_of_squares(ts) == pytest.approx(ref, rel=1e-6)
+    assert count_nonfinite(ts) == 0
+    ts[2][5], ts[3][-1], ts[3][70_000] = float("nan"), float("inf"), -float("inf")
+    assert count_nonfinite(ts) == 3
+    assert sum_of_squares(ts) != sum_of_squares(ts)                             # NaN propagates
+    assert sum_of_squares([torch.tensor([3e38, 1.0])]) == float("inf")          # fp32 squares, as torch's fp32 norm
+    assert sum_of_squares([torch.ones(4, 4).t()]) is None                       # not contiguous: torch's norm instead
+    assert sum_of_squares([torch.ones(4, dtype=torch.bfloat16)]) is None
+    assert count_nonfinite([torch.ones(4, dtype=torch.float64)]) is None

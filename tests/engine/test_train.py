@@ -132,3 +132,29 @@ def test_gradient_norm_that_overflows_fp32_raises_and_huge_finite_weights_do_not
         m[0].weight[0] = 3e38                     # finite weights whose norm overflows: let through
     _backward(m, torch.zeros(8, 4))
     clip_and_step(m, torch.optim.SGD(m.parameters(), lr=0.0), None, 1.0)
+
+
+def test_bf16_state_adamw_clips_inside_its_step_as_torch_clips_the_gradients():
+    """clip_and_step with BF16StateAdamW folds the clip coefficient into the update (no pass over
+    the gradients) and checks the new weights with the kernel's count: the same weights as
+    clip_grads_with_norm_ then step, and the same error when a weight turns non-finite."""
+    from turborlhf.engine.optim import BF16StateAdamW
+
+    a, b = _model(), _model()
+    x = torch.randn(8, 4)
+    oa, ob = BF16StateAdamW(a.parameters(), lr=1e-2), BF16StateAdamW(b.parameters(), lr=1e-2)
+    for _ in range(3):
+        _backward(a, x * 10)
+        _backward(b, x * 10)
+        norm = clip_and_step(a, oa, None, 0.5)
+        total = torch.nn.utils.get_total_norm([p.grad for p in b.parameters()])
+        assert math.isclose(norm, float(total), rel_tol=1e-5) and norm > 0.5     # clipped
+        torch.nn.utils.clip_grads_with_norm_(list(b.parameters()), 0.5, torch.tensor(norm))
+        ob.step()
+        ob.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in a.parameters())
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    _backward(a)
+    with pytest.raises(NonFiniteError, match=r"^critic: non-finite parameter after the optimizer step .*: 0\.weight \("):
+        clip_and_step(a, BF16StateAdamW(a.parameters(), lr=3e38), None, 0.0, role="critic")
