@@ -28,6 +28,7 @@ from torch import nn
 from turborlhf.algo.losses import entropy_from_logits
 from turborlhf.data.tokenize import pad_batch, pad_masks
 from turborlhf.engine.train import autocast
+from turborlhf.models.head_logprobs import fusable_head, head_logprobs
 from turborlhf.models.load import backbone_of
 from turborlhf.models.trunk import trunk_hidden_states
 
@@ -192,7 +193,8 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         with_entropy: also return the entropy of the predictive distribution at those positions.
         entropy_grad: keep the entropy in the autograd graph (for an entropy bonus); otherwise
             it is computed without grad (a metric only).
-        chunk_tokens: positions per LM-head chunk; peak extra memory ~ chunk_tokens·V·4 bytes.
+        chunk_tokens: positions per LM-head chunk (`head_logprobs`'s ``rows``; on the plain path,
+            for a wrapped head or an entropy bonus, peak extra memory ~ chunk_tokens·V·4 bytes).
         temperature: the logits are divided by it first: the distribution the rollout engine samples
             from at that temperature (PPO/GRPO score their samples this way, as verl, OpenRLHF and
             TRL do). Must be > 0.
@@ -214,15 +216,20 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
     labels_N = input_ids_BT[:, 1:][sel]                                      # N
     head = model.get_output_embeddings()
     logps, ents = [], []
-    for s in range(0, h_NH.shape[0], chunk_tokens):
-        logits = head(h_NH[s:s + chunk_tokens]).float()                      # n×V
-        if temperature != 1.0:
-            logits = logits / temperature
-        lse = torch.logsumexp(logits, dim=-1)
-        logps.append(logits.gather(-1, labels_N[s:s + chunk_tokens, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ents.append(entropy_from_logits(logits if entropy_grad else logits.detach()))
+    if fusable_head(head) and not (with_entropy and entropy_grad and torch.is_grad_enabled()):
+        # the log-softmax in one C pass per row, the logits kept in the matmul's dtype (`head_logprobs`)
+        lp, ent = head_logprobs(h_NH, head, labels_N, temperature, with_entropy, chunk_tokens)
+        logps, ents = [lp], ([ent] if with_entropy else [])
+    else:                               # a wrapped head, or an entropy bonus (its gradient): plain autograd
+        for s in range(0, h_NH.shape[0], chunk_tokens):
+            logits = head(h_NH[s:s + chunk_tokens]).float()                  # n×V
+            if temperature != 1.0:
+                logits = logits / temperature
+            lse = torch.logsumexp(logits, dim=-1)
+            logps.append(logits.gather(-1, labels_N[s:s + chunk_tokens, None]).squeeze(-1) - lse)
+            if with_entropy:
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    ents.append(entropy_from_logits(logits if entropy_grad else logits.detach()))
     B, T = input_ids_BT.shape
     logp_BT = hidden.new_zeros((B, T), dtype=torch.float32)
     ent_BT = hidden.new_zeros((B, T), dtype=torch.float32) if with_entropy else None

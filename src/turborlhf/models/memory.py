@@ -174,10 +174,10 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
     # indices (only when the embedding trains), target mask
     const = N * ((4 * E + 4 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
     rope = N * 8 * D                                                # cos/sin, kept outside checkpointed layers
-    if head == "lm":
+    if head == "lm":   # `head_logprobs`: the logits in the compute dtype, log-sum-exp, labels, the head's cast
         hidden = 0 if lora_rank else w * E                          # a frozen head needs no input for its grad
-        out = resp_tokens * (4 * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
-        transient = min(resp_tokens, HEAD_CHUNK) * V * (4 + 4 + w)
+        out = resp_tokens * (w * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
+        transient = min(resp_tokens, HEAD_CHUNK) * V * w            # one chunk of logit gradients
     elif head == "values":   # the scalar head runs in fp32 (`apply_score_head`): it keeps an fp32 input
         out, transient = N * 4 * E, 0
     else:
@@ -200,12 +200,12 @@ def inference_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_toke
                                dtype: str = "bf16", head: str = "lm") -> int:
     """Peak transient bytes of a no-grad forward (experience, reference log-probs, RM scoring):
     one layer's working set (fp32 residual, bf16 q/k/v, MLP intermediates) and the LM-head chunk
-    (bf16 and fp32 logits and the log-sum-exp buffer) for head="lm"."""
+    (its logits in the compute dtype, `turborlhf.models.head_logprobs`) for head="lm"."""
     E, I, V = s.hidden, s.intermediate, s.vocab
     w = 2 if dtype == "bf16" else 4
     N = rows * row_len
     layer = N * (12 * E + 4 * w * I + 2 * w * (s.heads + 2 * s.kv_heads) * s.head_dim)
-    headb = min(resp_tokens, HEAD_CHUNK) * V * (w + 8) if head == "lm" else N * 4 * E
+    headb = min(resp_tokens, HEAD_CHUNK) * V * w if head == "lm" else N * 4 * E
     return N * 8 * E + layer + headb
 
 

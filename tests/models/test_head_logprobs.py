@@ -1,0 +1,103 @@
+"""The LM head's log-probs with the log-softmax in C (`head_logprobs`) against the plain autograd
+path: the same log-probs, entropies and gradients in fp32 and under bf16 autocast, with the C
+kernel and with its torch fallback; NaN logits give NaN; what takes the path."""
+import pytest
+import torch
+
+import turborlhf.models.head_logprobs as HL
+from turborlhf.algo.logprobs import entropy_from_logits
+from turborlhf.models.head_logprobs import fusable_head, head_logprobs
+
+needs_kernel = pytest.mark.skipif(HL.load_kernels(warn=False) is None, reason="no C compiler / kernels off")
+
+
+def _plain(h, head, labels, T):
+    logits = head(h).float() / T
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    return logp, entropy_from_logits(logits.detach())
+
+
+def _case(N=37, H=24, V=301, seed=0, spread=4.0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * spread / H ** 0.5)
+    h = torch.randn(N, H, generator=g)
+    labels = torch.randint(0, V, (N,), generator=g)
+    w = torch.randn(N, generator=g)
+    return h, head, labels, w
+
+
+def _run(fn, h, head, labels, w, bf16=False):
+    hh = h.clone().requires_grad_()
+    head.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        lp, ent = fn(hh, head, labels)
+    (lp * w).sum().backward()
+    return lp.detach(), ent, hh.grad, head.weight.grad.clone()
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "kernel":
+        if HL.load_kernels(warn=False) is None:
+            pytest.skip("no C compiler / kernels off")
+    else:
+        monkeypatch.setattr(HL, "_kernel", lambda z, which: None)
+    return request.param
+
+
+@pytest.mark.parametrize("T", [1.0, 0.7])
+@pytest.mark.parametrize("rows", [1024, 8])
+def test_equals_the_plain_path_in_fp32(path, T, rows):
+    h, head, labels, w = _case(spread=30.0)       # some log-probs far below -80: the clamped exp's range
+    ours = _run(lambda *a: head_logprobs(*a, temperature=T, with_entropy=True, rows=rows), h, head, labels, w)
+    ref = _run(lambda *a: _plain(*a, T), h, head, labels, w)
+    assert ref[0].min() < -80
+    for a, b, what in zip(ours, ref, ("logp", "entropy", "dh", "dW")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=what)
+
+
+def test_bf16_autocast_matches_the_plain_path(path):
+    h, head, labels, w = _case(N=64, H=64, V=512, seed=1)
+    ours = _run(lambda *a: head_logprobs(*a, temperature=0.7, with_entropy=True), h, head, labels, w, bf16=True)
+    ref = _run(lambda *a: _plain(*a, 0.7), h, head, labels, w, bf16=True)
+    torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-5)       # the same bf16 logits
+    torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=1e-4)
+    assert ours[2].dtype == ours[3].dtype == torch.float32
+    for a, b in zip(ours[2:], ref[2:]):                                   # gradients: one bf16 rounding apart
+        assert (a - b).norm() / b.norm() < 0.01
+
+
+def test_without_grad_equals_with_grad_and_keeps_nothing(path):
+    h, head, labels, _ = _case()
+    with torch.no_grad():
+        lp, ent = head_logprobs(h, head, labels, 0.7, True, rows=5)
+    lp2, ent2 = head_logprobs(h.clone().requires_grad_(), head, labels, 0.7, True)
+    torch.testing.assert_close(lp, lp2.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, ent2, rtol=0, atol=1e-6)
+    assert not lp.requires_grad
+
+
+def test_frozen_head_gets_no_gradient_and_only_plain_linears_are_fused(path):
+    h, head, labels, w = _case()
+    head.requires_grad_(False)
+    hh = h.clone().requires_grad_()
+    (head_logprobs(hh, head, labels)[0] * w).sum().backward()
+    assert head.weight.grad is None and hh.grad is not None
+    assert fusable_head(head)
+    assert not fusable_head(torch.nn.Linear(4, 5, bias=True))
+    hooked = torch.nn.Linear(4, 5, bias=False)
+    hooked.register_forward_hook(lambda m, i, o: o)
+    assert not fusable_head(hooked)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_logit_makes_its_row_nan(bad):
+    h, head, labels, w = _case()
+    h[3, 0] = bad
+    with torch.no_grad():
+        lp, ent = head_logprobs(h, head, labels, 1.0, True)
+    assert lp[3].isnan() and ent[3].isnan()
+    assert torch.isfinite(torch.cat([lp[:3], lp[4:]])).all()
