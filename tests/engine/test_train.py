@@ -153,8 +153,8 @@ def test_bf16_state_adamw_clips_inside_its_step_as_torch_clips_the_gradients():
         ob.step()
         ob.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in a.parameters())
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
+    for pa, pb in zip(a.parameters(), b.parameters()):      # the coefficient may differ in its last bit
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
     _backward(a)
     with pytest.raises(NonFiniteError, match=r"^critic: non-finite parameter after the optimizer step .*: 0\.weight \("):
         clip_and_step(a, BF16StateAdamW(a.parameters(), lr=3e38), None, 0.0, role="critic")

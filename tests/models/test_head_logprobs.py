@@ -74,8 +74,9 @@ def test_without_grad_equals_with_grad_and_keeps_nothing(path):
     with torch.no_grad():
         lp, ent = head_logprobs(h, head, labels, 0.7, True, rows=5)
     lp2, ent2 = head_logprobs(h.clone().requires_grad_(), head, labels, 0.7, True)
-    torch.testing.assert_close(lp, lp2.detach(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(ent, ent2, rtol=0, atol=1e-6)
+    # chunked matmuls may round differently from one over all rows (the BLAS's blocking)
+    torch.testing.assert_close(lp, lp2.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ent, ent2, rtol=1e-6, atol=1e-5)
     assert not lp.requires_grad
 
 
