@@ -102,3 +102,10 @@ def test_a_non_finite_logit_makes_its_row_nan(bad):
         lp, ent = head_logprobs(h, head, labels, 1.0, True)
     assert lp[3].isnan() and ent[3].isnan()
     assert torch.isfinite(torch.cat([lp[:3], lp[4:]])).all()
+
+
+def test_labels_outside_the_vocabulary_are_refused():
+    h, head, labels, _ = _case()
+    labels[2] = head.weight.shape[0]
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 301\), got"):
+        head_logprobs(h, head, labels)

@@ -36,6 +36,7 @@ import torch
 __all__ = ["head_logprobs", "fusable_head", "load_kernels"]
 
 _SRC = Path(__file__).resolve().parent.parent / "engine" / "headsoftmax.c"
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def load_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
@@ -47,14 +48,11 @@ def load_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    for name in ("head_logsoftmax_fwd_bf16", "head_logsoftmax_fwd_f32"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [P, I64, I64, P, F, P, P, P], None
-    for name in ("head_logsoftmax_bwd_bf16", "head_logsoftmax_bwd_f32"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [P, I64, I64, P, F, P, P, P], None
+    for which in ("fwd", "bwd"):        # (logits, n, V, labels, T, 3 float pointers)
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"head_logsoftmax_{which}_{suffix}")
+            fn.argtypes, fn.restype = [P, I64, I64, P, F, P, P, P], None
     return lib
-
-
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def fusable_head(head: torch.nn.Module) -> bool:
@@ -167,7 +165,13 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Ten
         ``(logp_N, entropy_N or None)``, fp32. Memory kept for the backward: the ``N×V`` logits in
         the compute dtype (the plain path keeps them in fp32), the head weight's cast and, when the
         head trains, the hidden states in the compute dtype.
+
+    Raises:
+        ValueError: a label outside ``[0, V)`` (the C passes index the logits with it).
     """
+    V = head.weight.shape[0]
+    if labels_N.numel() and not 0 <= int(labels_N.min()) <= int(labels_N.max()) < V:
+        raise ValueError(f"head_logprobs: token ids must be in [0, {V}), got {int(labels_N.min())}..{int(labels_N.max())}")
     dev = h_NH.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
     args = (labels_N.long().contiguous(), float(temperature), bool(with_entropy), int(rows))
