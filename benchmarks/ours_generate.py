@@ -40,7 +40,7 @@ if __name__ == "__main__":
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
     dtype = C.resolve_dtype(a.dtype)
-    dtype, dtype_reason = choose_rollout_dtype(dtype, "", a.dtype, a.engine, "cpu", a.weight_dtype)
+    dtype = choose_rollout_dtype(dtype, "", a.dtype, a.engine, "cpu", a.weight_dtype)[0]
     weight_dtype = choose_weight_dtype(a.weight_dtype, dtype, a.engine, "cpu")[0]
     eng = make_engine(a.engine, model, dtype=dtype, weight_dtype=weight_dtype,
                       max_batch_size=max(int(x) for x in a.batch_sizes.split(",")))
@@ -50,7 +50,7 @@ if __name__ == "__main__":
     texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"][-a.max_prompt_len:] for t in texts]
     res = {"tokens_per_s": {}, "s_per_call": {}, "prompt_tokens": {}, "n_params": n_params,
-           "engine": type(eng).__name__, "build_s": t_build, "dtype": dtype, "dtype_reason": dtype_reason,
+           "engine": type(eng).__name__, "build_s": t_build, "dtype": dtype,
            "weight_dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(getattr(eng, "weight_dtype", None), dtype),
            "linear_backend": getattr(eng, "linear_backend", None)}
     for bs in [int(x) for x in a.batch_sizes.split(",")]:

@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from turborlhf.algo.logprobs import entropy_from_logits
+
 __all__ = ["head_logprobs", "fusable_head", "load_kernels"]
 
 _SRC = Path(__file__).resolve().parent.parent / "engine" / "headsoftmax.c"
@@ -84,7 +86,6 @@ def _forward(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, with_entropy:
     lse = torch.logsumexp(y, -1)
     logp = y.gather(-1, labels_N[:, None]).squeeze(-1) - lse
     if with_entropy:
-        from turborlhf.algo.logprobs import entropy_from_logits
         ent = entropy_from_logits(y)
     return lse, logp, ent
 
