@@ -1,12 +1,33 @@
-"""Fused RMSNorm / SwiGLU: same values and gradients as transformers' Llama modules, fewer saved bytes."""
+"""Fused RMSNorm / SwiGLU: same values and gradients as transformers' Llama modules, fewer saved bytes.
+
+The model-level tests run twice: with the C kernels (rmsnorm.c, swiglu.c) and with the torch ops
+they replace; the kernel tests compare the two paths directly."""
 import copy
 
 import pytest
 import torch
 
+import turborlhf.models.fused as FU
 from turborlhf.engine.train import autocast
 from turborlhf.models.fused import fused_layer_count, fused_rms_norm, silu_mul, use_fused_layers
 from turborlhf.models.tiny import tiny_llama_config
+
+_have_kernels = FU.load_rms_kernels(warn=False) is not None and FU.load_swiglu_kernels(warn=False) is not None
+needs_kernels = pytest.mark.skipif(not _have_kernels, reason="no C compiler / kernels off")
+
+
+def _torch_ops(monkeypatch):
+    monkeypatch.setattr(FU, "_rms_kernels", lambda *a, **k: None)
+    monkeypatch.setattr(FU, "_swiglu_kernels", lambda *a, **k: None)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "kernel" and not _have_kernels:
+        pytest.skip("no C compiler / kernels off")
+    if request.param == "torch":
+        _torch_ops(monkeypatch)
+    return request.param
 
 
 def _models(seed=0, **kw):
@@ -34,7 +55,7 @@ def _loss_and_grads(model, ids, dtype):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_fp32_values_and_gradients_equal_the_modules():
+def test_fp32_values_and_gradients_equal_the_modules(path):
     plain, fused = _models()
     ids = torch.randint(3, 300, (3, 11))
     a, ga = _loss_and_grads(plain, ids, "fp32")
@@ -44,7 +65,7 @@ def test_fp32_values_and_gradients_equal_the_modules():
         assert torch.allclose(ga[n], gb[n], atol=1e-6, rtol=1e-4), n
 
 
-def test_bf16_autocast_forward_is_bit_identical_and_gradients_close():
+def test_bf16_autocast_forward_is_bit_identical_and_gradients_close(path):
     plain, fused = _models(seed=1)
     ids = torch.randint(3, 300, (4, 13))
     a, ga = _loss_and_grads(plain, ids, "bf16")
@@ -55,7 +76,7 @@ def test_bf16_autocast_forward_is_bit_identical_and_gradients_close():
         assert rel < 2e-2, (n, rel)          # bf16 rounding of the saved normalised input
 
 
-def test_no_grad_runs_the_original_forward():
+def test_no_grad_runs_the_original_forward(path):
     plain, fused = _models(seed=2)
     ids = torch.randint(3, 300, (2, 7))
     with torch.no_grad(), autocast("bf16"):
@@ -87,7 +108,7 @@ def _saved_bytes(model, ids, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_fewer_bytes_saved_for_backward(dtype):
+def test_fewer_bytes_saved_for_backward(path, dtype):
     E, I, L = 64, 128, 2
     plain, fused = _models(seed=3)
     ids = torch.randint(3, 300, (4, 32))
@@ -97,3 +118,86 @@ def test_fewer_bytes_saved_for_backward(dtype):
     # bf16: norms 26E → 8E, MLP 8I → 6I; fp32: norms x and x̂ → x̂ (−4E each), MLP drops SiLU's output (−4I)
     per_token = (18 * E + 2 * I) if dtype == "bf16" else (8 * E + 4 * I)
     assert saved_plain - saved_fused == pytest.approx(L * N * per_token, rel=1e-3), (saved_plain, saved_fused)
+
+
+# ---- the C kernels against the torch ops they replace ----------------------------------------
+
+def _rms_run(x, w, out_dtype, dy):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fused_rms_norm(x, w, 1e-5, out_dtype)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def _both(fn, monkeypatch, *args):
+    with monkeypatch.context() as m:
+        _torch_ops(m)
+        ref = fn(*args)
+    return fn(*args), ref
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_rms_kernel_forward_is_bit_identical_and_backward_close(monkeypatch, out_dtype, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2, 96) * torch.logspace(-3, 3, 96)          # columns of very different scales
+    w = torch.rand(96) + 0.5
+    dy = torch.randn(rows, 2, 96).to(out_dtype)
+    assert FU._rms_kernels(x, w, out_dtype) is not None and FU._rms_kernels(x, w, out_dtype, dy) is not None
+    (y, dx, dw), (y0, dx0, dw0) = _both(_rms_run, monkeypatch, x, w, out_dtype, dy)
+    assert y.dtype == out_dtype and torch.equal(y, y0)
+    assert torch.allclose(dx, dx0, rtol=1e-5, atol=1e-6 * float(dx0.abs().max()))
+    assert torch.allclose(dw, dw0, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_rms_kernel_saves_what_the_torch_path_saves(monkeypatch):
+    x, w = torch.randn(5, 64, requires_grad=True), torch.rand(64, requires_grad=True)
+
+    def saved():
+        out = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: out.append(t.clone()) or t, lambda t: t):
+            fused_rms_norm(x, w, 1e-6, torch.bfloat16)
+        return out
+
+    for a, b in zip(*_both(saved, monkeypatch)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _swiglu_run(g, u, dh):
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    silu_mul(g, u).backward(dh)
+    return g.grad, u.grad
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_kernel_backward_matches_the_torch_ops(monkeypatch, dtype):
+    torch.manual_seed(0)
+    g = (torch.randn(7, 3000) * 4).to(dtype)            # through both tails of the sigmoid
+    g[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0]).to(dtype)
+    u, dh = torch.randn(7, 3000).to(dtype), torch.randn(7, 3000).to(dtype)
+    assert FU._swiglu_kernels(g, u, dh) is not None
+    for a, b in zip(*_both(_swiglu_run, monkeypatch, g, u, dh)):
+        assert a.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+        else:   # expf's last bit can move a rounding of SiLU's output by one bf16 step (a tie), rarely,
+            diff = (a.float() - b.float()).abs()      # and the product after it by up to two
+            assert bool((diff <= b.float().abs() * 2**-6 + 1e-30).all())
+            assert float((diff > 0).float().mean()) < 0.01
+
+
+@needs_kernels
+def test_kernels_propagate_nan():
+    x, w = torch.randn(3, 32, requires_grad=True), torch.rand(32, requires_grad=True)
+    dy = torch.randn(3, 32, dtype=torch.bfloat16)
+    dy[1, 5] = float("nan")
+    fused_rms_norm(x, w, 1e-6, torch.bfloat16).backward(dy)
+    assert bool(x.grad[1].isnan().all()) and not bool(x.grad[[0, 2]].isnan().any())
+    assert bool(w.grad[5].isnan()) and int(w.grad.isnan().sum()) == 1       # Σ_rows dy·xhat per column
+    g = torch.randn(4, 16, dtype=torch.bfloat16)
+    g[2, 3] = float("nan")
+    ga, gu = _swiglu_run(g, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16))
+    assert bool(ga[2, 3].isnan()) and bool(gu[2, 3].isnan()) and int(ga.isnan().sum()) == 1
