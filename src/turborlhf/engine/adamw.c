@@ -24,16 +24,9 @@
  * (squares in fp32, as torch's fp32 norm, summed in fp64) and the check of a weight after the step.
  */
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline float bf2f(bf16 h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
+#include "bf16.h"
 
 /* lowbias32 (Chris Wellons' integer hash): full avalanche, vectorises (32-bit multiplies). */
 static inline uint32_t mix32(uint32_t x) {

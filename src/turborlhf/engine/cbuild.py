@@ -1,10 +1,12 @@
 """Build a C source of the package into a shared library, once per machine, for ctypes.
 
-Used by FastEngine's decode kernels (`turborlhf.rollout.kernels`) and the bf16-moment AdamW
-(`turborlhf.engine.optim`). The library goes to `$TURBORLHF_CACHE/kernels` (default
-`~/.cache/turborlhf/kernels`), keyed by a hash of the source, the compiler version, the flags and
-the CPU's model name and flags (so a cache shared between different CPUs rebuilds), and is written
-atomically (temp file, then rename): concurrent first uses never load a half-written library.
+Used by FastEngine's decode kernels (`turborlhf.rollout.kernels`), the bf16-moment AdamW
+(`turborlhf.engine.optim`) and the trainers' LM-head, RMSNorm and SwiGLU passes
+(`turborlhf.models.head_logprobs`, `turborlhf.models.fused`). The library goes to
+`$TURBORLHF_CACHE/kernels` (default `~/.cache/turborlhf/kernels`), keyed by a hash of the source
+(with the headers it includes from its own folder, e.g. `engine/bf16.h`), the compiler version, the
+flags and the CPU's model name and flags (so a cache shared between different CPUs rebuilds), and is
+written atomically (temp file, then rename): concurrent first uses never load a half-written library.
 `-march=native` is safe because the library is built on the machine that runs it; it is narrowed
 to the instruction sets this process may use (`isa_flags`: `-mno-avx512f` where
 `turborlhf.engine.hardware.cpu_features` reports no AVX-512, e.g. under
@@ -26,6 +28,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -91,13 +94,21 @@ def _cflags(fast_math: bool) -> list[str]:
     return list(CFLAGS) if fast_math else [f for f in CFLAGS if f != "-ffast-math"] + ["-fno-math-errno"]
 
 
+def _source_text(src: Path) -> str:
+    """`src`'s text followed by that of each header it includes with quotes (``#include "x.h"``,
+    looked up beside it, one level deep), so that editing a shared header rebuilds its users."""
+    text = src.read_text()
+    headers = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+    return "\0".join([text] + [(src.parent / h).read_text() for h in headers])
+
+
 def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
     """Compile `src` into the cache (once); returns the library's path. `fast_math=False` drops
     `-ffast-math` (IEEE semantics for denormals, inf and NaN). Raises RuntimeError with the
     compiler's message on failure."""
     cflags = _cflags(fast_math) + isa_flags()
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), ver, " ".join(cflags + LDFLAGS + LIBS),
+    key = hashlib.sha256("\0".join([_source_text(src), ver, " ".join(cflags + LDFLAGS + LIBS),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():

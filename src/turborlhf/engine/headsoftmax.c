@@ -20,36 +20,9 @@
  * changes below 1e-25 in a log-sum-exp over any vocabulary under 10^5 tokens.
  */
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline float bf2f(bf16 h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-static inline uint32_t f2u(float f) {
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    return v.u;
-}
-
-static inline float u2f(uint32_t u) {
-    union { uint32_t u; float f; } v;
-    v.u = u;
-    return v.f;
-}
-
-/* fp32 -> bf16, round to nearest even (torch's .to(torch.bfloat16)); NaN stays a quiet NaN */
-static inline bf16 f2bf(float f) {
-    const uint32_t u = f2u(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (bf16)((u >> 16) | 0x40u);
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 #define NAN_BITS 0x7fc00000u
 #define EXP_MIN -80.0f      /* clamp before expf */

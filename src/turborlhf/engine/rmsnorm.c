@@ -21,25 +21,9 @@
 #pragma GCC target("prefer-vector-width=512")   /* 16 lanes: the bf16 conversions run in half the time */
 #endif
 #include <omp.h>
-#include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline float bf2f(bf16 h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-/* fp32 -> bf16, round to nearest even (torch's .to(torch.bfloat16)); NaN stays a quiet NaN */
-static inline bf16 f2bf(float f) {
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    const uint32_t u = v.u;
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (bf16)(((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : rounded);
-}
+#include "bf16.h"
 
 static inline float f32_id(float f) { return f; }
 
