@@ -28,3 +28,32 @@ def test_source_text_reads_quoted_includes_beside_the_source(tmp_path):
     (tmp_path / "a.h").write_text("HEADER")
     text = cbuild._source_text(src)
     assert text.startswith(src.read_text()) and text.endswith("HEADER")
+
+
+@needs_cc
+def test_load_library_prepares_once_and_honours_the_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    src = tmp_path / "k.c"
+    src.write_text("int one(void) { return 1; }\n")
+    calls = []
+    lib = cbuild.load_library(src, "test kernel", prepare=calls.append)
+    assert lib is not None and lib.one() == 1
+    assert cbuild.load_library(src, "test kernel", prepare=calls.append) is lib and calls == [lib]
+    monkeypatch.setenv("TURBORLHF_KERNELS", "0")
+    assert cbuild.load_library(src, "test kernel") is None
+
+
+@needs_cc
+def test_a_failing_prepare_falls_back_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    src = tmp_path / "k.c"
+    src.write_text("int one(void) { return 1; }\n")
+
+    def prepare(lib):
+        lib.missing_function.argtypes = []
+
+    with pytest.warns(UserWarning, match="test kernel unavailable"):
+        assert cbuild.load_library(src, "test kernel", prepare=prepare) is None
+    assert cbuild.load_library(src, "test kernel", prepare=prepare) is None      # not retried, no warning

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["CFLAGS", "isa_flags", "cache_dir", "compiler", "build_shared_library", "load_library"]
 
@@ -124,21 +124,30 @@ def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
     return out
 
 
-def load_library(src: Path, what: str, warn: bool = True, fast_math: bool = True) -> Optional[ctypes.CDLL]:
+def load_library(src: Path, what: str, warn: bool = True, fast_math: bool = True,
+                 prepare: Optional[Callable[[ctypes.CDLL], None]] = None) -> Optional[ctypes.CDLL]:
     """`src` built (`build_shared_library`, `fast_math` as there) and loaded, once per process; None where kernels are
-    not supported (`compiler`) or the build or load failed. A failure warns once ("<what>
-    unavailable (...); using torch ops", if `warn`) and is not retried in this process."""
-    cc = compiler()
-    if cc is None:
+    not supported (`compiler`, `TURBORLHF_KERNELS=0`) or the build or load failed. `prepare(lib)`
+    runs once, after the load (e.g. to set the functions' ctypes types). A failure warns once
+    ("<what> unavailable (...); using torch ops", if `warn`) and is not retried in this process.
+    After the first call this is a dictionary lookup: the trainers ask for their kernels in every
+    layer's forward and backward."""
+    if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
         return None
+    key = f"{src}|fast_math={fast_math}"
+    if key in _loaded:
+        return _loaded[key]
     with _lock:
-        key = f"{src}|fast_math={fast_math}"
         if key not in _loaded:
-            lib = None
-            try:
-                lib = ctypes.CDLL(str(build_shared_library(src, cc, fast_math)))
-            except Exception as e:  # noqa: BLE001 - any build/load failure → the caller's torch path
-                if warn:
-                    warnings.warn(f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops")
+            lib, cc = None, compiler()
+            if cc is not None:
+                try:
+                    lib = ctypes.CDLL(str(build_shared_library(src, cc, fast_math)))
+                    if prepare is not None:
+                        prepare(lib)
+                except Exception as e:  # noqa: BLE001 - any build/load failure → the caller's torch path
+                    lib = None
+                    if warn:
+                        warnings.warn(f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops")
             _loaded[key] = lib
         return _loaded[key]

@@ -32,6 +32,14 @@ __all__ = ["BF16StateAdamW", "load_kernel", "sum_of_squares", "count_nonfinite"]
 _SRC = Path(__file__).with_name("adamw.c")
 
 
+def _type_adamw(lib: ctypes.CDLL) -> None:
+    P, F, I64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64
+    lib.adamw_bf16_step.argtypes = [P, P, P, P, I64, F, F, F, F, F, F, F, ctypes.c_uint32, F]
+    lib.adamw_bf16_step.restype = I64
+    lib.sumsq_f32.argtypes, lib.sumsq_f32.restype = [P, I64], ctypes.c_double
+    lib.count_nonfinite_f32.argtypes, lib.count_nonfinite_f32.restype = [P, I64], I64
+
+
 def _library(warn: bool = True) -> Optional[ctypes.CDLL]:
     """adamw.c built on first use, its functions typed; None when unavailable (no C compiler, not
     x86-64 Linux, `TURBORLHF_KERNELS=0`, or a failed build, which warns once)."""
@@ -39,15 +47,7 @@ def _library(warn: bool = True) -> Optional[ctypes.CDLL]:
 
     # IEEE maths, not -ffast-math: its sqrt approximation is NaN for denormal or infinite exp_avg_sq,
     # and isfinite() would be folded to true
-    lib = load_library(_SRC, "BF16StateAdamW: C kernel", warn, fast_math=False)
-    if lib is None:
-        return None
-    P, F, I64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64
-    lib.adamw_bf16_step.argtypes = [P, P, P, P, I64, F, F, F, F, F, F, F, ctypes.c_uint32, F]
-    lib.adamw_bf16_step.restype = I64
-    lib.sumsq_f32.argtypes, lib.sumsq_f32.restype = [P, I64], ctypes.c_double
-    lib.count_nonfinite_f32.argtypes, lib.count_nonfinite_f32.restype = [P, I64], I64
-    return lib
+    return load_library(_SRC, "BF16StateAdamW: C kernel", warn, fast_math=False, prepare=_type_adamw)
 
 
 def load_kernel(warn: bool = True):

@@ -63,21 +63,21 @@ _SWIGLU_SRC = _RMS_SRC.with_name("swiglu.c")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def load_rms_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
-    """rmsnorm.c built on first use (`turborlhf.engine.cbuild`, IEEE maths: the forward's products
-    must equal torch's), its functions typed; None where kernels are unavailable."""
-    from turborlhf.engine.cbuild import load_library
-
-    lib = load_library(_RMS_SRC, "RMSNorm: C kernel", warn, fast_math=False)
-    if lib is None:
-        return None
+def _type_rms(lib: ctypes.CDLL) -> None:
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     lib.rmsnorm_threads.argtypes, lib.rmsnorm_threads.restype = [], ctypes.c_int
     for suffix in _SUFFIX.values():
         fwd, bwd = getattr(lib, f"rmsnorm_fwd_tail_{suffix}"), getattr(lib, f"rmsnorm_bwd_{suffix}")
         fwd.argtypes, fwd.restype = [P, P, P, P, P, I64, I64], None
         bwd.argtypes, bwd.restype = [P, P, P, P, P, P, P, I64, I64], None
-    return lib
+
+
+def load_rms_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
+    """rmsnorm.c built on first use (`turborlhf.engine.cbuild`, IEEE maths: the forward's products
+    must equal torch's), its functions typed; None where kernels are unavailable."""
+    from turborlhf.engine.cbuild import load_library
+
+    return load_library(_RMS_SRC, "RMSNorm: C kernel", warn, fast_math=False, prepare=_type_rms)
 
 
 def _rms_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
@@ -91,18 +91,18 @@ def _rms_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
     return load_rms_kernels()
 
 
+def _type_swiglu(lib: ctypes.CDLL) -> None:
+    for suffix in _SUFFIX.values():
+        fn = getattr(lib, f"swiglu_bwd_{suffix}")
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * 5 + [ctypes.c_int64], None
+
+
 def load_swiglu_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
     """swiglu.c built on first use (-ffast-math: vectorised expf), its functions typed; None where
     kernels are unavailable."""
     from turborlhf.engine.cbuild import load_library
 
-    lib = load_library(_SWIGLU_SRC, "SwiGLU backward: C kernel", warn)
-    if lib is None:
-        return None
-    for suffix in _SUFFIX.values():
-        fn = getattr(lib, f"swiglu_bwd_{suffix}")
-        fn.argtypes, fn.restype = [ctypes.c_void_p] * 5 + [ctypes.c_int64], None
-    return lib
+    return load_library(_SWIGLU_SRC, "SwiGLU backward: C kernel", warn, prepare=_type_swiglu)
 
 
 def _swiglu_kernels(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> Optional[ctypes.CDLL]:

@@ -41,20 +41,20 @@ _SRC = Path(__file__).resolve().parent.parent / "engine" / "headsoftmax.c"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def load_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
-    """headsoftmax.c built on first use (`turborlhf.engine.cbuild`), its functions typed; None where
-    kernels are unavailable."""
-    from turborlhf.engine.cbuild import load_library
-
-    lib = load_library(_SRC, "LM-head log-softmax: C kernel", warn)
-    if lib is None:
-        return None
+def _type_kernels(lib: ctypes.CDLL) -> None:
     P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for which in ("fwd", "bwd"):        # (logits, n, V, labels, T, 3 float pointers)
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"head_logsoftmax_{which}_{suffix}")
             fn.argtypes, fn.restype = [P, I64, I64, P, F, P, P, P], None
-    return lib
+
+
+def load_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
+    """headsoftmax.c built on first use (`turborlhf.engine.cbuild`), its functions typed; None where
+    kernels are unavailable."""
+    from turborlhf.engine.cbuild import load_library
+
+    return load_library(_SRC, "LM-head log-softmax: C kernel", warn, prepare=_type_kernels)
 
 
 def fusable_head(head: torch.nn.Module) -> bool:
