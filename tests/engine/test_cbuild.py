@@ -30,12 +30,19 @@ def test_source_text_reads_quoted_includes_beside_the_source(tmp_path):
     assert text.startswith(src.read_text()) and text.endswith("HEADER")
 
 
-@needs_cc
-def test_load_library_prepares_once_and_honours_the_switch(tmp_path, monkeypatch):
+@pytest.fixture
+def one_c(tmp_path, monkeypatch):
+    """A C source defining one() = 1, with an empty build cache and no library loaded yet."""
     monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cbuild, "_loaded", {})
     src = tmp_path / "k.c"
     src.write_text("int one(void) { return 1; }\n")
+    return src
+
+
+@needs_cc
+def test_load_library_prepares_once_and_honours_the_switch(one_c, monkeypatch):
+    src = one_c
     calls = []
     lib = cbuild.load_library(src, "test kernel", prepare=calls.append)
     assert lib is not None and lib.one() == 1
@@ -45,11 +52,8 @@ def test_load_library_prepares_once_and_honours_the_switch(tmp_path, monkeypatch
 
 
 @needs_cc
-def test_a_failing_prepare_falls_back_with_one_warning(tmp_path, monkeypatch):
-    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cbuild, "_loaded", {})
-    src = tmp_path / "k.c"
-    src.write_text("int one(void) { return 1; }\n")
+def test_a_failing_prepare_falls_back_with_one_warning(one_c):
+    src = one_c
 
     def prepare(lib):
         lib.missing_function.argtypes = []
