@@ -144,7 +144,8 @@ def test_rms_kernel_forward_is_bit_identical_and_backward_close(monkeypatch, out
     x = torch.randn(rows, 2, 96) * torch.logspace(-3, 3, 96)          # columns of very different scales
     w = torch.rand(96) + 0.5
     dy = torch.randn(rows, 2, 96).to(out_dtype)
-    assert FU._rms_kernels(x, w, out_dtype) is not None and FU._rms_kernels(x, w, out_dtype, dy) is not None
+    assert FU._rms_kernels(x.dtype, out_dtype, w, x) is not None
+    assert FU._rms_kernels(x.dtype, out_dtype, w, x.to(out_dtype), dy) is not None
     (y, dx, dw), (y0, dx0, dw0) = _both(_rms_run, monkeypatch, x, w, out_dtype, dy)
     assert y.dtype == out_dtype and torch.equal(y, y0)
     assert torch.allclose(dx, dx0, rtol=1e-5, atol=1e-6 * float(dx0.abs().max()))

@@ -80,13 +80,14 @@ def load_rms_kernels(warn: bool = True) -> Optional[ctypes.CDLL]:
     return load_library(_RMS_SRC, "RMSNorm: C kernel", warn, fast_math=False, prepare=_type_rms)
 
 
-def _rms_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
-                 dy: Optional[torch.Tensor] = None) -> Optional[ctypes.CDLL]:
-    """The C library when this call can use it: CPU tensors, contiguous `x`, an fp32 `weight`,
-    `dtype` (the output's / saved input's) bf16 or fp32 and `dy` (backward) of that dtype."""
-    if (x.device.type != "cpu" or weight.dtype != torch.float32 or dtype not in _SUFFIX
-            or not x.is_contiguous() or not weight.is_contiguous() or x.numel() == 0
-            or (dy is not None and (dy.dtype != dtype or dy.device.type != "cpu"))):
+def _rms_kernels(x_dtype: torch.dtype, dtype: torch.dtype, weight: torch.Tensor,
+                 *tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
+    """The C library when this call can use it: the norm's input dtype `x_dtype` fp32 (the kernels
+    read x and write dx in fp32), its output dtype `dtype` bf16 or fp32, an fp32 `weight`, and it
+    and `tensors` (x; or the saved input and the output gradient) on the CPU and contiguous."""
+    if (x_dtype != torch.float32 or dtype not in _SUFFIX or weight.dtype != torch.float32
+            or tensors[0].numel() == 0
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (weight, *tensors))):
         return None
     return load_rms_kernels()
 
@@ -125,8 +126,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x_BTE, weight_E, eps, out_dtype):  # type: ignore[override]
         rstd_BT1 = torch.rsqrt(x_BTE.pow(2).mean(-1, keepdim=True) + eps)
         ctx.x_dtype = x_BTE.dtype
-        lib = _rms_kernels(x_BTE, weight_E, out_dtype)
-        if lib is not None and x_BTE.dtype == torch.float32:
+        lib = _rms_kernels(x_BTE.dtype, out_dtype, weight_E, x_BTE)
+        if lib is not None:
             E = x_BTE.shape[-1]
             y_BTE, xhat_BTE = (torch.empty(x_BTE.shape, dtype=out_dtype) for _ in range(2))
             getattr(lib, f"rmsnorm_fwd_tail_{_SUFFIX[out_dtype]}")(
@@ -143,10 +144,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BTE):  # type: ignore[override]
         xhat_BTE, rstd_BT1, weight_E = ctx.saved_tensors
-        lib = _rms_kernels(xhat_BTE, weight_E, xhat_BTE.dtype, dy_BTE)
-        if lib is not None and ctx.x_dtype == torch.float32:
+        dy_BTE = dy_BTE.contiguous()
+        lib = (_rms_kernels(ctx.x_dtype, xhat_BTE.dtype, weight_E, xhat_BTE, dy_BTE)
+               if dy_BTE.dtype == xhat_BTE.dtype else None)
+        if lib is not None:
             E = xhat_BTE.shape[-1]
-            dy_BTE = dy_BTE.contiguous()
             dx_BTE, dweight = torch.empty(xhat_BTE.shape), torch.empty(E)
             partial = torch.empty(lib.rmsnorm_threads(), E)
             getattr(lib, f"rmsnorm_bwd_{_SUFFIX[xhat_BTE.dtype]}")(
