@@ -9,7 +9,8 @@ import torch
 
 import turborlhf.models.fused as FU
 from turborlhf.engine.train import autocast
-from turborlhf.models.fused import fused_layer_count, fused_rms_norm, silu_mul, use_fused_layers
+from turborlhf.models.fused import (cast_linear, fused_layer_count, fused_rms_norm, silu_mul, silu_mul_linear,
+                                   use_fused_layers)
 from turborlhf.models.tiny import tiny_llama_config
 
 _have_kernels = FU.load_rms_kernels(warn=False) is not None and FU.load_swiglu_kernels(warn=False) is not None
@@ -41,8 +42,8 @@ def _models(seed=0, **kw):
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
     fused = copy.deepcopy(plain)
-    assert use_fused_layers(fused) == 2 * 2 + 2          # 2 norms + 1 MLP per layer
-    assert fused_layer_count(fused) == 6 and fused_layer_count(plain) == 0
+    assert use_fused_layers(fused) == 2 * (2 + 1 + 7)    # per layer: 2 norms, 1 MLP, 7 projections
+    assert fused_layer_count(fused) == 20 and fused_layer_count(plain) == 0
     return plain, fused
 
 
@@ -93,13 +94,61 @@ def test_rms_norm_gradcheck_in_fp64():
     g = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     u = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(silu_mul, (g, u))
+    w = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda g, u, w: silu_mul_linear(g, u, w, torch.float64), (g, u, w))
+    assert torch.autograd.gradcheck(lambda x, w: cast_linear(x, w, torch.float64), (u, w))
+
+
+def _grads(fn, *tensors, dtype="bf16"):
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    with autocast(dtype):
+        y = fn(*leaves)
+    y.backward(torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype))
+    return y.detach(), [t.grad for t in leaves if t.requires_grad]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_cast_linear_equals_autocast_linear_and_keeps_no_weight_cast(frozen):
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 48, dtype=torch.bfloat16, requires_grad=True)     # a bf16 activation
+    w = torch.randn(40, 48, requires_grad=not frozen)                         # an fp32 master weight
+    y0, g0 = _grads(lambda x, w: torch.nn.functional.linear(x, w), x, w)
+    y1, g1 = _grads(lambda x, w: cast_linear(x, w, torch.bfloat16), x, w)
+    assert torch.equal(y0, y1) and g1[0].dtype == torch.bfloat16
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)          # the same matmuls (equal on tested hosts)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), autocast("bf16"):
+        cast_linear(x, w, torch.bfloat16)
+    assert all(t.dtype != torch.bfloat16 or t.shape != w.shape for t in saved)       # no cast of W kept
+    assert [t.data_ptr() for t in saved if t.shape == x.shape] == ([] if frozen else [x.data_ptr()])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_silu_mul_linear_equals_down_of_silu_mul(path, dtype):
+    torch.manual_seed(1)
+    act = torch.bfloat16 if dtype == "bf16" else torch.float32
+    gate, up = (torch.randn(3, 5, 64, dtype=act, requires_grad=True) for _ in range(2))
+    w = torch.randn(24, 64, requires_grad=True)
+    y0, g0 = _grads(lambda g, u, w: torch.nn.functional.linear(silu_mul(g, u), w), gate, up, w, dtype=dtype)
+    y1, g1 = _grads(silu_mul_linear, gate, up, w, dtype=dtype)
+    assert torch.equal(y0, y1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), autocast(dtype):
+        silu_mul_linear(gate, up, w)
+    assert sorted(t.data_ptr() for t in saved) == sorted(t.data_ptr() for t in (gate, up, w))
 
 
 def _saved_bytes(model, ids, dtype):
+    """Bytes autograd keeps for backward, parameters (kept by reference, not copied) left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(dtype):
@@ -115,9 +164,13 @@ def test_fewer_bytes_saved_for_backward(path, dtype):
     N = ids.numel()
     saved_plain, saved_fused = _saved_bytes(plain, ids, dtype), _saved_bytes(fused, ids, dtype)
     # per layer and token (module docstring; both sides keep one fp32 rstd per norm):
-    # bf16: norms 26E → 8E, MLP 8I → 6I; fp32: norms x and x̂ → x̂ (−4E each), MLP drops SiLU's output (−4I)
-    per_token = (18 * E + 2 * I) if dtype == "bf16" else (8 * E + 4 * I)
-    assert saved_plain - saved_fused == pytest.approx(L * N * per_token, rel=1e-3), (saved_plain, saved_fused)
+    # bf16: norms 26E → 8E, MLP 8I → 4I; fp32: norms x and x̂ → x̂ (−4E each), MLP keeps gate and up
+    # only (−8I: SiLU's output and the product)
+    per_token = (18 * E + 4 * I) if dtype == "bf16" else (8 * E + 8 * I)
+    # and in bf16 no projection keeps its weight's cast (2 bytes a weight)
+    casts = 2 * sum(m.weight.numel() for n, m in fused.named_modules() if n.rsplit(".", 1)[-1] in FU.PROJECTIONS)
+    expected = L * N * per_token + (casts if dtype == "bf16" else 0)
+    assert saved_plain - saved_fused == pytest.approx(expected, rel=1e-3), (saved_plain, saved_fused)
 
 
 # ---- the C kernels against the torch ops they replace ----------------------------------------

@@ -1,25 +1,34 @@
-"""Fused RMSNorm and SwiGLU for training on CPUs: the same forward values as transformers' Llama
-modules, with fewer tensors saved for backward.
+"""Fused RMSNorm and SwiGLU, and projections that keep no weight casts, for training on CPUs: the
+same forward values as transformers' Llama modules, with fewer tensors saved for backward.
 
-Under bf16 autocast over fp32 master weights, a Llama decoder layer's two RMSNorms and its
-SwiGLU MLP keep, per token (E = hidden size, I = intermediate size):
+Under bf16 autocast over fp32 master weights, a Llama decoder layer's two RMSNorms, its SwiGLU
+MLP and its seven projections keep, per token (E = hidden size, I = intermediate size):
 
 - each norm: its fp32 input (``pow`` saves it), the fp32 normalised copy (the weight product
   saves it), and one bf16 cast of the output per consuming projection (autocast casts the
   activation again for q, k and v, and for gate and up): 14E + 12E = **26E bytes**;
 - the MLP: ``gate`` (SiLU's input), SiLU's output and ``up`` (the product's inputs) and the
-  product (``down_proj``'s input), all bf16: **8I bytes**.
+  product (``down_proj``'s input), all bf16: **8I bytes**;
+- and per layer, not per token: each projection's bf16 cast of its fp32 weight (autocast's
+  ``F.linear`` saves the cast it multiplied by): 2 bytes per weight, 202 MiB for SmolLM2-135M.
 
 `fused_rms_norm` returns the output already in the autocast dtype, so the projections share one
 copy, and saves only the normalised input in that dtype plus one fp32 rstd per token: 4E per norm
-(**8E** per layer). `silu_mul` saves ``gate`` and ``up`` and recomputes SiLU in backward: **6I**.
-With the attention's saved tensors (unchanged), a SmolLM2-135M layer (E 576, I 1536, 9 + 3
-heads of 64) keeps 16,932 instead of 30,372 bytes per token: 44% less.
+(**8E** per layer). `silu_mul_linear` (SwiGLU and ``down_proj`` in one function) saves ``gate``,
+``up`` and the fp32 down weight itself, and recomputes SiLU, the product and the weight's cast in
+backward: **4I**. The other projections run `cast_linear`, which saves the fp32 parameter (a
+reference, no copy) instead of its cast and casts again in backward. With the attention's saved
+tensors (unchanged), a SmolLM2-135M layer (E 576, I 1536, 9 + 3 heads of 64) keeps 13,860 instead
+of 30,372 bytes per token, and no weight casts. On the PPO bench (8 × ~113 tokens) one trained
+model's kept experience forward fell from 788 to 417 MiB; the recasts cost ~0.05 s per backward
+of SmolLM2-135M (2-core AMX Xeon), the price of holding two such graphs at once
+(`turborlhf.trainers.ppo.experience.use_fused_update`).
 
 Numerics: the forward values are bit-identical to transformers' modules (the same ops in the same
 order; the cast the projection would do happens inside the norm). The SwiGLU backward follows the
 ops autograd runs on the unfused module (``silu_backward`` in the compute dtype, with the same
-roundings). The RMSNorm backward is computed in fp32 from the saved normalised input, which under
+roundings); the projections' gradients are the two matmuls autograd runs for ``F.linear``
+(``dx = dy·W``, ``dW = dyᵀ·x``) on the same operands, bit-identical on the hosts tested. The RMSNorm backward is computed in fp32 from the saved normalised input, which under
 bf16 autocast is rounded to bf16 (as a bf16 model's own RMSNorm saves its bf16 input, and as
 Liger-Kernel's fused RMSNorm does); without autocast everything stays fp32 and the gradients equal
 the module's within fp32 rounding (tested in ``tests/models/test_fused.py``).
@@ -36,8 +45,9 @@ phase (actor and critic updates), steps alternating in one run, 2.87 → 2.65 s.
 Only the decoder layers' ``input_layernorm`` / ``post_attention_layernorm`` are replaced (their
 outputs feed linear projections only; the final norm's output is read by our own heads and is
 left alone), and only for the module classes whose code is the Llama one (`NORM_CLASSES`,
-`MLP_CLASSES`). Without grad, or with inputs that are not fp32 (a frozen bf16 model), the original
-``forward`` runs.
+`MLP_CLASSES`); of the linears, only plain bias-free ``nn.Linear`` projections (`PROJECTIONS`)
+under autocast on the CPU. Without grad, or with inputs that are not fp32 (a frozen bf16 model),
+the original ``forward`` runs.
 """
 from __future__ import annotations
 
@@ -50,12 +60,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NORM_CLASSES", "MLP_CLASSES", "fused_rms_norm", "silu_mul", "use_fused_layers", "fused_layer_count"]
+__all__ = ["NORM_CLASSES", "MLP_CLASSES", "PROJECTIONS", "fused_rms_norm", "silu_mul", "silu_mul_linear", "cast_linear",
+           "use_fused_layers", "fused_layer_count"]
 
 #: RMSNorm classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 #: MLP classes whose forward is ``down(act(gate(x)) * up(x))``
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+#: a decoder layer's projections: under bf16 autocast on the CPU they run `cast_linear`
+PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 _RMS_SRC = Path(__file__).resolve().parent.parent / "engine" / "rmsnorm.c"
@@ -179,6 +192,21 @@ def fused_rms_norm(x_BTE: torch.Tensor, weight_E: torch.Tensor, eps: float,
     return _RMSNorm.apply(x_BTE, weight_E, float(eps), out_dtype or _compute_dtype(x_BTE))
 
 
+def _silu_mul_grads(ctx, gate_BTI, up_BTI, dh_BTI):
+    """Gradients of ``silu(gate) · up`` with respect to gate and up (None where not needed)."""
+    lib = _swiglu_kernels(gate_BTI, up_BTI, dh_BTI)
+    if lib is not None:
+        dh_BTI = dh_BTI.contiguous()
+        dgate, dup = torch.empty_like(gate_BTI), torch.empty_like(up_BTI)
+        getattr(lib, f"swiglu_bwd_{_SUFFIX[gate_BTI.dtype]}")(
+            gate_BTI.data_ptr(), up_BTI.data_ptr(), dh_BTI.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
+            gate_BTI.numel())
+        return (dgate if ctx.needs_input_grad[0] else None, dup if ctx.needs_input_grad[1] else None)
+    dgate = torch.ops.aten.silu_backward(dh_BTI * up_BTI, gate_BTI) if ctx.needs_input_grad[0] else None
+    dup = dh_BTI * F.silu(gate_BTI) if ctx.needs_input_grad[1] else None
+    return dgate, dup
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_BTI, up_BTI):  # type: ignore[override]
@@ -187,18 +215,81 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_BTI):  # type: ignore[override]
-        gate_BTI, up_BTI = ctx.saved_tensors
-        lib = _swiglu_kernels(gate_BTI, up_BTI, dh_BTI)
-        if lib is not None:
-            dh_BTI = dh_BTI.contiguous()
-            dgate, dup = torch.empty_like(gate_BTI), torch.empty_like(up_BTI)
-            getattr(lib, f"swiglu_bwd_{_SUFFIX[gate_BTI.dtype]}")(
-                gate_BTI.data_ptr(), up_BTI.data_ptr(), dh_BTI.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
-                gate_BTI.numel())
-            return (dgate if ctx.needs_input_grad[0] else None, dup if ctx.needs_input_grad[1] else None)
-        dgate = torch.ops.aten.silu_backward(dh_BTI * up_BTI, gate_BTI) if ctx.needs_input_grad[0] else None
-        dup = dh_BTI * F.silu(gate_BTI) if ctx.needs_input_grad[1] else None
-        return dgate, dup
+        return _silu_mul_grads(ctx, *ctx.saved_tensors, dh_BTI)
+
+
+def _linear_grads(ctx, x_NI, w_OI, dy_NO, dtype):
+    """``F.linear``'s input and weight gradients as autograd computes them for ``x·Wᵀ`` in `dtype`
+    (the same two matmuls: ``dx = dy·W``, ``dW = dyᵀ·x``), from the saved parameter `w_OI`
+    recast to `dtype`; the weight gradient is returned in the parameter's dtype, as autocast's
+    cast backward does. `ctx.needs_input_grad` (input, weight) picks what is computed; `x_NI`
+    and `w_OI` may be None where their gradient partner is not needed."""
+    dy2 = dy_NO.reshape(-1, dy_NO.shape[-1])
+    dx = dy2.mm(w_OI.to(dtype)).view(*dy_NO.shape[:-1], w_OI.shape[1]) if ctx.needs_input_grad[0] else None
+    dw = dy2.t().mm(x_NI.reshape(-1, x_NI.shape[-1])).to(w_OI.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+class _CastLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, w_OI, dtype):  # type: ignore[override]
+        with torch.autocast(x_NI.device.type, enabled=False):
+            x_c = x_NI.to(dtype)
+            needs_x, needs_w = ctx.needs_input_grad[:2]          # a frozen W needs no input for its gradient
+            ctx.save_for_backward(x_c if needs_w else None, w_OI if needs_x else None)
+            ctx.dtype, ctx.x_dtype = dtype, x_NI.dtype
+            return F.linear(x_c, w_OI.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dy_NO):  # type: ignore[override]
+        x_c, w_OI = ctx.saved_tensors
+        dx, dw = _linear_grads(ctx, x_c, w_OI, dy_NO, ctx.dtype)
+        return (dx.to(ctx.x_dtype) if dx is not None else None), dw, None
+
+
+def cast_linear(x_NI: torch.Tensor, w_OI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x · Wᵀ`` computed in `dtype`, as bf16 autocast computes ``F.linear(x, W)`` (both cast to
+    `dtype`, same forward values, same gradient matmuls), but saving the parameter `W` for backward
+    instead of its cast: the cast is made again in backward. Autocast keeps every projection's
+    cast of its fp32 master weight alive until the backward (2 bytes per weight: for a trained
+    SmolLM2-135M, 202 MiB per kept forward); recasting costs one read of the fp32 weight per
+    backward. Shapes: ``x`` ``…×I``, ``W`` ``O×I``; returns ``…×O`` in `dtype`, no bias."""
+    return _CastLinear.apply(x_NI, w_OI, dtype)
+
+
+class _SiluMulLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_BTI, up_BTI, w_EI, dtype):  # type: ignore[override]
+        with torch.autocast(gate_BTI.device.type, enabled=False):
+            ctx.save_for_backward(gate_BTI, up_BTI, w_EI)
+            ctx.dtype = dtype
+            return F.linear((F.silu(gate_BTI) * up_BTI).to(dtype), w_EI.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dy_BTE):  # type: ignore[override]
+        gate_BTI, up_BTI, w_EI = ctx.saved_tensors
+        h_BTI = (F.silu(gate_BTI) * up_BTI).to(ctx.dtype)          # the forward's product, recomputed
+        dh_BTI, dw = _linear_grads(_Needs(True, ctx.needs_input_grad[2]), h_BTI, w_EI, dy_BTE, ctx.dtype)
+        dgate, dup = _silu_mul_grads(ctx, gate_BTI, up_BTI, dh_BTI.to(gate_BTI.dtype))
+        return dgate, dup, dw, None
+
+
+class _Needs:
+    """A stand-in ctx for the gradient helpers: which of (input, weight) gradients to compute."""
+
+    def __init__(self, *needs: bool) -> None:
+        self.needs_input_grad = needs
+
+
+def silu_mul_linear(gate_BTI: torch.Tensor, up_BTI: torch.Tensor, w_EI: torch.Tensor,
+                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``down(silu(gate) · up)``: the SwiGLU MLP's last two steps, saving only ``gate``, ``up`` and
+    the parameter ``W`` (not the product, down's input, nor W's cast): both are recomputed in
+    backward, one element-wise pass and one cast. `dtype` (default: the autocast dtype when
+    autocast is on, else gate's) is what the projection computes in, as autocast's
+    ``F.linear`` would. Shapes: ``gate``, ``up`` ``…×I`` (one dtype), ``W`` ``E×I``; returns
+    ``…×E``."""
+    return _SiluMulLinear.apply(gate_BTI, up_BTI, w_EI, dtype or _compute_dtype(gate_BTI))
 
 
 def silu_mul(gate_BTI: torch.Tensor, up_BTI: torch.Tensor) -> torch.Tensor:
@@ -215,8 +306,20 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up, down = self.gate_proj(x), self.up_proj(x), self.down_proj
+        if type(down) is nn.Linear and down.bias is None and down.weight.device.type == "cpu":
+            return silu_mul_linear(gate, up, down.weight)
+        return down(silu_mul(gate, up))         # e.g. a LoRA-wrapped down_proj
     return type(self).forward(self, x)
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    dev = w.device.type
+    if (torch.is_grad_enabled() and dev == "cpu" and self.bias is None and w.dtype == torch.float32
+            and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != torch.float32):
+        return cast_linear(x, w, torch.get_autocast_dtype(dev))
+    return F.linear(x, w, self.bias)
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -225,9 +328,10 @@ def _is_silu(act: nn.Module) -> bool:
 
 def use_fused_layers(model: nn.Module) -> int:
     """Give the decoder layers of a loaded transformers model (or peft wrapper) the fused
-    `fused_rms_norm` / `silu_mul` forwards, per module instance (the class, ``config.json`` and
-    checkpoints are unaffected). Only `NORM_CLASSES` norms named ``input_layernorm`` /
-    ``post_attention_layernorm`` and `MLP_CLASSES` MLPs with a SiLU activation are changed.
+    `fused_rms_norm` / `silu_mul_linear` forwards and the `cast_linear` projections, per module
+    instance (the class, ``config.json`` and checkpoints are unaffected). Only `NORM_CLASSES`
+    norms named ``input_layernorm`` / ``post_attention_layernorm``, `MLP_CLASSES` MLPs with a SiLU
+    activation and plain ``nn.Linear`` modules named as one of `PROJECTIONS` are changed.
     Returns the number of modules changed."""
     n = 0
     for name, module in model.named_modules():
@@ -235,14 +339,17 @@ def use_fused_layers(model: nn.Module) -> int:
         cls = type(module).__name__
         if cls in NORM_CLASSES and leaf in ("input_layernorm", "post_attention_layernorm"):
             module.forward = types.MethodType(_norm_forward, module)
-            n += 1
         elif cls in MLP_CLASSES and _is_silu(getattr(module, "act_fn", None)):
             module.forward = types.MethodType(_mlp_forward, module)
-            n += 1
+        elif type(module) is nn.Linear and leaf in PROJECTIONS:
+            module.forward = types.MethodType(_linear_forward, module)
+        else:
+            continue
+        n += 1
     return n
 
 
 def fused_layer_count(model: nn.Module) -> int:
     """How many modules of `model` run the fused forwards (for tests and logs)."""
     return sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "__func__", None)
-               in (_norm_forward, _mlp_forward))
+               in (_norm_forward, _mlp_forward, _linear_forward))

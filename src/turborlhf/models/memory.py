@@ -114,8 +114,9 @@ def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, l
     input is kept for its adapter (2·HD in bf16), and each adapter keeps its r-dim output (7·r).
     `fused` (`turborlhf.models.fused`): each norm keeps its normalised input and its output in the
     compute dtype (2·2w·E) and an fp32 rstd, the projections share that output, and the MLP keeps
-    gate and up and its product (3·w·I). With LoRA in bf16, peft casts the bf16 norm output to
-    fp32 before each adapter, so the adapters keep their own bf16 casts (10E) as without fusion.
+    gate and up (2·w·I; with a LoRA-wrapped down projection also its input, 3·w·I). With LoRA in
+    bf16, peft casts the bf16 norm output to fp32 before each adapter, so the adapters keep their
+    own bf16 casts (10E) as without fusion.
     """
     E, I, H, KV, D = s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim
     w = 2 if dtype == "bf16" else 4
@@ -126,7 +127,7 @@ def _layer_bytes_per_token(s: ModelShape, dtype: str, packed_row_len: int = 0, l
         resid = 8 * E + 8 + (10 * E + 2 * H * D if dtype == "bf16" else 8 * E) + 7 * w * lora_rank
     else:
         resid = 16 * E + 8 + (10 * E if dtype == "bf16" else 8 * E)
-    mlp = (3 if fused else 4) * w * I
+    mlp = ((3 if lora_rank else 2) if fused else 4) * w * I   # fused: gate and up (+ down's input under LoRA)
     attn = 2 * w * H * D + (2 * w * H * D if packed_row_len else 2 * w * KV * D) + 4 * H
     mask = w * packed_row_len
     return resid + mlp + attn + mask
@@ -169,7 +170,9 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
     w = 2 if dtype == "bf16" else 4
     N = rows * row_len
     per_layer = _layer_bytes_per_token(s, dtype, row_len if packed else 0, lora_rank, fused_layers) * N
-    casts = 2 * (s.layer_linear + lora_rank * s.lora_in_out) if dtype == "bf16" else 0
+    # bf16 casts of the projections' weights kept for backward; fused projections (`cast_linear`)
+    # keep the fp32 parameter itself and cast again in backward, so only LoRA adapters keep casts
+    casts = 2 * ((0 if fused_layers else s.layer_linear) + lora_rank * s.lora_in_out) if dtype == "bf16" else 0
     # final norm (its input and rstd; its normalised copy only when its weight trains), embedding
     # indices (only when the embedding trains), target mask
     const = N * ((4 * E + 4 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
@@ -191,7 +194,7 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
     if lora_rank:   # the first layer's input needs no grad (frozen embeddings): its input norm keeps
         # nothing, and in bf16 the q/k/v weight casts are not kept either
         saved -= ((w if fused_layers else 4) * E + 4) * N
-        if dtype == "bf16":
+        if dtype == "bf16" and not fused_layers:
             saved -= 2 * E * (s.heads + 2 * s.kv_heads) * D
     return {"saved": saved, "casts": casts, "transient": transient, "peak": saved + transient}
 
