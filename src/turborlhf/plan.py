@@ -328,7 +328,8 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     # One process (backend local) runs the roles one after another: the actor trains and steps
     # (its gradients freed, set_to_none) before the critic trains. Under Ray both train at once.
     sequential = getattr(getattr(cfg, "distributed", None), "backend", "local") == "local"
-    fused_a, fused_c = _fused_update(cfg, rows, "actor"), A.needs_critic and _fused_update(cfg, rows, "critic")
+    fused_a = _fused_update(cfg, rows, "actor", kind)
+    fused_c = A.needs_critic and _fused_update(cfg, rows, "critic", kind)
     infer_a = inference_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype)
     exp = {"actor": infer_a}
     if fused_a:   # the experience forward ran with autograd and its graph waits for the update
@@ -401,12 +402,14 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                                  + (f"; {data['note']}" if data else "")])
 
 
-def _fused_update(cfg, rows: int, role: str) -> bool:
-    """Whether PPO keeps `role`'s experience graph for its update (`trainers.ppo.experience.use_fused_update`,
-    imported lazily: it pulls in torch)."""
+def _fused_update(cfg, rows: int, role: str, kind: str) -> bool:
+    """Whether PPO keeps `role`'s experience graph for its update on a `kind` device
+    (`trainers.ppo.experience.use_fused_update`, imported lazily: it pulls in torch)."""
     from turborlhf.trainers.ppo.experience import use_fused_update
 
     d = getattr(cfg, "distributed", None)
+    if d is not None and d.device == "auto":      # as resolve_hardware would decide it for this device
+        cfg = cfg.model_copy(update={"distributed": d.model_copy(update={"device": "gpu" if kind == "gpu" else "cpu"})})
     world = getattr(getattr(d, role, None), "world_size", 1) if d is not None else 1
     return use_fused_update(cfg, rows, SimpleNamespace(role=role, world_size=world))
 

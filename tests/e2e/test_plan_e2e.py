@@ -172,6 +172,12 @@ def test_ppo_plan_follows_the_fused_update_and_the_local_role_order(tiny_model):
     assert "experience (no grad)" in never.phases and "experience" in auto.phases
     assert set(auto.phases["train critic"]) == {"critic"}      # no actor gradients held
     assert list(auto.phases)[-3:] == ["actor step", "train critic", "critic step"]
+    # in bf16 on the CPU auto keeps the critic's graph as well (`use_fused_update`); not on a GPU
+    bf16 = lambda kind: SPECS["ppo"](load_config(PPOConfig, TINY / "ppo.yaml", [
+        f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x", "actor.dtype=bf16",
+        "algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=64"]), _resolver(None), kind)
+    assert "fused update: experience graph kept" in bf16("cpu").roles["critic"].notes
+    assert "fused update: experience graph kept" not in bf16("gpu").roles["critic"].notes
 
 
 _LOCAL_CRITIC = ("generate", "experience (no grad)", "train actor", "actor step", "train critic", "critic step")

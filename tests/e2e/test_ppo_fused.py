@@ -57,7 +57,7 @@ def test_fused_update_matches_unfused_and_skips_a_forward(micro, tiny_model, tin
         assert b["policy/clipfrac"] == 0.0 and b["policy/approx_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_fused_auto_only_without_extra_memory(tiny_model):
+def test_fused_update_modes(tiny_model):
     from turborlhf.config import PPOConfig, load_config
     from turborlhf.trainers.ppo import use_fused_update
 
@@ -80,10 +80,18 @@ def test_fused_auto_only_without_extra_memory(tiny_model):
 
     class Critic(G):
         role = "critic"
-    for mode in ("auto", "actor"):                                         # the actor only
+    for mode in ("auto", "actor"):                                         # fp32 (this config): the actor only
         assert use_fused_update(cfg(f"algo.fused_update={mode}"), 4, Actor)
         assert not use_fused_update(cfg(f"algo.fused_update={mode}"), 8, Actor)
         assert not use_fused_update(cfg(f"algo.fused_update={mode}"), 4, Critic)  # its graph would meet the actor's
+    # bf16 on the CPU: auto keeps the critic's graph too (no weight casts kept: cheap); not on a GPU,
+    # nor before the device is decided, nor with `actor`
+    bf16 = ("actor.dtype=bf16", "distributed.device=cpu")
+    assert use_fused_update(cfg("algo.fused_update=auto", *bf16), 4, Critic)
+    assert not use_fused_update(cfg("algo.fused_update=auto", *bf16), 8, Critic)
+    assert not use_fused_update(cfg("algo.fused_update=actor", *bf16), 4, Critic)
+    assert not use_fused_update(cfg("algo.fused_update=auto", "actor.dtype=bf16", "distributed.device=gpu"), 4, Critic)
+    assert not use_fused_update(cfg("algo.fused_update=auto", "actor.dtype=bf16"), 4, Critic)
     assert use_fused_update(cfg("algo.fused_update=both"), 4, Critic)
     assert not use_fused_update(cfg("algo.fused_update=both"), 8, Critic)
     assert use_fused_update(cfg("algo.fused_update=always"), 8, Critic)
