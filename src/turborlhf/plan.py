@@ -352,6 +352,8 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
         if fused_c:
             critic.notes.append("fused update: experience graph kept")
         phases["train actor"] = train_a
+        if fused_c:   # the critic's kept graph waits through the actor's update for the critic's
+            train_a["critic"] = step["critic"] = act_c["saved"]
         if sequential:
             phases["actor step"] = step
             phases["train critic"] = {"critic": critic.grads + act_c["peak"]}

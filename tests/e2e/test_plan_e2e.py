@@ -176,8 +176,12 @@ def test_ppo_plan_follows_the_fused_update_and_the_local_role_order(tiny_model):
     bf16 = lambda kind: SPECS["ppo"](load_config(PPOConfig, TINY / "ppo.yaml", [
         f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x", "actor.dtype=bf16",
         "algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=64"]), _resolver(None), kind)
-    assert "fused update: experience graph kept" in bf16("cpu").roles["critic"].notes
-    assert "fused update: experience graph kept" not in bf16("gpu").roles["critic"].notes
+    cpu, gpu = bf16("cpu"), bf16("gpu")
+    assert "fused update: experience graph kept" in cpu.roles["critic"].notes
+    assert "fused update: experience graph kept" not in gpu.roles["critic"].notes
+    # the critic's kept graph is alive while the actor trains and steps
+    assert set(cpu.phases["train actor"]) == set(cpu.phases["actor step"]) == {"actor", "critic"}
+    assert set(gpu.phases["train actor"]) == {"actor"}
 
 
 _LOCAL_CRITIC = ("generate", "experience (no grad)", "train actor", "actor step", "train critic", "critic step")
