@@ -20,18 +20,19 @@ backward: **4I**. The other projections run `cast_linear`, which saves the fp32 
 reference, no copy) instead of its cast and casts again in backward. With the attention's saved
 tensors (unchanged), a SmolLM2-135M layer (E 576, I 1536, 9 + 3 heads of 64) keeps 13,860 instead
 of 30,372 bytes per token, and no weight casts. On the PPO bench (8 × ~113 tokens) one trained
-model's kept experience forward fell from 788 to 417 MiB; the recasts cost ~0.05 s per backward
-of SmolLM2-135M (2-core AMX Xeon), the price of holding two such graphs at once
-(`turborlhf.trainers.ppo.experience.use_fused_update`).
+model's kept experience forward fell from 788 to 417 MiB, which lets PPO hold two such graphs at
+once (`turborlhf.trainers.ppo.experience.use_fused_update`). The recasts and the recomputed
+product cost about 4% of a backward (2-core AMX Xeon, SmolLM2-135M, 16 × 128 tokens).
 
 Numerics: the forward values are bit-identical to transformers' modules (the same ops in the same
 order; the cast the projection would do happens inside the norm). The SwiGLU backward follows the
 ops autograd runs on the unfused module (``silu_backward`` in the compute dtype, with the same
 roundings); the projections' gradients are the two matmuls autograd runs for ``F.linear``
-(``dx = dy·W``, ``dW = dyᵀ·x``) on the same operands, bit-identical on the hosts tested. The RMSNorm backward is computed in fp32 from the saved normalised input, which under
-bf16 autocast is rounded to bf16 (as a bf16 model's own RMSNorm saves its bf16 input, and as
-Liger-Kernel's fused RMSNorm does); without autocast everything stays fp32 and the gradients equal
-the module's within fp32 rounding (tested in ``tests/models/test_fused.py``).
+(``dx = dy·W``, ``dW = dyᵀ·x``) on the same operands, bit-identical on the hosts tested. The
+RMSNorm backward is computed in fp32 from the saved normalised input, which under bf16 autocast
+is rounded to bf16 (as a bf16 model's own RMSNorm saves its bf16 input, and as Liger-Kernel's
+fused RMSNorm does); without autocast everything stays fp32 and the gradients equal the module's
+within fp32 rounding (tested in ``tests/models/test_fused.py``).
 
 On the CPU the element-wise work runs as C passes where the kernels build (`turborlhf.engine.cbuild`;
 torch ops otherwise, and off the CPU): the norm's forward after its per-row rstd (still torch's ops,
@@ -218,15 +219,15 @@ class _SiluMul(torch.autograd.Function):
         return _silu_mul_grads(ctx, *ctx.saved_tensors, dh_BTI)
 
 
-def _linear_grads(ctx, x_NI, w_OI, dy_NO, dtype):
+def _linear_grads(x_NI, w_OI, dy_NO, dtype, need_x: bool, need_w: bool):
     """``F.linear``'s input and weight gradients as autograd computes them for ``x·Wᵀ`` in `dtype`
     (the same two matmuls: ``dx = dy·W``, ``dW = dyᵀ·x``), from the saved parameter `w_OI`
     recast to `dtype`; the weight gradient is returned in the parameter's dtype, as autocast's
-    cast backward does. `ctx.needs_input_grad` (input, weight) picks what is computed; `x_NI`
-    and `w_OI` may be None where their gradient partner is not needed."""
+    cast backward does. Only the gradients asked for are computed (None otherwise); `x_NI` or
+    `w_OI` may be None where the other's gradient is not needed."""
     dy2 = dy_NO.reshape(-1, dy_NO.shape[-1])
-    dx = dy2.mm(w_OI.to(dtype)).view(*dy_NO.shape[:-1], w_OI.shape[1]) if ctx.needs_input_grad[0] else None
-    dw = dy2.t().mm(x_NI.reshape(-1, x_NI.shape[-1])).to(w_OI.dtype) if ctx.needs_input_grad[1] else None
+    dx = dy2.mm(w_OI.to(dtype)).view(*dy_NO.shape[:-1], w_OI.shape[1]) if need_x else None
+    dw = dy2.t().mm(x_NI.reshape(-1, x_NI.shape[-1])).to(w_OI.dtype) if need_w else None
     return dx, dw
 
 
@@ -243,7 +244,7 @@ class _CastLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NO):  # type: ignore[override]
         x_c, w_OI = ctx.saved_tensors
-        dx, dw = _linear_grads(ctx, x_c, w_OI, dy_NO, ctx.dtype)
+        dx, dw = _linear_grads(x_c, w_OI, dy_NO, ctx.dtype, *ctx.needs_input_grad[:2])
         return (dx.to(ctx.x_dtype) if dx is not None else None), dw, None
 
 
@@ -269,16 +270,9 @@ class _SiluMulLinear(torch.autograd.Function):
     def backward(ctx, dy_BTE):  # type: ignore[override]
         gate_BTI, up_BTI, w_EI = ctx.saved_tensors
         h_BTI = (F.silu(gate_BTI) * up_BTI).to(ctx.dtype)          # the forward's product, recomputed
-        dh_BTI, dw = _linear_grads(_Needs(True, ctx.needs_input_grad[2]), h_BTI, w_EI, dy_BTE, ctx.dtype)
+        dh_BTI, dw = _linear_grads(h_BTI, w_EI, dy_BTE, ctx.dtype, True, ctx.needs_input_grad[2])
         dgate, dup = _silu_mul_grads(ctx, gate_BTI, up_BTI, dh_BTI.to(gate_BTI.dtype))
         return dgate, dup, dw, None
-
-
-class _Needs:
-    """A stand-in ctx for the gradient helpers: which of (input, weight) gradients to compute."""
-
-    def __init__(self, *needs: bool) -> None:
-        self.needs_input_grad = needs
 
 
 def silu_mul_linear(gate_BTI: torch.Tensor, up_BTI: torch.Tensor, w_EI: torch.Tensor,
