@@ -125,9 +125,9 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     - ``auto``: the actor's graph when each rank's rows fit one micro-batch, and the critic's too
       where the roles train in bf16 on the CPU. There the projections keep no weight casts and the
       MLPs no product (`turborlhf.models.fused`), so holding both graphs is cheap: on the PPO bench
-      (2-core AMX Xeon) peak RSS 5.06 → 5.32 GiB against the actor's graph alone before those
+      (2-core AMX Xeon) peak RSS 4.94 → 5.20 GiB against the actor's graph alone before those
       savings, and 0.38 s less per step (experience +0.14 s, update −0.52 s). In fp32 (the same
-      Xeon limited to AVX2) it saves ~1.2 s of a ~13 s step but costs 1.1 GiB (6.7 → 7.8 GiB),
+      Xeon limited to AVX2) it saves ~1.2 s of a ~13 s step but costs 1.1 GiB (6.6 → 7.6 GiB),
       and on a GPU it was never measured, so there auto keeps the actor's only (``both`` opts in);
     - ``actor``: the actor's graph only;
     - ``both``: as auto for the actor and the critic;
