@@ -137,9 +137,9 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     A = cfg.algo
     if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
         return False
-    if getattr(group, "role", None) != "actor" and (
-            A.fused_update == "actor"
-            or A.fused_update == "auto" and not (cfg.actor.dtype == "bf16" and cfg.distributed.device == "cpu")):
+    critic_too = A.fused_update in ("both", "always") or (
+        A.fused_update == "auto" and cfg.actor.dtype == "bf16" and cfg.distributed.device == "cpu")
+    if getattr(group, "role", None) != "actor" and not critic_too:
         return False
     if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
         return False
