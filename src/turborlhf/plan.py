@@ -50,6 +50,7 @@ from typing import Optional
 
 from turborlhf.models.memory import (ModelShape, fused_layers_for, inference_activation_bytes, kv_cache_bytes,
                                      model_shape, train_activation_bytes)
+from turborlhf.models.zoo import ModelFetchError
 from turborlhf.plan_data import batches_from_data
 
 __all__ = ["ModelShape", "model_shape", "train_activation_bytes", "inference_activation_bytes",
@@ -591,7 +592,7 @@ def _resolver(model_config: Optional[str]):
         if key not in cache:
             try:
                 cache[key] = model_shape(name, targets)
-            except (FileNotFoundError, OSError) as e:
+            except (FileNotFoundError, OSError, ModelFetchError) as e:     # a path or a zoo name not there yet
                 if model_config is None:
                     raise FileNotFoundError(
                         f"{e}. The plan needs only the architecture: pass --model-config NAME_OR_DIR (e.g. "

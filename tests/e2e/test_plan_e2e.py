@@ -35,6 +35,17 @@ def test_plan_reads_every_shipped_config(name, tiny_model, capsys):
         assert [p["stage"] for p in plans] == ["sft", "rm", "ppo"]
 
 
+def test_model_config_stands_in_for_a_zoo_model_not_fetched_yet(tiny_model, capsys, monkeypatch, tmp_path):
+    """On a fresh machine the zoo model is not cached yet: --model-config stands in for it too
+    (the plan once failed there on SFT-like configs with "not cached; run fetch-model")."""
+    monkeypatch.setenv("TURBORLHF_CACHE", str(tmp_path / "empty-cache"))
+    rc, plans = _plan(capsys, "--config", HH / "sft.yaml", "--model-config", tiny_model)
+    assert rc == 0 and plans[0]["roles"]
+    assert main(["plan", "--config", str(HH / "sft.yaml")]) == 2
+    assert "--model-config" in capsys.readouterr().err
+    assert not (tmp_path / "empty-cache" / "models").exists()          # planning fetched nothing
+
+
 def test_plan_says_what_will_not_fit_and_why(tiny_model, tiny_data, capsys):
     args = ["plan", "--config", str(TINY / "sft.yaml"), f"model.name_or_path={tiny_model}",
             f"data.train_file={tiny_data / 'train_pairs.jsonl'}"]
