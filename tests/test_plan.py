@@ -191,7 +191,8 @@ def test_engine_weights_follow_rollout_weight_dtype(tiny_model):
     def engine_bytes(weight_dtype):
         cfg = load_config(PPOConfig, overrides=[f"actor.name_or_path={tiny_model}", "reward_model=rm",
                                                 "data.prompts_file=p.jsonl", "rollout.dtype=fp32",
-                                                "rollout.engine=fast", f"rollout.weight_dtype={weight_dtype}"])
+                                                "rollout.engine=fast", f"rollout.weight_dtype={weight_dtype}",
+                                                "actor.device=cpu"])              # FastEngine: CPU only
         plan = plan_config("ppo", cfg, model_config=str(tiny_model))[0]
         return next(r for r in plan.roles if r.name == "rollout").weights
 

@@ -166,8 +166,9 @@ def test_rollout_weight_dtype_choice():
         load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32", "rollout.weight_dtype=bf16",
                                           "rollout.engine=hf"])
     assert RolloutCfg().weight_dtype == "auto"
-    # resolved with the rest of the hardware choices, as this host allows
-    r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32"]), show=False)
+    # resolved with the rest of the hardware choices, as this host's CPU allows (a visible GPU aside)
+    r = resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32", "actor.device=cpu"]),
+                         show=False)
     k = kernels.load(warn=False)
     has = k is not None and torch.float32 in k.linear_dtypes
     assert r.rollout.weight_dtype == ("bf16" if has else "same")

@@ -17,11 +17,12 @@ def model4(tmp_path_factory):
 
 def _roles(path, freeze=2):
     """reference (frozen causal LM), reward model and critic (scalar, lower `freeze` layers frozen)
-    from the same weights: the PPO roles of a freeze-tuned pipeline."""
+    from the same weights: the PPO roles of a freeze-tuned pipeline, all on the CPU (`device: auto`
+    would put the scalar models on a GPU where one is visible, away from the reference)."""
     tok = load_tokenizer(str(path))
     ref = load_causal_lm(str(path), tok).eval().requires_grad_(False)
-    rm = load_trainable("scalar", ModelCfg(name_or_path=str(path), freeze_layers=freeze), tok).eval().requires_grad_(False)
-    critic = load_trainable("scalar", ModelCfg(name_or_path=str(path), freeze_layers=freeze), tok)
+    rm = load_trainable("scalar", ModelCfg(name_or_path=str(path), freeze_layers=freeze, device="cpu"), tok).eval().requires_grad_(False)
+    critic = load_trainable("scalar", ModelCfg(name_or_path=str(path), freeze_layers=freeze, device="cpu"), tok)
     return ref, rm, critic
 
 
