@@ -196,7 +196,8 @@ def test_callable_reward_on_the_ray_backend_matches_local(tiny_model, tmp_path):
     from turborlhf import GRPOTrainer
 
     common = {"rollout": {"max_new_tokens": 8, "batch_size": 16}, "algo": {"prompts_per_step": 2},
-              "train": {"max_steps": 2, "micro_batch_size": 4}, "actor": {"dtype": "fp32"}, **QUIET}
+              "train": {"max_steps": 2, "micro_batch_size": 4}, "actor": {"dtype": "fp32", "device": "cpu"},
+              **QUIET}                             # CPU workers (tests/e2e/test_cuda_e2e.py has a GPU one)
     for backend in ("local", "ray"):
         args = {**common, "output_dir": str(tmp_path / backend),
                 "distributed": {"backend": backend, "timeout_s": 180}}

@@ -52,12 +52,15 @@ def test_sft_rm_dpo_kto_on_cuda(tiny_model, tiny_data, tmp_path):
 
 def test_ppo_grpo_on_cuda(tiny_model, tiny_data, tiny_rm, tmp_path):
     prompts = tiny_data / "train_prompts.jsonl"
-    for name in ("ppo", "grpo"):
+    # ppo-fused: one epoch of one mini-batch in one micro-batch, so actor and critic backpropagate
+    # through their experience forwards (algo.fused_update), in bf16 on the GPU
+    fused = ["algo.ppo_epochs=1", "algo.num_mini_batches=1", "train.micro_batch_size=4", "algo.fused_update=both"]
+    for name, extra in (("ppo", []), ("grpo", []), ("ppo-fused", fused)):
         out = tmp_path / name
-        _run_on_gpu("ppo", "--config", REPO / f"configs/tiny/{name}.yaml", f"actor.name_or_path={tiny_model}",
-                    f"reward_model={tiny_rm}", f"data.prompts_file={prompts}", "data.max_samples=16",
-                    "train.max_steps=2", f"output_dir={out}", "log.tensorboard=false", "actor.dtype=auto",
-                    "rollout.dtype=auto")
+        _run_on_gpu("ppo", "--config", REPO / f"configs/tiny/{name.removesuffix('-fused')}.yaml",
+                    f"actor.name_or_path={tiny_model}", f"reward_model={tiny_rm}", f"data.prompts_file={prompts}",
+                    "data.max_samples=16", "train.max_steps=2", f"output_dir={out}", "log.tensorboard=false",
+                    "actor.dtype=auto", "rollout.dtype=auto", *extra)
         hw = _hardware(out)
         assert hw["distributed.device"] == "gpu", hw
         assert hw["actor.device"] == "cuda" and hw["actor.dtype"] == "bf16", hw

@@ -233,7 +233,8 @@ def test_dynamic_sampling_and_two_steps_off(tiny_model, tiny_rm, tiny_data, tmp_
 
 def test_ray_async_matches_local_async(tiny_model, tiny_rm, tiny_data, tmp_path):
     pytest.importorskip("ray")
-    extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS, "rollout.batch_size=4"]
+    extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS, "rollout.batch_size=4",
+             "actor.device=cpu"]                      # two rollout workers: CPU slots, on a GPU host too
     local = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "local", *extra)
     ray_rows = _run(tiny_model, tiny_rm, tiny_data, tmp_path / "ray", *extra, "distributed.backend=ray",
                     "distributed.timeout_s=180", "distributed.rollout.devices_per_node=2")

@@ -51,9 +51,10 @@ def test_ppo_ray_two_workers_per_role_matches_local(tiny_model, tiny_rm, tiny_da
 
 
 def test_grpo_ray_colocated_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):
-    """All roles colocated on 2 workers (actor DP=2 + reference/reward offload + sleeping engines)."""
-    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "local"))
-    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ray", *TWO_PER_ROLE,
+    """All roles colocated on 2 workers (actor DP=2 + reference/reward offload + sleeping engines),
+    CPU slots on any host (two GPU workers would need two GPUs)."""
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "local", "actor.device=cpu"))
+    run_cli(*_args("grpo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ray", "actor.device=cpu", *TWO_PER_ROLE,
                    "distributed.colocate_all_models=true", "distributed.ref_reward_offload=true",
                    "distributed.rollout_sleep=true"))
     _same_metrics(tmp_path / "local", tmp_path / "ray")

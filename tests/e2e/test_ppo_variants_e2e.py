@@ -153,7 +153,7 @@ def test_shared_prompts_train_the_same_and_shuffle_whole_groups(tiny_model, tiny
     packed = []
     real = F.SegmentPlan.__init__
     monkeypatch.setattr(F.SegmentPlan, "__init__", lambda self, q, k, pos: packed.append(pos.shape[0]) or real(self, q, k, pos))
-    one_mini = ["algo.num_mini_batches=1", "train.max_steps=1"]
+    one_mini = ["algo.num_mini_batches=1", "train.max_steps=1", "actor.device=cpu"]   # the CPU's packed forward
     a = _run(GRPO_YAML, tiny_model, tiny_data, tmp_path / "shared", [f"reward_model={tiny_rm}"], *one_mini)
     n_shared = len(packed)
     b = _run(GRPO_YAML, tiny_model, tiny_data, tmp_path / "plain", [f"reward_model={tiny_rm}"], *one_mini,
