@@ -42,9 +42,11 @@ def test_bench_ppo_ours_only_runs_with_a_fresh_head_reward_model(tiny_model, tmp
 
 
 def test_a_broken_peer_gives_null_fields_and_a_reason(tiny_model, tmp_path, capsys):
-    empty = tmp_path / "empty-peer"
-    empty.mkdir()
-    rc, out, r = _run(capsys, "dpo", "--vs", "trl", "--peer-dir", empty, "--model", tiny_model, "--warmup", "0",
+    # a peer folder whose trl cannot be imported, whatever this interpreter has installed
+    broken = tmp_path / "broken-peer"
+    (broken / "trl").mkdir(parents=True)
+    (broken / "trl" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'trl.broken'\")\n")
+    rc, out, r = _run(capsys, "dpo", "--vs", "trl", "--peer-dir", broken, "--model", tiny_model, "--warmup", "0",
                       "--steps", "1", "--reps", "1", "--threads", "1", "--out", tmp_path / "b", "--json")
     assert rc == 0 and r["ours_s_per_step"] > 0
     assert r["peer_s_per_step"] is None and r["speedup"] is None and r["peer_peak_rss_gib"] is None
