@@ -90,7 +90,7 @@ def test_mismatch_metrics_and_rollout_is(tiny_model, tiny_rm, tiny_data, tmp_pat
     same = _run(tiny_model, tiny_data, tmp_path / "fp32", rm)         # fp32 engine, fp32 actor: they agree
     assert all(r["rollout/mismatch_kl"] < 1e-6 and abs(r["rollout/mismatch_max_ratio"] - 1) < 1e-3 for r in same)
     assert "rollout/is_weight_mean" not in same[0]
-    bf16 = _run(tiny_model, tiny_data, tmp_path / "bf16", *rm, "rollout.dtype=bf16")   # a bf16 engine does not
+    bf16 = _run(tiny_model, tiny_data, tmp_path / "bf16", rm, "rollout.dtype=bf16")   # a bf16 engine does not
     for a, b in zip(same, bf16):         # measured: ~3e-7 nats/token and ratios up to 1.002 vs ~5e-14 and 1 + 5e-7
         assert b["rollout/mismatch_kl"] > 1000 * a["rollout/mismatch_kl"] and b["rollout/mismatch_max_ratio"] > 1.0002
     for mode, level in (("tis", "token"), ("mis", "sequence")):
