@@ -147,7 +147,8 @@ class OptimCfg(Cfg):
     state_dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
                             "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW); "
-                            "auto = bf16 where the model computes in bf16, else fp32")
+                            "auto = bf16 where the model computes in bf16, and on the CPU where the C kernel builds "
+                            "(fp32 compute too: the same speed there), else fp32")
     offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
                                              "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
                                              "GPU memory; a no-op when the model is on the CPU already")
@@ -392,8 +393,8 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         "auto", description="with ppo_epochs=1 and num_mini_batches=1 the old log-probs and values are what the "
         "training forward computes: keep the experience forward's graph and backpropagate through it instead of a "
         "second forward. auto = the actor's graph when each rank's rows fit one micro-batch, and the critic's too "
-        "where the roles train in bf16 on the CPU (there both graphs together cost ~5% more peak memory; elsewhere "
-        "more); actor = the actor's graph only; both = as auto for the actor and the critic on every host; "
+        "where the roles train on the CPU in bf16 or with bf16 AdamW moments (there both graphs together cost ~5% "
+        "more peak memory, or what the bf16 moments save; elsewhere more); actor = the actor's graph only; both = as auto for the actor and the critic on every host; "
         "always = both whenever the schedule allows (a rank's whole share of activations held at once); never")
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer", description="where the old log-probs (PPO's ratio denominator, the KL to the reference) come "

@@ -170,19 +170,22 @@ def test_ppo_plan_follows_the_fused_update_and_the_local_role_order(tiny_model):
     from turborlhf.config import load_config, PPOConfig
     from turborlhf.plan import SPECS, _resolver
 
-    def spec(mode):
+    def spec(mode, state="fp32"):
         cfg = load_config(PPOConfig, TINY / "ppo.yaml", [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}",
                                                          "data.prompts_file=x", f"algo.fused_update={mode}",
                                                          "algo.ppo_epochs=1", "algo.num_mini_batches=1",
-                                                         "train.micro_batch_size=64"])
+                                                         "train.micro_batch_size=64", f"optim.state_dtype={state}"])
         return SPECS["ppo"](cfg, _resolver(None), "cpu")
 
+    # fp32 with fp32 moments: auto keeps the actor's graph only
     never, auto, both = spec("never"), spec("auto"), spec("both")
     exp = lambda s: sum(next(v for k, v in s.phases.items() if k.startswith("experience")).values())
     assert exp(never) < exp(auto) < exp(both)
     assert "experience (no grad)" in never.phases and "experience" in auto.phases
     assert set(auto.phases["train critic"]) == {"critic"}      # no actor gradients held
     assert list(auto.phases)[-3:] == ["actor step", "train critic", "critic step"]
+    # fp32 with bf16 moments (the CPU's default where the C kernel builds): the critic's graph too
+    assert "fused update: experience graph kept" in spec("auto", "bf16").roles["critic"].notes
     # in bf16 on the CPU auto keeps the critic's graph as well (`use_fused_update`); not on a GPU
     bf16 = lambda kind: SPECS["ppo"](load_config(PPOConfig, TINY / "ppo.yaml", [
         f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x", "actor.dtype=bf16",

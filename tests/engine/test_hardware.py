@@ -15,7 +15,8 @@ import torch
 
 from turborlhf.config import SFTConfig, load_config
 from turborlhf.engine import hardware
-from turborlhf.engine.hardware import BF16_FEATURES, HardwareError, choose_precision, cpu_features, resolve_device
+from turborlhf.engine.hardware import (BF16_FEATURES, HardwareError, choose_precision, choose_state_dtype, cpu_features,
+                                      resolve_device)
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 x86 = pytest.mark.skipif("avx2" not in hardware._raw_flags(), reason="needs an x86-64 CPU with AVX2")
@@ -104,7 +105,7 @@ def test_resolve_hardware_fills_every_auto_and_setup_run_saves_it(tmp_path, caps
     want = choose_precision("auto", "cpu").dtype if resolve_device().type == "cpu" else None
     assert r.model.dtype in ("bf16", "fp32") and r.model.device == resolve_device().type
     if want:
-        assert r.model.dtype == want and r.optim.state_dtype == want
+        assert r.model.dtype == want and r.optim.state_dtype == choose_state_dtype([want], ["cpu"])[0]
     assert "[sft] device and precision:" in capsys.readouterr().out
     setup_run(r, str(tmp_path))
     rec = json.loads((tmp_path / "hardware.json").read_text())

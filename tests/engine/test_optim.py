@@ -158,14 +158,17 @@ def test_rejects_non_fp32_parameters():
 
 
 @pytest.mark.parametrize("compute", ["bf16", "fp32"])
-def test_make_optimizer_picks_the_state_dtype(monkeypatch, compute):
-    from turborlhf.engine import hardware
+@pytest.mark.parametrize("kernel", [True, False])
+def test_make_optimizer_picks_the_state_dtype(monkeypatch, compute, kernel):
+    from turborlhf.engine import cbuild, hardware
 
-    # the default (auto) follows the host's compute choice: pin it both ways, so no host decides the outcome
+    # the default (auto): bf16 moments beside bf16 compute, and on the CPU wherever the C kernel
+    # builds; the compute choice and the compiler are pinned, so no host decides the outcome
     monkeypatch.setattr(hardware, "compute_dtype", lambda requested="auto", device="cpu": compute)
+    monkeypatch.setattr(cbuild, "compiler", lambda: "cc" if kernel else None)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     auto = make_optimizer(model, OptimCfg())
-    assert isinstance(auto, BF16StateAdamW) == (compute == "bf16")
+    assert isinstance(auto, BF16StateAdamW) == (compute == "bf16" or kernel)
     assert isinstance(make_optimizer(model, OptimCfg(state_dtype="bf16")), BF16StateAdamW)   # explicit: every host
     fp32 = make_optimizer(model, OptimCfg(state_dtype="fp32"))
     assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
@@ -223,3 +226,16 @@ def test_sum_of_squares_and_count_nonfinite_kernels():
     assert sum_of_squares([torch.ones(4, 4).t()]) is None                       # not contiguous: torch's norm instead
     assert sum_of_squares([torch.ones(4, dtype=torch.bfloat16)]) is None
     assert count_nonfinite([torch.ones(4, dtype=torch.float64)]) is None
+
+
+def test_choose_state_dtype():
+    from turborlhf.engine import cbuild
+    from turborlhf.engine.hardware import choose_state_dtype
+
+    assert choose_state_dtype(["bf16", "bf16"], ["cuda", "cuda"])[0] == "bf16"
+    assert choose_state_dtype(["fp32"], ["cuda"])[0] == "fp32"
+    assert choose_state_dtype(["bf16", "fp32"], ["cuda", "cuda"])[0] == "fp32"
+    has_cc = cbuild.compiler() is not None
+    dt, why = choose_state_dtype(["fp32", "fp32"], ["cpu", "cpu"])
+    assert dt == ("bf16" if has_cc else "fp32") and ("C kernel" in why)
+    assert choose_state_dtype(["fp32", "fp32"], ["cpu", "cuda"])[0] == "fp32"      # not every model on the CPU

@@ -50,13 +50,13 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
     ``rollout.dtype`` (for that device; `choose_rollout_dtype`), ``rollout.weight_dtype``
-    (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype`` (bf16 moments
-    where the models compute in bf16). Prints the choices once as a start-up table (`name` labels it; not with
+    (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype`` (`choose_state_dtype`: bf16
+    moments where the models compute in bf16 or train on the CPU). Prints the choices once as a start-up table (`name` labels it; not with
     `show=False`); `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
     a device this host lacks."""
     from turborlhf.config import SYNC_TOLERANCE, ConfigError, ModelCfg, OptimCfg, RolloutCfg
-    from turborlhf.engine.hardware import choose_precision, resolve_device
+    from turborlhf.engine.hardware import choose_precision, choose_state_dtype, resolve_device
     from turborlhf.rollout.backends import choose_rollout_dtype, choose_weight_dtype
 
     choices: dict[str, dict] = {}
@@ -69,7 +69,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                                          f"roles run on a CPU slot (best device here: {dev})"}
         cfg = cfg.model_copy(update={"distributed": dist.model_copy(update={"device": kind})})
 
-    compute = []
+    compute, devices = [], []
 
     def walk(node: Cfg, path: str) -> Cfg:
         updates = {}
@@ -85,6 +85,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                                                   else "the first of cuda, mps, cpu that torch can use"}
                 prec = choose_precision(value.dtype, dev)
                 compute.append(prec.dtype)
+                devices.append(dev)
                 if value.dtype == "auto" or prec.dtype != value.dtype:
                     upd["dtype"] = prec.dtype
                 choices[f"{where}.dtype"] = {"value": prec.dtype, "reason": prec.reason}
@@ -133,10 +134,8 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
         for field in type(node).model_fields:
             value = getattr(node, field)
             if isinstance(value, OptimCfg) and value.state_dtype == "auto":
-                sd = "bf16" if compute and all(c == "bf16" for c in compute) else "fp32"
-                choices[f"{path}{field}.state_dtype"] = {
-                    "value": sd, "reason": "bf16 moments beside bf16 compute" if sd == "bf16" else
-                    "fp32 moments (torch's fused AdamW) beside fp32 compute"}
+                sd, why = choose_state_dtype(compute, devices)
+                choices[f"{path}{field}.state_dtype"] = {"value": sd, "reason": why}
                 updates[field] = value.model_copy(update={"state_dtype": sd})
             elif isinstance(value, Cfg) and not isinstance(value, (ModelCfg, RolloutCfg)):
                 new = optim(value, f"{path}{field}.")

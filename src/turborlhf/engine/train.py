@@ -152,10 +152,11 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
             return CPUOffloadAdamW(groups, **kw)          # its fp32 copies are CPU tensors: fused works
         logger.info("[optim] offload: the parameters are in CPU memory already, nothing to offload")
     state_dtype = getattr(cfg, "state_dtype", "fp32")
-    if state_dtype == "auto":      # a config that did not go through resolve_hardware: follow the compute choice
-        from turborlhf.engine.hardware import compute_dtype
+    if state_dtype == "auto":      # a config that did not go through resolve_hardware: as it would choose
+        from turborlhf.engine.hardware import choose_state_dtype, compute_dtype
 
-        state_dtype = compute_dtype("auto", params[0].device if params else "cpu")
+        dev = params[0].device if params else torch.device("cpu")
+        state_dtype = choose_state_dtype([compute_dtype("auto", dev)], [dev.type])[0]
     if state_dtype == "bf16" and all(p.dtype == torch.float32 for p in params):
         from turborlhf.engine.optim import BF16StateAdamW
 
