@@ -394,8 +394,9 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         "training forward computes: keep the experience forward's graph and backpropagate through it instead of a "
         "second forward. auto = the actor's graph when each rank's rows fit one micro-batch, and the critic's too "
         "where the roles train on the CPU in bf16 or with bf16 AdamW moments (there both graphs together cost ~5% "
-        "more peak memory, or what the bf16 moments save; elsewhere more); actor = the actor's graph only; both = as auto for the actor and the critic on every host; "
-        "always = both whenever the schedule allows (a rank's whole share of activations held at once); never")
+        "more peak memory, or what the bf16 moments save; elsewhere more); actor = the actor's graph only; "
+        "both = as auto for the actor and the critic on every host; always = both whenever the schedule allows "
+        "(a rank's whole share of activations held at once); never")
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer", description="where the old log-probs (PPO's ratio denominator, the KL to the reference) come "
         "from: trainer = the actor's forward over the rollout batch (OpenRLHF, TRL, verl); rollout = the engine's "

@@ -50,9 +50,10 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
     ``rollout.dtype`` (for that device; `choose_rollout_dtype`), ``rollout.weight_dtype``
-    (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype`` (`choose_state_dtype`: bf16
-    moments where the models compute in bf16 or train on the CPU). Prints the choices once as a start-up table (`name` labels it; not with
-    `show=False`); `setup_run` saves them in ``hardware.json``. Explicit values are kept
+    (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype``
+    (`choose_state_dtype`: bf16 moments where the models compute in bf16 or train on the CPU).
+    Prints the choices once as a start-up table (`name` labels it; not with `show=False`);
+    `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
     a device this host lacks."""
     from turborlhf.config import SYNC_TOLERANCE, ConfigError, ModelCfg, OptimCfg, RolloutCfg

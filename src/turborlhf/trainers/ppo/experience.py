@@ -141,7 +141,8 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
         return False
     critic_too = A.fused_update in ("both", "always") or (
-        A.fused_update == "auto" and cfg.distributed.device == "cpu" and (cfg.actor.dtype == "bf16" or _bf16_moments(cfg)))
+        A.fused_update == "auto" and cfg.distributed.device == "cpu"
+        and (cfg.actor.dtype == "bf16" or _bf16_moments(cfg)))
     if getattr(group, "role", None) != "actor" and not critic_too:
         return False
     if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
