@@ -75,7 +75,8 @@ def test_stochastic_rounding_is_unbiased_and_round_to_nearest_is_not():
     lo = torch.tensor(1.0).bfloat16().float()
     x = lo + 0.3 * 2.0 ** -7                       # 30% of the way to the next bf16 value (ulp 2^-7 at 1)
     x_N = x.repeat(100_000)
-    r_N = torch.randint(0, 2 ** 32, (100_000,), dtype=torch.int64)
+    # seeded: the bound below is ~1.8 standard errors of the mean, so unseeded draws failed ~8% of runs
+    r_N = torch.randint(0, 2 ** 32, (100_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
     sr = _round_bf16_stochastic(x_N, r_N).float()
     assert set(sr.unique().tolist()) == {float(lo), float(lo) + 2.0 ** -7}
     assert abs(float(sr.mean()) - float(x)) < 2e-5               # E[round(x)] = x
