@@ -188,12 +188,10 @@ def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool
         role.optimizer_host = 12 * trainable
         role.notes.append("optimizer states offloaded to host memory")
     else:
-        state_dtype = getattr(optim_cfg, "state_dtype", "fp32")
-        if state_dtype == "auto":        # as make_optimizer resolves it for the device
-            from turborlhf.engine.hardware import choose_state_dtype, compute_dtype
+        from turborlhf.engine.hardware import state_dtype_for
 
-            dev = "cuda" if device_kind == "gpu" else "cpu"
-            state_dtype = choose_state_dtype([compute_dtype("auto", dev)], [dev])[0]
+        state_dtype = state_dtype_for(getattr(optim_cfg, "state_dtype", "fp32"),     # as make_optimizer does
+                                      "cuda" if device_kind == "gpu" else "cpu")
         bf16_states = state_dtype == "bf16"
         role.optimizer = (4 if bf16_states else 8) * trainable
         role.step_transient = 0 if bf16_states and device_kind == "cpu" else 4 * trainable

@@ -28,7 +28,7 @@ from typing import Optional
 
 __all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
            "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
-           "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe", "best_time"]
+           "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe", "best_time"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -310,6 +310,16 @@ def choose_state_dtype(compute: list[str], devices: list[str]) -> tuple[str, str
             return "bf16", "bf16 moments on the CPU (C kernel; fp32 update): half the state at fp32 AdamW's speed"
         return "fp32", "fp32 moments: the bf16-moment C kernel cannot be built here"
     return "fp32", "fp32 moments (torch's fused AdamW) beside fp32 compute"
+
+
+def state_dtype_for(state_dtype: str, device="cpu", compute: str = "auto") -> str:
+    """`state_dtype` itself, or for ``"auto"`` what `choose_state_dtype` picks for one model
+    computing in `compute` (``auto`` = `compute_dtype`'s choice) on `device`: for the places that
+    size or build an optimizer outside `turborlhf.engine.run.resolve_hardware`."""
+    if state_dtype != "auto":
+        return state_dtype
+    dev = getattr(device, "type", device)
+    return choose_state_dtype([compute_dtype(compute, dev)], [dev])[0]
 
 
 def weight_dtype_conflict(weight_dtype: str, dtype: str, engine: str, device: str) -> Optional[str]:

@@ -151,12 +151,10 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
         if force_offload or any(p.device.type != "cpu" for p in params):
             return CPUOffloadAdamW(groups, **kw)          # its fp32 copies are CPU tensors: fused works
         logger.info("[optim] offload: the parameters are in CPU memory already, nothing to offload")
-    state_dtype = getattr(cfg, "state_dtype", "fp32")
-    if state_dtype == "auto":      # a config that did not go through resolve_hardware: as it would choose
-        from turborlhf.engine.hardware import choose_state_dtype, compute_dtype
+    from turborlhf.engine.hardware import state_dtype_for
 
-        dev = params[0].device if params else torch.device("cpu")
-        state_dtype = choose_state_dtype([compute_dtype("auto", dev)], [dev.type])[0]
+    # auto: a config that did not go through resolve_hardware, resolved as it would be
+    state_dtype = state_dtype_for(getattr(cfg, "state_dtype", "fp32"), params[0].device if params else "cpu")
     if state_dtype == "bf16" and all(p.dtype == torch.float32 for p in params):
         from turborlhf.engine.optim import BF16StateAdamW
 

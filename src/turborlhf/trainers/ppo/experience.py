@@ -21,7 +21,7 @@ import torch
 
 from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.tokenize import assemble_prompt_response
-from turborlhf.engine.hardware import choose_state_dtype
+from turborlhf.engine.hardware import state_dtype_for
 from turborlhf.engine.parallel import dp_rank_world
 
 __all__ = ["Experience", "assemble", "shares_prompts", "logprobs_mode", "minibatch_schedule", "row_shards",
@@ -153,10 +153,7 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
 def _bf16_moments(cfg: PPOConfig) -> bool:
     """Whether the CPU roles' AdamW keeps bf16 moments (``optim.state_dtype``, auto as
     `turborlhf.engine.hardware.choose_state_dtype` resolves it on the CPU)."""
-    sd = cfg.optim.state_dtype
-    if sd == "auto":
-        sd = choose_state_dtype([cfg.actor.dtype], ["cpu"])[0]
-    return sd == "bf16"
+    return state_dtype_for(cfg.optim.state_dtype, "cpu", cfg.actor.dtype) == "bf16"
 
 
 def rank_micro_batches(exp: Experience, mini: torch.Tensor, micro_batch_size: int) -> Iterator[Experience]:
