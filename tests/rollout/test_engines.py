@@ -236,6 +236,30 @@ def test_shared_prefix_prefill_matches_hf_and_the_unshared_prefill(model, backen
     assert d < 1e-4
 
 
+
+@pytest.mark.parametrize("kernels", ["auto", False])
+def test_uninitialised_cache_columns_are_never_read(model, monkeypatch, kernels):
+    """Where the C attention reads the cache, the prefill allocates it with torch.empty (left
+    padding and the columns past the prompts unwritten until decoding fills them). Filled with NaN
+    instead, nothing changes: no reader looks at a column before it is written. Distinct prompts
+    (the prefill writes the decode cache directly) and duplicates (rows copied), a shared prefix,
+    left padding; the torch attention path (kernels=False) keeps zeroed caches."""
+    prompts = _prefixed_prompts()
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11, return_logprobs=True)
+    batches = (prompts, prompts + prompts[:2])
+    ref = [FastEngine(model, dtype="fp32", kernels=kernels).generate(b, sp) for b in batches]
+    real_empty = torch.empty
+
+    def nan_empty(*a, **k):
+        t = real_empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    eng = FastEngine(model, dtype="fp32", kernels=kernels)
+    for b, r in zip(batches, ref):
+        out = eng.generate(b, sp)
+        assert out.response_ids == r.response_ids and out.logprobs == r.logprobs
+
 def test_shared_prefix_length_rule(model):
     eng = FastEngine(model, dtype="fp32", min_shared_prefix=4)
     p = _prefixed_prompts(prefix_len=6, tails=(3, 2))

@@ -285,10 +285,13 @@ class FastEngine(FastEngineWeights):
         if packed:
             idx_N = valid_BS.reshape(-1).nonzero().squeeze(1)          # positions in B·S
             x = self.embed_VE[ids_BS.reshape(-1)[idx_N]]                # N×E
+            pos_N = pos_BS.reshape(-1)[idx_N]
+            cos, sins = self._cos_PD[pos_N][:, None], self._sins_PD[pos_N][:, None]   # N×1×D
+            qkv_BSW = x.new_zeros(B * S, W)       # padding rows stay zero; each layer refills the rest
         else:
             x = self.embed_VE[ids_BS]                                   # B×S×E
-        cos = self._cos_PD[pos_BS][:, :, None]                      # B×S×1×D
-        sins = self._sins_PD[pos_BS][:, :, None]
+            cos = self._cos_PD[pos_BS][:, :, None]                      # B×S×1×D
+            sins = self._sins_PD[pos_BS][:, :, None]
         mask = allow_BSS[:, None]                                   # B×1×S×S
         if prefix_KV is not None:                                   # every query sees the prefix
             C = prefix_KV[0].shape[3]
@@ -296,9 +299,13 @@ class FastEngine(FastEngineWeights):
         for l, ly in enumerate(self.layers):
             h = self._norm(x, ly.ln1)
             qkv = self._qkv(l, ly, h, False)                        # B×S×(H+2KV)D (or N×W)
-            if packed:
-                qkv = qkv.new_zeros(B * S, W).index_copy_(0, idx_N, qkv).view(B, S, W)
-            qk = _rope_signed(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sins).transpose(1, 2)
+            if packed:                # RoPE on the N tokens, then unpacked to B×S for attention
+                qkv[:, : (H + KV) * D] = _rope_signed(qkv[:, : (H + KV) * D].view(-1, H + KV, D), cos,
+                                                      sins).view(-1, (H + KV) * D)
+                qkv = qkv_BSW.index_copy_(0, idx_N, qkv).view(B, S, W)
+                qk = qkv[..., : (H + KV) * D].view(B, S, H + KV, D).transpose(1, 2)
+            else:
+                qk = _rope_signed(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sins).transpose(1, 2)
             q, k = qk[:, :H], qk[:, H:]                             # B×H×S×D, B×KV×S×D
             v = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
             if K_LBKTD is not None:
@@ -509,10 +516,15 @@ class FastEngine(FastEngineWeights):
             return n
         return next((b for b in self.batch_buckets if b >= n), n)
 
-    def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int):
+    def _prefill(self, reqs: list[list[int]], P: int, T: int, Bc: int, zero_cache: bool = True):
         """Prefill the distinct prompts of `reqs` (left-padded to P), then copy their cache rows to
-        every request (plus Bc - N filler rows). Returns (K_LBKTD, V_LBKTD, logits_BV float32 of
-        the next token, position of the next token pos_B, first valid cache column start_B)."""
+        every request (plus Bc - N filler rows); when every request is distinct and there are no
+        filler rows, the prefill writes the decode cache itself. Returns (K_LBKTD, V_LBKTD,
+        logits_BV float32 of the next token, position of the next token pos_B, first valid cache
+        column start_B). zero_cache=False may leave the cache columns no prompt token fills (left
+        padding, and P on) uninitialised: for readers of columns [start_B, col] only (the C
+        attention; SDPA over the first col + 1 columns of unpadded rows), not for a masked read
+        of the whole cache (0 · NaN is NaN)."""
         N = len(reqs)
         L, KV, D = self.n_layers, self.n_kv, self.head_dim
         # ---- prefill the distinct prompts, then copy cache rows to every request
@@ -523,6 +535,7 @@ class FastEngine(FastEngineWeights):
         else:
             src, uprompts = list(range(N)), reqs
         U = len(uprompts)
+        direct = U == Bc and src == list(range(U))              # the prefill's cache is the decode cache
         lens_U = torch.tensor([len(p) for p in uprompts])
         pad_U = P - lens_U
         C = self._shared_prefix_len(uprompts)
@@ -541,8 +554,11 @@ class FastEngine(FastEngineWeights):
         pos_US = C + (ar_S[None, :] - pad_U[:, None]).clamp(min=0)
         allow_USS = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & valid_US[:, None, :]
         allow_USS |= torch.eye(S, dtype=torch.bool)[None]         # padded queries see themselves
-        Kp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
-        Vp = torch.zeros(L, U, KV, P, D, dtype=self.dtype)
+        new_cache = torch.zeros if zero_cache else torch.empty
+        if direct:
+            Kp, Vp = (new_cache(L, U, KV, T, D, dtype=self.dtype) for _ in "KV")
+        else:
+            Kp, Vp = (torch.zeros(L, U, KV, P, D, dtype=self.dtype) for _ in "KV")
         hid_UE = self._forward_full(ids_US, pos_US, allow_USS, Kp[:, :, :, C:], Vp[:, :, :, C:], valid_US,
                                     prefix_KV)[:, -1]
         if C:                        # row u holds [padding | prefix | rest]: the prefix goes at pad_u
@@ -552,11 +568,13 @@ class FastEngine(FastEngineWeights):
                 Vp[:, rows, :, pad: pad + C] = Vc
         logits = self._head(hid_UE)
         src_t = torch.tensor(src + [src[0]] * (Bc - N))            # bucket filler rows
-        K = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
-        V = torch.zeros(L, Bc, KV, T, D, dtype=self.dtype)
-        K[:, :, :, :P] = Kp.index_select(1, src_t)
-        V[:, :, :, :P] = Vp.index_select(1, src_t)
-        del Kp, Vp
+        if direct:
+            K, V = Kp, Vp
+        else:
+            K, V = (new_cache(L, Bc, KV, T, D, dtype=self.dtype) for _ in "KV")
+            K[:, :, :, :P] = Kp.index_select(1, src_t)
+            V[:, :, :, :P] = Vp.index_select(1, src_t)
+            del Kp, Vp
         logits_BV = logits.index_select(0, src_t)
         pos_B = lens_U.index_select(0, src_t).clone()              # position of the next token
         start_B = pad_U.index_select(0, src_t).to(torch.int64)     # first valid cache column
@@ -573,8 +591,8 @@ class FastEngine(FastEngineWeights):
                              f"({self.max_positions})")
         T = -(-(P + new) // self.kv_bucket) * self.kv_bucket
         Bc = self._bucket_batch(N)
-        K, V, logits_BV, pos_B, start_B = self._prefill(reqs, P, T, Bc)
         torch_attention = self._compiled_step is not None or self._k is None   # needs the mask
+        K, V, logits_BV, pos_B, start_B = self._prefill(reqs, P, T, Bc, zero_cache=torch_attention)
         nopad = all(len(p) == P for p in reqs)                     # no left padding in any row
         rows_B = torch.arange(Bc)                                  # request index of each row
         rows_B[N:] = -1
