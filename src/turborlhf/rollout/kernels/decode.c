@@ -85,14 +85,22 @@ static inline __m128 hsum4(vfl a, vfl b, vfl c, vfl d) {
 /* fp32, D a multiple of the vector width up to 256 (16 AVX-512 or 32 AVX2 vectors): q·k as D/VW
  * FMAs and one horizontal sum per (column, query head), p @ V as FMAs into G accumulator rows in
  * registers. The portable loops reduce D lanes per score with a scalar tail of the simd
- * reduction; this is ~5x faster at SmolLM2's D = 64, G = 3 (batch-32 decode on a 2-core Xeon). */
+ * reduction; this is ~5x faster at SmolLM2's D = 64, G = 3 (batch-32 decode on a 2-core Xeon).
+ * The cache rows of one (row, KV head) start a new stream every step, which the hardware
+ * prefetchers pick up late (they stop at 4 KiB pages): the score pass prefetches K 8 columns
+ * ahead and V of its own columns, and p @ V the next item's first K columns (`kn`, or NULL).
+ * Batch-32 attention over 30 layers of cached columns: 1.2-1.4x as fast (fp32, AVX2 or AVX-512). */
 static inline int attn_core_f32(const float *q, int G, int D, const float *K, const float *V, int n,
-                                float scale, float *p, float *a, float *inv) {
+                                float scale, float *p, float *a, float *inv, const float *kn) {
     const int nv = D / VW;
     if (D % VW || nv > 256 / VW || G > 8) return 0;
     int t = 0;
     for (; t + 4 <= n; t += 4) {                         /* four columns a pass: one reduction */
         const float *kt = K + (size_t)t * D;
+        for (int j = 0; j < 4 * D; j += 16) {            /* K 8 columns ahead, V of these 4 */
+            _mm_prefetch((const char *)(kt + 8 * D + j), _MM_HINT_T0);
+            _mm_prefetch((const char *)(V + (size_t)t * D + j), _MM_HINT_T1);
+        }
         for (int g = 0; g < G; ++g) {
             const float *qg = q + g * D;
             vfl acc[4];
@@ -128,6 +136,7 @@ static inline int attn_core_f32(const float *q, int G, int D, const float *K, co
             for (int i = 0; i < 4; ++i) acc[g][i] = VSET1(0.f);
         for (int t = 0; t < n; ++t) {
             const float *vt = V + (size_t)t * D + VW * i0;
+            if (kn && i0 == 0 && t < 64) _mm_prefetch((const char *)(kn + 16 * t), _MM_HINT_T0);
             for (int g = 0; g < G; ++g) {
                 const vfl w = VSET1(p[g * n + t]);
                 for (int i = 0; i < ni; ++i) acc[g][i] = VFMA(w, VLOAD(vt + VW * i), acc[g][i]);
@@ -140,8 +149,8 @@ static inline int attn_core_f32(const float *q, int G, int D, const float *K, co
 }
 #else
 static inline int attn_core_f32(const float *q, int G, int D, const float *K, const float *V, int n,
-                                float scale, float *p, float *a, float *inv) {
-    (void)q; (void)G; (void)D; (void)K; (void)V; (void)n; (void)scale; (void)p; (void)a; (void)inv;
+                                float scale, float *p, float *a, float *inv, const float *kn) {
+    (void)kn; (void)q; (void)G; (void)D; (void)K; (void)V; (void)n; (void)scale; (void)p; (void)a; (void)inv;
     return 0;
 }
 #endif
@@ -151,7 +160,7 @@ static inline int attn_core_f32(const float *q, int G, int D, const float *K, co
  * the same terms as the portable loop, q being bf16-exact), V rows widened to fp32 by shifts and
  * accumulated with FMAs. About 6x faster than the portable loops at SmolLM2's D = 64, G = 3. */
 static inline int attn_core_bf16(const float *q, int G, int D, const bf16 *K, const bf16 *V, int n,
-                                 float scale, float *p, float *a, float *inv) {
+                                 float scale, float *p, float *a, float *inv, const bf16 *kn) {
     if (D % 32 || D > 256) return 0;
     const int nv = D / 32;
     __m512bh qb[G][8];
@@ -160,6 +169,10 @@ static inline int attn_core_bf16(const float *q, int G, int D, const bf16 *K, co
             qb[g][i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * i + 16), _mm512_loadu_ps(q + g * D + 32 * i));
     for (int t = 0; t < n; ++t) {
         const bf16 *kt = K + (size_t)t * D;
+        for (int j = 0; j < D; j += 32) {                /* K 8 columns ahead, V of this one */
+            _mm_prefetch((const char *)(kt + 8 * D + j), _MM_HINT_T0);
+            _mm_prefetch((const char *)(V + (size_t)t * D + j), _MM_HINT_T1);
+        }
         __m512bh kv[8];
         for (int i = 0; i < nv; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(kt + 32 * i);
         for (int g = 0; g < G; ++g) {
@@ -179,6 +192,7 @@ static inline int attn_core_bf16(const float *q, int G, int D, const bf16 *K, co
     memset(a, 0, sizeof(float) * G * D);
     for (int t = 0; t < n; ++t) {
         const bf16 *vt = V + (size_t)t * D;
+        if (kn && t < 64) _mm_prefetch((const char *)(kn + 32 * t), _MM_HINT_T0);   /* next item's K */
         __m512 vf[16];
         for (int i = 0; i < nf; ++i)
             vf[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -194,8 +208,8 @@ static inline int attn_core_bf16(const float *q, int G, int D, const bf16 *K, co
 }
 #else
 static inline int attn_core_bf16(const float *q, int G, int D, const bf16 *K, const bf16 *V, int n,
-                                 float scale, float *p, float *a, float *inv) {
-    (void)q; (void)G; (void)D; (void)K; (void)V; (void)n; (void)scale; (void)p; (void)a; (void)inv;
+                                 float scale, float *p, float *a, float *inv, const bf16 *kn) {
+    (void)kn; (void)q; (void)G; (void)D; (void)K; (void)V; (void)n; (void)scale; (void)p; (void)a; (void)inv;
     return 0;
 }
 #endif
@@ -244,7 +258,9 @@ void decode_attention_##SUF(const T *qkv, const T *cos_BD, const T *sins_BD, T *
                                   + rnd_##SUF(ld_##SUF(qs[d - half]) * ld_##SUF(s[d])));          \
         }                                                                                         \
         float inv[G];                                                                             \
-        if (!attn_core_##SUF(q, G, D, Kh + (size_t)t0 * D, Vh + (size_t)t0 * D, n, scale, p, a, inv)) { \
+        const int bn = (bh + 1) / KV, hn = (bh + 1) % KV;  /* the next item's first K columns */ \
+        const T *kn = bh + 1 < B * KV ? K + (((size_t)bn * KV + hn) * Tmax + start[bn]) * D : 0;  \
+        if (!attn_core_##SUF(q, G, D, Kh + (size_t)t0 * D, Vh + (size_t)t0 * D, n, scale, p, a, inv, kn)) { \
         for (int t = 0; t < n; ++t) {                    /* scores: one pass over K */            \
             const T *kt = Kh + (size_t)(t0 + t) * D;                                              \
             float kf[D];                                                                          \
