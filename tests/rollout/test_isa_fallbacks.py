@@ -33,16 +33,26 @@ def _run(code: str, env_extra: dict, tmp_path: Path) -> dict:
 
 
 def test_isa_flags_follow_cpu_features(monkeypatch):
-    """The kernels are compiled for what this process may use, and that is in the cache key."""
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    flags = cbuild.isa_flags()
-    assert flags[0] == "-march=native" and "-mno-avx512f" in flags
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    if "avx512f" in cpu_features():
-        assert "-mno-avx512f" not in cbuild.isa_flags()
-    if "avx512_bf16" in cpu_features():
-        assert cbuild.isa_flags() == ["-march=native"]
+    """The kernels are compiled for what this process may use (and that is in the cache key): an
+    AVX-512 CPU limited to AVX2 builds for the x86-64-v3 baseline, as an AVX2-only CPU would have
+    it, not for itself less AVX-512."""
+    from turborlhf.engine import hardware
+
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    for host, allowed, want in ((avx512 | {"avx512_bf16", "amx_bf16"},) * 2 + (["-march=native"],),
+                                (avx512 | {"avx512_bf16"}, avx512, ["-march=native", "-mno-avx512bf16"]),
+                                (avx512, avx2, ["-march=x86-64-v3", "-mtune=native"]),
+                                (avx2, avx2, ["-march=native", "-mno-avx512f"])):
+        monkeypatch.setattr(hardware, "host_cpu_features", lambda h=host: h)
+        monkeypatch.setattr(hardware, "cpu_features", lambda a=allowed: a)
+        assert cbuild.isa_flags() == want, (sorted(host), sorted(allowed))
+    monkeypatch.undo()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")                    # this host, limited
+    assert hardware.host_cpu_features() >= hardware.cpu_features()
+    if {"avx2", "fma"} <= hardware.cpu_features():
+        assert cbuild.isa_flags() == (["-march=x86-64-v3", "-mtune=native"] if "avx512f" in hardware.host_cpu_features()
+                                      else ["-march=native", "-mno-avx512f"])
 
 
 def test_backend_choice_per_isa(monkeypatch):

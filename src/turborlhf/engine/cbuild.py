@@ -9,8 +9,8 @@ flags and the CPU's model name and flags (so a cache shared between different CP
 written atomically (temp file, then rename): concurrent first uses never load a half-written library.
 `-march=native` is safe because the library is built on the machine that runs it; it is narrowed
 to the instruction sets this process may use (`isa_flags`: `-mno-avx512f` where
-`turborlhf.engine.hardware.cpu_features` reports no AVX-512, e.g. under
-`ATEN_CPU_CAPABILITY=avx2`), and those flags are part of the cache key.
+`turborlhf.engine.hardware.cpu_features` reports no AVX-512; the x86-64-v3 baseline where
+`ATEN_CPU_CAPABILITY=avx2` limits an AVX-512 CPU), and those flags are part of the cache key.
 
 Threading: the libraries link `libgomp.so.1`, which resolves to the copy torch has already loaded
 (same SONAME), so the kernels use torch's OpenMP runtime and `torch.set_num_threads`. Compile and
@@ -63,14 +63,21 @@ def _cpu_model() -> str:
 
 
 def isa_flags() -> list[str]:
-    """`-march=native`, less what `cpu_features()` says this process may not use: no AVX-512 at
-    all (an AVX2-only CPU, or ``ATEN_CPU_CAPABILITY=avx2`` / ``ONEDNN_MAX_CPU_ISA=AVX2`` on an
-    AVX-512 one) → ``-mno-avx512f`` (GCC then drops every AVX-512 subset); AVX-512 without
-    AVX-512-BF16 → ``-mno-avx512bf16``. So the C sources' ``#ifdef __AVX512F__`` /
-    ``__AVX512BF16__`` paths are compiled exactly where they may run."""
-    from turborlhf.engine.hardware import cpu_features
+    """The target flags for what `cpu_features()` says this process may use:
+    - everything the CPU has: ``-march=native``;
+    - AVX2 and FMA but no AVX-512 on a CPU that has it (``ATEN_CPU_CAPABILITY=avx2`` /
+      ``ONEDNN_MAX_CPU_ISA=AVX2``, which stand in for an AVX2-only CPU): ``-march=x86-64-v3
+      -mtune=native``, the AVX2 baseline every such CPU has, so GCC emits none of the extensions
+      (AVX-VNNI, AMX...) a real AVX2-only CPU such as AMD Zen 3 lacks;
+    - otherwise no AVX-512 at all → ``-march=native -mno-avx512f`` (GCC then drops every AVX-512
+      subset); AVX-512 without AVX-512-BF16 → ``-march=native -mno-avx512bf16``.
+    So the C sources' ``#ifdef __AVX512F__`` / ``__AVX512BF16__`` paths are compiled exactly where
+    they may run."""
+    from turborlhf.engine import hardware
 
-    feats = cpu_features()
+    feats = hardware.cpu_features()
+    if "avx512f" not in feats and {"avx2", "fma"} <= feats and "avx512f" in hardware.host_cpu_features():
+        return ["-march=x86-64-v3", "-mtune=native"]
     flags = ["-march=native"]
     if "avx512f" not in feats:
         flags.append("-mno-avx512f")

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
+__all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
            "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
            "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe",
            "best_time"]
@@ -90,6 +90,12 @@ def cpu_features() -> frozenset[str]:
     ``ATEN_CPU_CAPABILITY`` or ``ONEDNN_MAX_CPU_ISA`` switch off. Empty off x86-64."""
     return _features(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower(),
                      os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower())
+
+
+def host_cpu_features() -> frozenset[str]:
+    """The instruction sets of `_KNOWN` the CPU has, whatever ``ATEN_CPU_CAPABILITY`` or
+    ``ONEDNN_MAX_CPU_ISA`` allow this process (`cpu_features` honours them). Empty off x86-64."""
+    return _features("", "")
 
 
 @functools.lru_cache(maxsize=None)
