@@ -185,6 +185,30 @@ def test_rollout_weight_dtype_choice():
         assert resolve_hardware(hf_bf16, show=False).rollout.dtype == "bf16"
 
 
+def test_joining_a_ray_cluster_without_a_local_gpu_warns(monkeypatch):
+    """`distributed.device: auto` is decided where the command runs: a driver that sees no CUDA
+    device but joins a Ray cluster (a CPU-only head node) gets CPU roles and a warning naming the
+    field to set; a local run or an explicit device does not warn."""
+    from turborlhf.config import PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    PPO_BASE = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=x"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    joined = load_config(PPOConfig, overrides=[*PPO_BASE, "distributed.backend=ray",
+                                                "distributed.ray_address=ray://head:10001"])
+    with pytest.warns(UserWarning, match="distributed.device=gpu"):
+        r = resolve_hardware(joined, show=False)
+    assert r.distributed.device == "cpu" and "Ray cluster" in r._hardware["distributed.device"]["reason"]
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    for quiet in (["distributed.backend=local"], ["distributed.backend=ray", "distributed.device=cpu"]):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="distributed.device auto")
+            resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, *quiet]), show=False)
+    with pytest.warns(UserWarning, match="distributed.device=gpu"):       # $RAY_ADDRESS joins too
+        resolve_hardware(load_config(PPOConfig, overrides=[*PPO_BASE, "distributed.backend=ray"]), show=False)
+
+
 def test_rollout_dtype_auto_takes_the_faster_decode_arithmetic(monkeypatch):
     """`rollout.dtype: auto` that chose bf16 becomes fp32 (on bf16 weights) for FastEngine on the CPU
     only where the decode probe measures its fp32 linears at least 10% faster; never otherwise."""

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TypeVar
 
@@ -66,8 +67,14 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
         actor = getattr(cfg, "actor", None)
         dev = resolve_device(getattr(actor, "device", "auto")).type
         kind = "gpu" if dev == "cuda" else "cpu"
-        choices["distributed.device"] = {"value": kind, "reason": "a CUDA device is visible" if kind == "gpu" else
-                                         f"roles run on a CPU slot (best device here: {dev})"}
+        why = "a CUDA device is visible" if kind == "gpu" else f"roles run on a CPU slot (best device here: {dev})"
+        if kind == "cpu" and dist.backend == "ray" and (dist.ray_address or os.environ.get("RAY_ADDRESS")):
+            # the driver of a joined cluster (a CPU-only head node) cannot see its workers' GPUs
+            why += "; the Ray cluster this run joins may have GPUs this process cannot see"
+            warnings.warn("distributed.device auto chose cpu: this process sees no CUDA device, but the Ray cluster "
+                          "it joins may have GPUs elsewhere; set distributed.device=gpu to place the roles on them",
+                          stacklevel=2)
+        choices["distributed.device"] = {"value": kind, "reason": why}
         cfg = cfg.model_copy(update={"distributed": dist.model_copy(update={"device": kind})})
 
     compute, devices = [], []
