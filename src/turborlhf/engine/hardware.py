@@ -26,8 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary", "HardwareError",
-           "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
+__all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
+           "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
            "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe",
            "best_time"]
 
