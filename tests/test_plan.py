@@ -149,32 +149,26 @@ def test_weights_grads_and_optimizer_states_match_the_tensors_a_trainer_builds(t
         assert role.grads == grads and role.optimizer == states
 
 
-def test_kv_cache_formula_equals_the_engine_cache(tiny_model):
+def test_kv_cache_formula_equals_the_engine_cache(tiny_model, monkeypatch):
+    from turborlhf.rollout.base import SamplingParams
     from turborlhf.rollout.fast import FastEngine
 
     s = model_shape(str(tiny_model))
     eng = FastEngine(str(tiny_model), dtype="bf16", max_batch_size=8)
     seen = {}
-    real = {name: getattr(torch, name) for name in ("zeros", "empty")}   # the cache is either, by reader
 
-    def spy(name):
+    def spy(real):
         def alloc(*shape, **kw):
-            t = real[name](*shape, **kw)
+            t = real(*shape, **kw)
             if len(shape) == 5:
                 seen[id(t)] = t.nbytes
             return t
         return alloc
 
-    for name in real:
-        setattr(torch, name, spy(name))
-    try:
-        from turborlhf.rollout.base import SamplingParams
-
-        eng.generate([[5, 6, 7] * 10] * 6, SamplingParams(max_new_tokens=40, min_new_tokens=40, temperature=1.0,
-                                                           seed=0))
-    finally:
-        for name, fn in real.items():
-            setattr(torch, name, fn)
+    for name in ("zeros", "empty"):                # the cache is either, by its reader
+        monkeypatch.setattr(torch, name, spy(getattr(torch, name)))
+    eng.generate([[5, 6, 7] * 10] * 6, SamplingParams(max_new_tokens=40, min_new_tokens=40, temperature=1.0, seed=0))
+    monkeypatch.undo()
     full = max(seen.values())                  # K (one of K/V) of the full cache; the prefill's are smaller
     assert kv_cache_bytes(s, 6, 30, 40, "bf16") == 2 * full
 

@@ -236,7 +236,6 @@ def test_shared_prefix_prefill_matches_hf_and_the_unshared_prefill(model, backen
     assert d < 1e-4
 
 
-
 @pytest.mark.parametrize("kernels", ["auto", False])
 def test_uninitialised_cache_columns_are_never_read(model, monkeypatch, kernels):
     """Where the C attention reads the cache, the prefill allocates it with torch.empty (left
@@ -259,6 +258,7 @@ def test_uninitialised_cache_columns_are_never_read(model, monkeypatch, kernels)
     for b, r in zip(batches, ref):
         out = eng.generate(b, sp)
         assert out.response_ids == r.response_ids and out.logprobs == r.logprobs
+
 
 def test_shared_prefix_length_rule(model):
     eng = FastEngine(model, dtype="fp32", min_shared_prefix=4)
