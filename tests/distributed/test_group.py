@@ -99,3 +99,16 @@ def test_ray_dead_worker_and_remote_failure_are_named(ray_cluster):
     with pytest.raises(WorkerDiedError, match=r"critic worker rank 1 .* is dead; cannot run pid"):
         g.run("pid")
     ray.kill(hosts[0])
+
+
+def test_ray_death_is_reported_over_the_peer_error_it_caused(ray_cluster):
+    """A rank killed inside a collective makes its peers fail with "connection reset" before Ray
+    reports the death: the dead rank is named, not the peer."""
+    from turborlhf.distributed.group import WorkerDiedError
+
+    ray = ray_cluster
+    g, hosts = _ray_group(ray, "actor", 2)
+    pid1 = g.infos[1]["pid"]
+    with pytest.raises(WorkerDiedError, match=rf"actor worker rank 1 \(pid {pid1} .*\) died during peer_dies"):
+        g.run("peer_dies")
+    ray.kill(hosts[0])

@@ -29,3 +29,10 @@ class Toy:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def peer_dies(self) -> None:
+        """Rank 1 dies a moment after rank 0 fails as a collective's peer would ("connection reset")."""
+        if self.rank == 1:
+            time.sleep(0.5)
+            os._exit(1)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")

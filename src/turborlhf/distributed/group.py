@@ -29,6 +29,10 @@ from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
+# seconds a failed call waits for its other ranks, to report a rank that died rather than a peer's
+# collective error caused by that death (Ray notices a killed process within about a second)
+DEATH_GRACE_S = 10.0
+
 __all__ = ["WorkerError", "WorkerDiedError", "WorkerTimeoutError", "Host", "LocalGroup", "RayGroup", "Pending"]
 
 
@@ -250,8 +254,34 @@ class RayGroup:
                 try:
                     ray.get(r)
                 except Exception as e:
-                    raise self._convert(e, ranks[refs.index(r)], method) from None
+                    raise self._root_cause(e, ranks[refs.index(r)], method, refs, ranks, pending) from None
         return ray.get(refs)
+
+    def _root_cause(self, exc: BaseException, rank: int, method: str, refs: list, ranks: list[int],
+                    pending: list) -> WorkerError:
+        """The error to report for a call in which `rank` failed with `exc`.
+
+        When a rank dies inside a collective (a gloo or NCCL all-reduce), its peers fail at once
+        with "connection reset by peer", often before Ray has noticed the death. The dead rank is
+        the cause, so for up to `DEATH_GRACE_S` the ranks still pending are watched, and a death
+        among them is reported instead of the peer's error."""
+        import ray
+        import ray.exceptions as rex
+
+        if isinstance(exc, rex.RayActorError) or not pending:
+            return self._convert(exc, rank, method)
+        deadline = time.monotonic() + DEATH_GRACE_S
+        pending = list(pending)
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for r in ready:
+                try:
+                    ray.get(r)
+                except rex.RayActorError as died:
+                    return self._convert(died, ranks[refs.index(r)], method)
+                except Exception:
+                    pass
+        return self._convert(exc, rank, method)
 
     # -- calls ----------------------------------------------------------------------------------
     @staticmethod
