@@ -280,3 +280,60 @@ def test_realistic_faults_are_caught_at_the_default_tolerance(dtype, fault, prom
     with pytest.raises(WeightSyncError, match=f"sync_tolerance {default_tolerance(dtype):g}"):
         verify_sync(eng, model, canary)
     assert push_weights(eng, model, canary).verified                 # the correct push passes again
+
+
+def _rounded_copy_logprobs(model, canary):
+    """The trainer side on a copy of the model with every 2-D parameter rounded (ties kept), as
+    the check computed it before rounding one module at a time."""
+    import copy
+    import dataclasses
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16))
+    return trainer_logprobs(rounded, dataclasses.replace(canary, bf16_weights=False))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_rounded_trainer_side_is_the_rounded_copy_and_leaves_the_weights_alone(prompts, tie):
+    """`canary.bf16_weights`: each module's matrices are rounded while it runs (and the embedding's
+    looked-up rows): the same log-probs as a rounded copy of the whole model, bit for bit, and
+    the trainer's parameters are the same objects with the same values afterwards, also when a
+    forward raises half-way."""
+    model = tiny_llama(0, tie=tie)
+    canary = Canary(tuple(tuple(p) for p in prompts), tuple(tuple(range(7, 13)) for _ in prompts), True)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    got = trainer_logprobs(model, canary)
+    assert got == _rounded_copy_logprobs(model, canary)
+    unrounded = trainer_logprobs(model, Canary(canary.prompts, canary.responses, False))
+    assert max(abs(a - b) for r, s in zip(got, unrounded) for a, b in zip(r, s)) > 1e-4  # rounding mattered
+    down = model.model.layers[1].mlp.down_proj
+
+    def fail(mod, args, out):
+        raise RuntimeError("boom")
+
+    h = down.register_forward_hook(fail)      # runs after the rounding's pre-hook, before its restore
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer_logprobs(model, canary)
+    h.remove()
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+    assert trainer_logprobs(model, canary) == got
+
+
+def test_a_matrix_read_outside_its_module_falls_back_to_a_rounded_copy(prompts):
+    """A forward that reads a module's weight without running the module (here the first MLP,
+    written out with `F.linear`) would see unrounded weights: those are noticed and the whole
+    forward runs again on a rounded copy, with the copy's result."""
+    import torch.nn.functional as F
+
+    model = tiny_llama(0)
+    canary = Canary(tuple(tuple(p) for p in prompts), tuple(tuple(range(7, 13)) for _ in prompts), True)
+    want = trainer_logprobs(model, canary)
+    assert want == _rounded_copy_logprobs(model, canary)
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x: F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+                                     mlp.down_proj.weight)
+    assert trainer_logprobs(model, canary) == want
