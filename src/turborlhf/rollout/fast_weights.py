@@ -134,8 +134,8 @@ class FastEngineWeights:
         """Copy (HF parameter name, tensor) pairs into the engine's weights in place (cast to the
         engine dtype), then re-pack the oneDNN weights of the layers touched. Partial updates
         are allowed. Wrapper prefixes ('module.', '_orig_mod.') are stripped; rotary buffers
-        are ignored. With tied embeddings 'lm_head.weight' writes the shared embedding.
-        Seconds spent are left in `last_weight_update` ({'copy_s', 'repack_s', 'tensors'}).
+        are ignored. With tied embeddings 'lm_head.weight' writes the shared embedding. Tensors
+        on another device (a trainer on a GPU) are copied to the CPU first. Seconds spent are left in `last_weight_update` ({'copy_s', 'repack_s', 'tensors'}).
         Raises KeyError on an unknown name, ValueError on a bad shape."""
         t0 = time.perf_counter()
         dirty: set[int] = set()
@@ -143,6 +143,7 @@ class FastEngineWeights:
         with torch.no_grad():
             for name, t in named_tensors:
                 name = strip_wrapper_prefixes(name)
+                t = t.detach().cpu()          # a trainer on a GPU: the engine and its C kernels are on the CPU
                 if name.endswith("rotary_emb.inv_freq") or name.endswith("rotary_emb.original_inv_freq"):
                     continue
                 if name not in self._slots and name not in self._kslots:
