@@ -224,7 +224,7 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
-    return torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
+    return torch.load(Path(ckpt_dir) / "trainer_state.pt", map_location="cpu", weights_only=False)
 
 
 def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int) -> dict:

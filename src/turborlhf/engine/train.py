@@ -25,15 +25,18 @@ __all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "CPUO
            "count_parameters"]
 
 
-def autocast(dtype: str, device: torch.device | str | None = None):
+def autocast(dtype: str, device: torch.device | str | nn.Module | None = None):
     """Context manager for the configured compute dtype (``auto``, ``bf16`` or ``fp32``).
 
-    bf16 autocast is entered for `device`'s type (the model's device: pass
+    bf16 autocast is entered for `device`'s type (the model's device: pass the model, or
     ``next(model.parameters()).device``); with no `device`, for the CPU and, where torch sees
-    CUDA, for CUDA too, so a model on either runs as configured. ``auto`` is resolved per device
+    CUDA, for CUDA too, so a model on either runs as configured (and a CPU that emulates bf16
+    warns about it, though the model may be on the GPU: pass the model). ``auto`` is resolved per device
     type by `turborlhf.engine.hardware.compute_dtype` (bf16 only where it is native and fast)."""
     from turborlhf.engine.hardware import compute_dtype
 
+    if isinstance(device, nn.Module):
+        device = next(device.parameters()).device
     types = [torch.device(device).type] if device is not None else \
         ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     stack = contextlib.ExitStack()

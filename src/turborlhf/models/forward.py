@@ -375,7 +375,7 @@ def summed_logps(model, pad_id: int, seqs: Sequence[dict], dtype: str) -> tuple[
     """
     ids_BT, attn_BT = pad_batch([s["input_ids"] for s in seqs], pad_id)
     mask_BT = pad_masks([s["loss_mask"] for s in seqs])
-    with autocast(dtype):
+    with autocast(dtype, model):
         logp_BT, _ = response_logprobs(model, ids_BT, attn_BT, mask_BT)
     return logp_BT.sum(-1), logp_BT, mask_BT
 

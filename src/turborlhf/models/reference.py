@@ -82,7 +82,7 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     key = _fingerprint(reference, dtype, seq_sets)
     path = out / REF_CACHE
     if path.exists():
-        blob = torch.load(path, weights_only=False)
+        blob = torch.load(path, map_location="cpu", weights_only=False)
         if blob.get("key") == key:
             logger.info(f"[{tag}] reference log-probs loaded from {path}")
             return blob["logps"]

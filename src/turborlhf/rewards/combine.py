@@ -61,7 +61,7 @@ def rows_to_columns(rows: Optional[Sequence[Optional[dict]]]) -> Optional[dict[s
 
 
 class _ModelSource:
-    def __init__(self, path: str, tokenizer, dtype: str, chunk: int) -> None:
+    def __init__(self, path: str, tokenizer, dtype: str, chunk: int, device: str | torch.device = "cpu") -> None:
         from turborlhf.models.load import load_tokenizer
         from turborlhf.rewards.model import load_reward_model
 
@@ -70,9 +70,9 @@ class _ModelSource:
         self.tok = tokenizer if self.same_vocab else rm_tok
         from turborlhf.engine.hardware import compute_dtype
 
-        dtype = compute_dtype(dtype, "cpu")       # built on the CPU; the PPO reward worker moves it
+        dtype = compute_dtype(dtype, torch.device(device).type)
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        self.model = load_reward_model(path, self.tok, dtype=torch_dtype).eval().requires_grad_(False)
+        self.model = load_reward_model(path, self.tok, dtype=torch_dtype, device=device).eval().requires_grad_(False)
         self.dtype, self.chunk = dtype, chunk
 
     @torch.no_grad()
@@ -84,7 +84,7 @@ class _ModelSource:
         if not self.same_vocab:
             return score_texts(self.model, self.tok, *inp.texts(), dtype=self.dtype, batch_size=self.chunk)
         B = inp.ids_BT.shape[0]
-        with autocast(self.dtype):
+        with autocast(self.dtype, self.model):
             return torch.cat([last_token_scores(self.model, inp.ids_BT[s:s + self.chunk], inp.attn_BT[s:s + self.chunk])
                               for s in range(0, B, self.chunk)]).float()
 
@@ -148,7 +148,7 @@ class CombinedReward:
 
 
 def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "auto",
-                 chunk: int = 8, callables=None) -> CombinedReward:
+                 chunk: int = 8, callables=None, device: str | torch.device = "cpu") -> CombinedReward:
     """Load every source.
 
     Args:
@@ -157,10 +157,11 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
         reward_model: optional RM directory, added first as source ``rm`` with weight 1.
         tokenizer: the policy's tokenizer (decodes texts; decides whether an RM can read ids).
         dtype: compute precision of in-process reward models (``auto``, ``bf16`` or ``fp32``; ``auto``:
-            this host's CPU choice, `turborlhf.engine.hardware`).
+            this host's choice for `device`, `turborlhf.engine.hardware`).
         chunk: rows per reward-model forward pass.
         callables: the ``kind: callable`` sources' functions
             (`turborlhf.rewards.callables.RewardCallables`), keyed by their ``path``.
+        device: where in-process reward models are loaded and compute.
 
     Raises:
         ValueError: no source, duplicate names, unknown kind; `RewardFunctionError` for a bad
@@ -168,11 +169,11 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
     """
     loaded: list[tuple[str, float, object]] = []
     if reward_model:
-        loaded.append(("rm", 1.0, _ModelSource(reward_model, tokenizer, dtype, chunk)))
+        loaded.append(("rm", 1.0, _ModelSource(reward_model, tokenizer, dtype, chunk, device)))
     for i, s in enumerate(sources):
         name = s.name or f"{s.kind}{i}"
         if s.kind == "model":
-            fn: object = _ModelSource(s.path, tokenizer, dtype, chunk)
+            fn: object = _ModelSource(s.path, tokenizer, dtype, chunk, device)
         elif s.kind == "function":
             fn = _FunctionSource(s.path)
         elif s.kind == "remote":

@@ -74,7 +74,7 @@ def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "auto",
     go through the model as 2B padded rows.
     """
     B = len(encoded)
-    with autocast(dtype):
+    with autocast(dtype, model):
         if shared_prefix:
             batch = pack_shared_prefix([e["chosen"] for e in encoded], [e["rejected"] for e in encoded],
                                        tokenizer.pad_token_id)
@@ -95,7 +95,7 @@ def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: st
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
         ids, attn = pad_batch([list(seqs[i]) for i in idx], pad_id)
-        with autocast(dtype):
+        with autocast(dtype, model):
             out[idx] = last_token_scores(model, ids, attn).float()
     model.train(was_training)
     return out

@@ -32,7 +32,7 @@ def sft_loss_on_batch(model, tokenizer, encoded: list[dict], num_tokens: int, dt
     """Summed NLL of the batch's response tokens divided by the step's global `num_tokens`."""
     ids, attn = pad_batch([e["input_ids"] for e in encoded], tokenizer.pad_token_id)
     mask, _ = pad_batch([e["loss_mask"] for e in encoded], 0)
-    with autocast(dtype):
+    with autocast(dtype, model):
         logp, _ = response_logprobs(model, ids, attn, mask)
     loss = reduce_loss(sft_nll_loss(logp, mask.float()), mask.float(), "token_mean", num_tokens=num_tokens)
     return loss, int(mask.sum())

@@ -79,7 +79,7 @@ def actor_forward(actor: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, targe
     """The actor's training forward: (log-probs, entropies) of the response columns ``B×R`` at the
     sampling temperature (`roles.sampling_temperature`), with autograd (the entropy in the graph
     only with an entropy bonus). The update and the fused experience pass both call it."""
-    with autocast(cfg.actor.dtype):
+    with autocast(cfg.actor.dtype, actor):
         logp, ent = root_forward(actor, response_logprobs, ids_BS, attn_BS, target_BS, with_entropy=True,
                                  entropy_grad=cfg.algo.entropy_coef > 0, temperature=sampling_temperature(cfg),
                                  share_prompts=shares_prompts(cfg.algo))
@@ -209,7 +209,7 @@ class ActorWorker(Trainable):
             self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok, **cfg.data.loader_kwargs()), cfg.data.ptx_max_len),
                                  cfg.train.seed)
         if ckpt:
-            st = torch.load(Path(ckpt) / "actor" / STATE_FILE, weights_only=False)
+            st = torch.load(Path(ckpt) / "actor" / STATE_FILE, map_location="cpu", weights_only=False)
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
             if self.ema is not None:
@@ -232,7 +232,7 @@ class ActorWorker(Trainable):
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         if keep_as is None:
-            with torch.no_grad(), autocast(self.cfg.actor.dtype):
+            with torch.no_grad(), autocast(self.cfg.actor.dtype, self.device):
                 return in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s], target[s],
                                                         temperature=sampling_temperature(self.cfg),
                                                         share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),

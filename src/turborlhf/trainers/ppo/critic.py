@@ -35,7 +35,7 @@ __all__ = ["CriticWorker", "critic_forward", "critic_micro_step"]
 def critic_forward(critic: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, P: int, R: int):
     """The critic's forward: (values ``B×R``, None); column j is the value of the state in which
     response token j is chosen (the critic output at column P+j-1)."""
-    with autocast(cfg.actor.dtype):
+    with autocast(cfg.actor.dtype, critic):
         return root_forward(critic, token_values, ids_BS, attn_BS)[:, P - 1:P - 1 + R], None
 
 
@@ -70,13 +70,15 @@ class CriticWorker(Trainable):
         setup_worker(cfg, threads)
         self.cfg, self.device = cfg, worker_device(cfg)
         self.tok = load_tokenizer(cfg.actor.name_or_path)
-        # without a critic section: full fine-tuning of the critic_init model, no checkpointing
-        self.model = self._wrap(load_trainable("scalar", cfg.critic or ModelCfg(name_or_path=cfg.critic_init), self.tok,
-                                               init=cfg.critic_init, ckpt_dir=Path(ckpt) / "critic" if ckpt else None))
+        # without a critic section: full fine-tuning of the critic_init model on the worker's device, no
+        # gradient checkpointing
+        critic_cfg = cfg.critic or ModelCfg(name_or_path=cfg.critic_init, device=self.device.type)
+        self.model = self._wrap(load_trainable("scalar", critic_cfg, self.tok, init=cfg.critic_init,
+                                               ckpt_dir=Path(ckpt) / "critic" if ckpt else None))
         self.opt = make_optimizer(self.model, cfg.optim, lr=cfg.algo.critic_lr)
         self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
         if ckpt:
-            st = torch.load(Path(ckpt) / "critic" / STATE_FILE, weights_only=False)
+            st = torch.load(Path(ckpt) / "critic" / STATE_FILE, map_location="cpu", weights_only=False)
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
 

@@ -255,7 +255,8 @@ class ReferenceWorker(_Offload):
         self.offload = cfg.distributed.ref_reward_offload
         tok = load_tokenizer(cfg.actor.name_or_path)
         dtype = torch.bfloat16 if cfg.actor.dtype == "bf16" else torch.float32
-        self.model = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=dtype)
+        self.model = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=dtype,
+                                    device="cpu" if self.offload else self.device)
         self.model.eval().requires_grad_(False)
         self.model.to("cpu" if self.offload else self.device)
 
@@ -267,7 +268,7 @@ class ReferenceWorker(_Offload):
         B = ids_BS.shape[0]
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
-        with self._on_device(), autocast(self.cfg.actor.dtype):
+        with self._on_device(), autocast(self.cfg.actor.dtype, self.device):
             return in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s],
                                                           temperature=sampling_temperature(self.cfg),
                                                           share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),
@@ -283,8 +284,10 @@ class RewardWorker(_Offload):
         self.cfg, self.device = cfg, worker_device(cfg)
         self.offload = cfg.distributed.ref_reward_offload
         self.tok = load_tokenizer(cfg.actor.name_or_path)
+        # loaded where it computes (on the CPU with the fused layers, or straight onto the GPU);
+        # offloaded models wait on the CPU between uses
         self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size,
-                                   callables)
+                                   callables, device="cpu" if self.offload else self.device)
         for m in self._models():
             m.to("cpu" if self.offload else self.device)
 
