@@ -121,6 +121,44 @@ def test_qlora_is_refused_with_a_clear_error_where_it_cannot_run(tiny_model):
         load_trainable("causal", cfg, None)
 
 
+class Params4bit(torch.nn.Parameter):
+    """Stands in for bitsandbytes' packed 4-bit weight (found by its class name, as peft does):
+    the matrix flattened to one column, its shape in `quant_state`."""
+
+
+def _packed(w: torch.Tensor) -> Params4bit:
+    p = Params4bit(w.detach().reshape(-1, 1).clone(), requires_grad=False)
+    p.quant_state = tuple(w.shape)
+    return p
+
+
+def test_qlora_merge_dequantizes_the_packed_base(tiny_model, monkeypatch):
+    """QLoRA (CUDA only) keeps the base's weights packed: the merge for a rollout engine or an
+    export dequantizes them (peft's `dequantize_module_weight`) in adapted and plain layers alike
+    and drops the quantization from the exported config. bitsandbytes' dequantization is replaced
+    by the stand-in's unpacking here; what is checked is that every packed weight goes through it."""
+    import peft.utils.integrations as integrations
+
+    monkeypatch.setattr(integrations, "dequantize_bnb_weight",
+                        lambda weight, state=None: weight.data.reshape(weight.quant_state))
+    tok = load_tokenizer(str(tiny_model))
+    cfg = ModelCfg(name_or_path="unused", lora=LoraCfg(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    m = load_trainable("causal", cfg, tok, init=str(tiny_model))
+    _perturb_adapters(m)
+    want = {n: t.clone() for n, t in merged_named_parameters(m)}
+    base = m.get_base_model()
+    attn = base.model.layers[0].self_attn
+    # an adapted layer's base and two plain layers
+    for layer in [attn.q_proj.get_base_layer(), attn.k_proj, base.model.layers[1].mlp.down_proj]:
+        layer.weight = _packed(layer.weight)
+    base.config.quantization_config = {"load_in_4bit": True}
+    got = dict(merged_named_parameters(m))
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    plain = merge_lora_for_save(m)
+    assert not hasattr(plain.config, "quantization_config")
+    assert all(torch.equal(p, want[n]) for n, p in plain.named_parameters())
+
+
 def _saved_bytes(model, batch) -> int:
     """Bytes of the distinct tensors autograd keeps for backward during one forward."""
     seen: dict[tuple, int] = {}

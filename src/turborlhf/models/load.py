@@ -280,8 +280,12 @@ def merge_lora_for_save(model: nn.Module) -> nn.Module:
     if not is_lora(model):
         return model
     base = model.get_base_model()
+    config = copy.deepcopy(base.config)
+    for quantized in ("quantization_config", "_pre_quantization_dtype"):   # QLoRA: the merge is dequantized
+        if hasattr(config, quantized):
+            delattr(config, quantized)
     with torch.device("meta"):
-        plain = type(base)(copy.deepcopy(base.config))
+        plain = type(base)(config)
     plain.load_state_dict(dict(merged_named_parameters(model)), strict=False, assign=True)
     for name, buf in _plain_buffers(model).items():
         owner, _, leaf = name.rpartition(".")
@@ -308,7 +312,9 @@ def merged_named_parameters(model: nn.Module):
     """(plain HF name, tensor) of every parameter with the LoRA adapters merged,
     ``W + scaling·B·A`` (peft's `get_delta_weight`), computed module by module without copying
     the model: what a rollout engine or an export needs. A model without adapters yields its own
-    ``named_parameters()``. Tensors of non-adapted parameters are the model's own (no grad)."""
+    ``named_parameters()``. Tensors of non-adapted parameters are the model's own (no grad), except
+    that a QLoRA base's bitsandbytes weights (packed 4-bit ``Params4bit``, ``Int8Params``) are
+    dequantized to full matrices (peft's `dequantize_module_weight`, as its own merge does)."""
     if not is_lora(model):
         yield from model.named_parameters()
         return
@@ -323,7 +329,7 @@ def merged_named_parameters(model: nn.Module):
             if isinstance(module, LoraLayer):
                 skip.append(pre)
                 layer = module.get_base_layer()
-                w = layer.weight
+                w = _dequantized_weight(layer)
                 if adapter in getattr(module, "lora_A", {}) and adapter not in module.merged_adapters:
                     w = w + module.get_delta_weight(adapter).to(w.dtype)
                 yield pre + "weight", w.detach()
@@ -338,7 +344,17 @@ def merged_named_parameters(model: nn.Module):
                 for n, p in module.named_parameters(recurse=False):
                     if id(p) not in seen:                       # tied weights: the first name only
                         seen.add(id(p))
-                        yield pre + n, p.detach()
+                        yield pre + n, (_dequantized_weight(module) if n == "weight" else p).detach()
+
+
+def _dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """`module.weight` as a full matrix: bitsandbytes' packed weights dequantized (QLoRA's base,
+    on CUDA), any other weight as it is."""
+    if type(module.weight).__name__ not in ("Params4bit", "Int8Params"):
+        return module.weight
+    from peft.utils.integrations import dequantize_module_weight
+
+    return dequantize_module_weight(module)
 
 
 def _plain_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
