@@ -130,6 +130,10 @@ def test_autocast_follows_the_resolved_dtype_and_the_device():
         assert lin(x).dtype == (torch.bfloat16 if choose_precision("auto", "cpu").dtype == "bf16" else torch.float32)
     with autocast("bf16", "meta"):                   # not an autocast device type: nothing entered
         assert lin(x).dtype == torch.float32
+    with autocast("bf16", lin):                      # a model stands for its parameters' device
+        assert lin(x).dtype == torch.bfloat16
+    with autocast("bf16", torch.nn.Linear(8, 8, device="meta")):
+        assert lin(x).dtype == torch.float32
 
 
 def test_bf16_choice_needs_native_features():
