@@ -73,7 +73,9 @@ class HFEngine:
         )
         reqs = [p for p in prompts for _ in range(params.n)]  # samples of a prompt consecutive
         resp, fin, lps, tms = [], [], [], []
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        # a seeded call leaves the global generators alone: the CPU's, and the GPU's it samples on
+        on_gpu = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=on_gpu), torch.inference_mode():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for s in range(0, len(reqs), self.max_batch_size):
