@@ -41,6 +41,23 @@ def test_kernel_equals_the_torch_ops():
             assert (sa != sb).float().mean() < 1e-3
 
 
+def test_torch_ops_in_slices_equal_one_pass(monkeypatch):
+    """The torch-ops path (a GPU's) updates large tensors slice by slice to bound its temporaries;
+    each element's stochastic rounding draws on its index in the whole tensor, so the result is
+    that of one pass, bit for bit (slices of 100 elements here, not a divisor of 37·53)."""
+    import turborlhf.engine.optim as optim
+
+    a, b = _params(), _params()
+    oa = BF16StateAdamW(a, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, use_kernel=False)
+    ob = BF16StateAdamW(b, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, use_kernel=False)
+    _run(oa, a, 3)
+    monkeypatch.setattr(optim, "_TORCH_SLICE", 100)
+    _run(ob, b, 3)
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        assert all(torch.equal(oa.state[pa][k], ob.state[pb][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
 # gradient magnitudes: zero, fp32 denormals (< 1.2e-38), ones whose g² or (1-b2)·g² is denormal
 # or zero (1e-30 ... 3e-18: the band where a -ffast-math build wrote NaN), ordinary, and ones whose
 # g² overflows to inf (1e20, 1e30: exp_avg_sq = inf, the update is then 0, as in torch's AdamW)

@@ -206,13 +206,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# elements per slice of `_step_torch`: its temporaries take ~50 bytes per element (fp32 moments,
+# int64 indices and hashes), 200 MB per slice instead of 25 GB for a 500M-element embedding
+_TORCH_SLICE = 1 << 22
+
+
 def _step_torch(p: torch.Tensor, g: torch.Tensor, m_bf16: torch.Tensor, v_bf16: torch.Tensor, lr: float,
                 b1: float, b2: float, eps: float, wd: float, step_size: float, inv_sqrt_bc2: float,
                 seed: int) -> None:
-    """adamw.c's `adamw_bf16_step` as torch ops (any device; the kernel's reference in tests)."""
+    """adamw.c's `adamw_bf16_step` as torch ops (any device, e.g. a GPU; the kernel's reference in
+    tests), slice by slice of `_TORCH_SLICE` elements where the tensors are contiguous (the same
+    result: each element's rounding draw depends on its index in the whole tensor)."""
+    args = (lr, b1, b2, eps, wd, step_size, inv_sqrt_bc2, seed)
+    n = p.numel()
+    if n <= _TORCH_SLICE or not all(t.is_contiguous() for t in (p, g, m_bf16, v_bf16)):
+        _step_torch_slice(p, g, m_bf16, v_bf16, *args, start=0)
+        return
+    flat = [t.view(-1) for t in (p, g, m_bf16, v_bf16)]
+    for s in range(0, n, _TORCH_SLICE):
+        _step_torch_slice(*(t[s:s + _TORCH_SLICE] for t in flat), *args, start=s)
+
+
+def _step_torch_slice(p: torch.Tensor, g: torch.Tensor, m_bf16: torch.Tensor, v_bf16: torch.Tensor, lr: float,
+                      b1: float, b2: float, eps: float, wd: float, step_size: float, inv_sqrt_bc2: float,
+                      seed: int, start: int) -> None:
     m = m_bf16.float() * b1 + (1.0 - b1) * g
     v = v_bf16.float() * b2 + (1.0 - b2) * g * g
-    idx = torch.arange(p.numel(), device=p.device, dtype=torch.int64)
+    idx = torch.arange(start, start + p.numel(), device=p.device, dtype=torch.int64)
     r = _mix32(((idx * 0x9E3779B9) & 0xFFFFFFFF) ^ seed)
     m_bf16.copy_(_round_bf16_stochastic(m.reshape(-1), r).view_as(m_bf16))
     v_bf16.copy_(_round_bf16_stochastic(v.reshape(-1), r >> 16).view_as(v_bf16))
