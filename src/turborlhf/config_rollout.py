@@ -41,6 +41,11 @@ class RolloutFields(BaseModel):
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
         "auto", description="where the engine generates; auto = CUDA for vllm, else the device the policy trains on "
                             "(FastEngine runs on the CPU only, so on a GPU auto takes HFEngine there)")
+    vllm_gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1, description="share of its GPU that vLLM takes for weights and KV cache (vLLM's "
+        "gpu_memory_utilization, OpenRLHF's --vllm_gpu_memory_utilization); default: 0.9 (vLLM's) where the rollout "
+        "engine has its GPU to itself (Ray, not colocated), 0.5 (verl's) where the trainer's models share it (the "
+        "local backend, distributed.colocate_all_models)")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
     sync_tolerance: Optional[float] = Field(

@@ -213,3 +213,17 @@ def test_missing_vllm_gives_install_hint(model, monkeypatch):
         VLLMEngine(model)
     with pytest.raises(ImportError, match="turborlhf\\[vllm\\]"):
         make_engine("vllm", model)
+
+
+def test_gpu_memory_share_reaches_vllm(model):
+    """`rollout.vllm_gpu_memory_utilization` reaches `vllm.LLM`; unset, vLLM takes half its GPU
+    where the trainer's models share it and vLLM's own 0.9 where it has the GPU to itself."""
+    from turborlhf.config import RolloutCfg
+    from turborlhf.rollout.backends import vllm_kwargs
+
+    assert vllm_kwargs(RolloutCfg(engine="fast"), shares_gpu=True) == {}
+    for roll, shares, want in [(RolloutCfg(engine="vllm"), True, 0.5), (RolloutCfg(engine="vllm"), False, 0.9),
+                               (RolloutCfg(engine="vllm", vllm_gpu_memory_utilization=0.3), True, 0.3)]:
+        fake = FakeVLLM(FakeLLM(tiny_llama(0)))
+        VLLMEngine(model, dtype="fp32", vllm_module=fake, **vllm_kwargs(roll, shares_gpu=shares))
+        assert fake.built[0]["gpu_memory_utilization"] == want

@@ -26,7 +26,7 @@ from turborlhf.engine.hardware import best_time, cached_probe, cpu_features, wei
 
 from .llama_ops import mkldnn_packing_available
 
-__all__ = ["choose_linear_backend", "choose_weight_dtype", "choose_rollout_dtype", "decode_fp32_over_bf16",
+__all__ = ["choose_linear_backend", "vllm_kwargs", "choose_weight_dtype", "choose_rollout_dtype", "decode_fp32_over_bf16",
            "warn_once", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
@@ -51,6 +51,17 @@ def _(x, other, engine, slot, attr):
 MKLDNN_BF16_FEATURES = ("avx512bw", "avx512vl", "avx512dq")
 _KERNEL_FEATURES = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx2", "fma")}
 _WARNED: set[str] = set()
+
+
+def vllm_kwargs(rollout, shares_gpu: bool) -> dict:
+    """Constructor arguments for `turborlhf.rollout.vllm.VLLMEngine` from a ``rollout`` section
+    (empty for the other engines): vLLM's ``gpu_memory_utilization`` is
+    ``rollout.vllm_gpu_memory_utilization``, or 0.5 where the trainer's models are on the same GPU
+    (`shares_gpu`; vLLM's own 0.9 would not fit beside them) and 0.9 where they are not."""
+    if rollout.engine != "vllm":
+        return {}
+    share = rollout.vllm_gpu_memory_utilization or (0.5 if shares_gpu else 0.9)
+    return {"llm_kwargs": {"gpu_memory_utilization": float(share)}}
 
 
 def warn_once(msg: str) -> None:

@@ -46,6 +46,7 @@ from turborlhf.evaluate import eval_policy
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.rewards.model import load_reward_model, score_texts
 from turborlhf.rollout import make_engine
+from turborlhf.rollout.backends import vllm_kwargs
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.common import fit
 
@@ -147,7 +148,7 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     examples, so the tags also separate the policy's own good and bad responses."""
     roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
     engine = make_engine(roll.engine, model, dtype=roll.dtype, device=roll.device, weight_dtype=roll.weight_dtype,
-                         max_batch_size=roll.batch_size)
+                         max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)

@@ -50,6 +50,7 @@ from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import load_tokenizer, load_trainable, merge_lora_for_save
 from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
 from turborlhf.rollout import make_engine
+from turborlhf.rollout.backends import vllm_kwargs
 from turborlhf.rollout.sync import push_weights, start_sync_check
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.common import sft_step
@@ -278,7 +279,8 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                            device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,
-                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size)
+                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size,
+                         **vllm_kwargs(roll, shares_gpu=True))
 
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:

@@ -41,6 +41,7 @@ from turborlhf.models.load import load_causal_lm, load_tokenizer
 from turborlhf.models.zoo import resolve_model_path
 from turborlhf.rewards.combine import RewardInputs, build_reward, rows_to_columns
 from turborlhf.rollout import make_engine
+from turborlhf.rollout.backends import vllm_kwargs
 from turborlhf.rollout.sync import check_engine, make_canary
 from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_prompts
@@ -335,6 +336,8 @@ class RolloutWorker:
         roll = self.cfg.rollout
         # vLLM fixes its log-prob mode per engine (the other engines take it per call)
         kw = {"logprobs_mode": logprobs_mode(self.cfg)} if roll.engine == "vllm" else {}
+        dist = self.cfg.distributed
+        kw.update(vllm_kwargs(roll, shares_gpu=dist.backend != "ray" or dist.colocate_all_models))
         return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
                            weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **kw)
 
