@@ -252,3 +252,23 @@ def test_decode_probe_is_cached_per_host(tmp_path, monkeypatch):
     assert cached_probe("a", lambda: 9.0) == 0.5 and len(calls) == 1
     (rec,) = [json.loads(p.read_text()) for p in (tmp_path / "host").iterdir()]
     assert rec["a"] == 0.5 and rec["b"] == 2.0 and rec["host"]["cores"] >= 1
+
+
+def test_gpus_this_process_cannot_see_are_assumed_to_compute_bf16(monkeypatch):
+    """A Ray driver on a CPU-only head node with ``distributed.device: gpu``: ``dtype: auto`` is
+    decided for GPUs it cannot see: bf16 (as OpenRLHF and verl assume), said so in the reason,
+    not fp32 by default. An explicit fp32 stays."""
+    from turborlhf.config import PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hardware._choose.cache_clear()
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=x", "distributed.backend=ray",
+            "distributed.device=gpu"]
+    try:
+        r = resolve_hardware(load_config(PPOConfig, overrides=base), show=False)
+        assert r.actor.dtype == "bf16" and "cannot see" in r._hardware["actor.dtype"]["reason"]
+        r = resolve_hardware(load_config(PPOConfig, overrides=[*base, "actor.dtype=fp32"]), show=False)
+        assert r.actor.dtype == "fp32"
+    finally:
+        hardware._choose.cache_clear()

@@ -252,6 +252,10 @@ def _choose(requested: str, device_type: str) -> Precision:
     if requested == "fp32":
         return Precision("fp32", "fp32 as configured")
     if device_type == "cuda":
+        if not torch.cuda.is_available() and requested == "auto":
+            # the driver of a Ray cluster whose GPUs are on other nodes (distributed.device: gpu)
+            return Precision("bf16", "bf16: assumed for GPUs this process cannot see (Ampere or newer compute it "
+                                     "natively, as OpenRLHF and verl assume; set dtype fp32 for older ones)")
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         if requested == "bf16" or ok:
             return Precision("bf16", "bf16: the CUDA device computes it natively" if ok else "bf16 as configured")
@@ -285,7 +289,8 @@ def choose_precision(requested: str = "auto", device="cpu") -> Precision:
     """The compute precision for `device` (a ``torch.device``, ``"cpu"``, ``"cuda"`` or ``"mps"``).
 
     ``fp32`` stays fp32. ``auto`` gives bf16 only where the device computes it natively and fast:
-    a CUDA device with bf16, or a CPU with AVX-512-BF16 or AMX whose measured bf16 linear
+    a CUDA device with bf16 (or one this process cannot see, on another node of a Ray cluster:
+    assumed to have it), or a CPU with AVX-512-BF16 or AMX whose measured bf16 linear
     (`cpu_bf16_slowdown`) is not slower than fp32; otherwise fp32. An explicit ``bf16`` is kept
     everywhere, with one warning giving the measured slowdown where the CPU emulates it. Decided
     once per process and device type. Raises `HardwareError` for an unknown value."""
