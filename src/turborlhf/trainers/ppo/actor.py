@@ -277,14 +277,18 @@ class ActorWorker(Trainable):
         return ptx_step(self.model, self.tok, self.cfg, mine, n_tok) if mine else {M.PTX_LOSS: 0.0}
 
     def weights(self) -> Optional[dict[str, torch.Tensor]]:
-        """The actor's parameters by HF name (rank 0; None elsewhere), for the rollout engines.
-        Collective for FSDP (every rank gathers)."""
+        """The actor's parameters by HF name (rank 0; None elsewhere), for the rollout engines:
+        CPU copies for Ray's object store; on the local backend the trainer's own tensors, which
+        the engine copies (a GPU trainer's weights reach a GPU engine without a trip through the
+        CPU). Collective for FSDP (every rank gathers)."""
         if is_fsdp(self.model):
             sd = full_state_dict(self.model)
             return sd if dp_rank_world()[0] == 0 else None
         if dp_rank_world()[0] != 0:
             return None
-        return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # LoRA merged
+        if self.cfg.distributed.backend != "ray":   # in this process: the engine copies from the trainer's own
+            return {n: p.detach() for n, p in merged_named_parameters(self.model)}   # tensors (LoRA merged)
+        return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # to the object store
 
     def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
         """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),
