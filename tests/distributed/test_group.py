@@ -37,6 +37,24 @@ def test_colocation_groups_and_errors():
         "distributed.backend=ray", "distributed.colocate_all_models=true", "distributed.critic.devices_per_node=3"])
 
 
+def test_fsdp_config_errors_name_the_fields():
+    """FSDP runs every forward and backward on all of a role's workers together: a step whose rows
+    do not split evenly, or LoRA (whose gathered state is not a plain model), is refused up front."""
+    from turborlhf.config import ConfigError, PPOConfig, load_config
+
+    base = ["actor.name_or_path=x", "reward_model=y", "data.prompts_file=z", "distributed.backend=ray",
+            "distributed.dp_strategy=fsdp", "distributed.actor.devices_per_node=2", "train.micro_batch_size=2"]
+    with pytest.raises(ConfigError, match=r"distributed.dp_strategy: .* multiple of 2 micro-batches .* 4 rows per "
+                                          r"step .* a batch of 2 rows: 1 micro-batch"):
+        load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base)            # 4 prompts, 2 mini-batches
+    load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1"])
+    # 6 rows in micro-batches of 4: 4 + 2 rows, one micro-batch on each worker
+    load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1", "algo.prompts_per_step=6",
+                                                                   "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"distributed.dp_strategy: fsdp does not shard LoRA .*actor.lora.rank"):
+        load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1", "actor.lora.rank=4"])
+
+
 def test_local_group_runs_in_process_and_names_role():
     from turborlhf.distributed.group import LocalGroup, WorkerError
 

@@ -50,6 +50,32 @@ def test_ppo_ray_two_workers_per_role_matches_local(tiny_model, tiny_rm, tiny_da
     assert all(r["critic/loss"] > 0 for r in rows)
 
 
+def _fp32_kernel_linears() -> bool:
+    import torch
+
+    from turborlhf.rollout import kernels
+
+    k = kernels.load(warn=False)
+    return k is not None and torch.float32 in k.linear_dtypes
+
+
+@pytest.mark.parametrize("weight_dtype", ["same", "bf16"])
+def test_ppo_ray_fsdp_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path, weight_dtype):
+    """Actor and critic sharded with FSDP2 over 2 CPU workers (gloo): the weight-sync check (the
+    trainer's side a sharded forward on every rank, or with the engine's bf16 weights a gathered
+    copy rounded alike), every rank's forwards and backwards in step, and the checkpoint gathered
+    on rank 0; the same metrics and weights as one local worker. One mini-batch: 4 rows over 2
+    workers of micro-batches of 2 (`PPOConfig._check_fsdp_batches`)."""
+    if weight_dtype == "bf16" and not _fp32_kernel_linears():
+        pytest.skip("bf16 engine weights need the fp32 kernel linears (x86-64 with AVX2 and FMA)")
+    one_mini = ["train.max_steps=2", "algo.num_mini_batches=1", f"rollout.weight_dtype={weight_dtype}"]
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "local", *one_mini))
+    run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ray", *one_mini, *TWO_PER_ROLE,
+                   "distributed.dp_strategy=fsdp"))
+    _same_metrics(tmp_path / "local", tmp_path / "ray")
+    assert all(r["critic/loss"] > 0 for r in metrics(tmp_path / "ray"))
+
+
 def test_grpo_ray_colocated_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):
     """All roles colocated on 2 workers (actor DP=2 + reference/reward offload + sleeping engines),
     CPU slots on any host (two GPU workers would need two GPUs)."""

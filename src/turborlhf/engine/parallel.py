@@ -166,8 +166,9 @@ def root_forward(model: nn.Module, fn, *args, **kwargs):
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict on every rank: plain ``state_dict`` for replicas; for an
-    FSDP model a collective gather (call it on every rank)."""
+    """Full (unsharded) CPU state dict: plain ``state_dict`` for replicas (every rank); for an
+    FSDP model a collective gather (call it on every rank) that lands on rank 0 only, the other
+    ranks getting an empty dict (torch's ``full_state_dict`` with ``cpu_offload``)."""
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -38,8 +38,8 @@ from turborlhf.models.reference import LoraReference, reference_view
 from turborlhf.rollout.sync import trainer_logprobs
 from turborlhf.trainers.common import sft_loss_on_batch
 from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches, shares_prompts
-from turborlhf.trainers.ppo.roles import (STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, sampling_temperature,
-                                          setup_worker, worker_device)
+from turborlhf.trainers.ppo.roles import (STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, plain_copy,
+                                          sampling_temperature, setup_worker, worker_device)
 
 __all__ = ["ActorWorker", "POLICY_LOSSES", "policy_mask", "actor_forward", "actor_micro_step", "ptx_step", "EmaModel",
            "PtxStream"]
@@ -292,10 +292,18 @@ class ActorWorker(Trainable):
 
     def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
         """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),
-        LoRA merged as the engines see it; rank 0 only (None elsewhere)."""
-        if is_fsdp(self.model) or dp_rank_world()[0] != 0:
-            return None
-        return trainer_logprobs(self.model, canary, self.cfg.rollout.dtype)
+        LoRA merged as the engines see it; rank 0's answer (None elsewhere). Collective for FSDP:
+        every rank runs the sharded forward on the canary, or, where the trainer's matrices must
+        be rounded to bf16 as the engine's are, gathers them into a plain copy on rank 0 (the
+        rounding swaps parameters that FSDP itself swaps in and out)."""
+        rank0 = dp_rank_world()[0] == 0
+        if is_fsdp(self.model):
+            if canary.bf16_weights:
+                plain = plain_copy(self.model)
+                return trainer_logprobs(plain, canary, self.cfg.rollout.dtype) if rank0 else None
+            out = trainer_logprobs(self.model, canary, self.cfg.rollout.dtype)
+            return out if rank0 else None
+        return trainer_logprobs(self.model, canary, self.cfg.rollout.dtype) if rank0 else None
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""

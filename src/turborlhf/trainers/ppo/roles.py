@@ -93,14 +93,23 @@ def add_stats(sums: dict[str, float], stats: dict[str, float]) -> None:
         sums[k] = sums.get(k, 0.0) + v
 
 
-def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A full, unsharded CPU copy of an FSDP model (collective: every rank calls it), for saving."""
+def plain_copy(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A full, unsharded CPU copy of an FSDP model on rank 0, None on the other ranks (collective:
+    every rank calls it), for saving and the weight-sync check. Raises RuntimeError if the
+    gathered state does not fill the copy (a tied LM head may be absent: it is the embedding)."""
     sd = full_state_dict(model)
+    if dp_rank_world()[0] != 0:          # the gather lands on rank 0 only
+        return None
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     cls = AutoModelForSequenceClassification if hasattr(model, "score") else AutoModelForCausalLM
     copy = cls.from_config(model.config)
-    copy.load_state_dict(sd, strict=False)
+    res = copy.load_state_dict(sd, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in res.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or res.unexpected_keys:
+        raise RuntimeError(f"the gathered FSDP state does not fit a plain {cls.__name__}: missing {missing[:3]}, "
+                           f"unexpected {res.unexpected_keys[:3]}")
     return copy
 
 
@@ -176,8 +185,9 @@ class Trainable:
         return clip_and_step(self.model, opt, sched, self.cfg.optim.max_grad_norm,
                              role=type(self).__name__.removesuffix("Worker").lower())   # actor / critic
 
-    def _savable(self) -> torch.nn.Module:
-        return _plain_copy(self.model) if is_fsdp(self.model) else self.model
+    def _savable(self) -> Optional[torch.nn.Module]:
+        """The model to write: itself, or for FSDP a plain copy on rank 0 (None elsewhere; collective)."""
+        return plain_copy(self.model) if is_fsdp(self.model) else self.model
 
     def _optim_state(self, opt) -> dict:
         if is_fsdp(self.model):
