@@ -337,3 +337,72 @@ def test_a_matrix_read_outside_its_module_falls_back_to_a_rounded_copy(prompts):
     mlp.forward = lambda x: F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
                                      mlp.down_proj.weight)
     assert trainer_logprobs(model, canary) == want
+
+
+class _TwoMatrices(torch.nn.Module):
+    """Two same-shaped matrices in one module."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.a.T + x @ self.b.T
+
+
+class _Reentrant(torch.nn.Module):
+    """Calls itself inside its own forward, and reads its matrix again after the inner call."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, depth=1):
+        y = self(x @ self.w.T, depth - 1) if depth else x
+        return y + x @ self.w.T
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.two, self.again, self.unused = (torch.nn.Embedding(16, 8), _TwoMatrices(), _Reentrant(),
+                                                       torch.nn.Linear(8, 8))
+
+    def forward(self, ids, read_unused=False):
+        h = self.again(self.two(self.emb(ids)))
+        if read_unused:                        # a module's weight read without running the module
+            h = torch.nn.functional.linear(h, self.unused.weight)
+        return torch.nn.functional.linear(h, self.emb.weight)      # the embedding read as an LM head
+
+
+def test_rounding_covers_shared_shapes_reentrant_modules_and_tied_reads():
+    """Each module's matrices are rounded while it runs: two same-shaped matrices of one module
+    keep their own values, a module called inside its own forward keeps them rounded until the
+    outer call ends, and the embedding (rounded for the whole block) reads rounded wherever it is
+    read. The result equals a fully rounded copy bit for bit, every parameter is back afterwards,
+    and a matrix read without its module running is reported as missed."""
+    import copy
+
+    from turborlhf.rollout.sync import _rounded_matrices
+
+    torch.manual_seed(0)
+    toy, ids = _Toy(), torch.tensor([[1, 5, 7, 2]])
+    ref = copy.deepcopy(toy)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16))
+    before = {n: (p, p.detach().clone()) for n, p in toy.named_parameters()}
+    with torch.no_grad():
+        with _rounded_matrices(toy) as missed:
+            got = toy(ids)
+        assert torch.equal(got, ref(ids)) and missed == {"unused.weight"}
+        with _rounded_matrices(toy) as missed:
+            toy(ids, read_unused=True)
+        assert missed == {"unused.weight"}
+        assert not torch.equal(toy(ids), ref(ids))                    # unrounded outside the block
+    for n, p in toy.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+    with pytest.raises(RuntimeError, match="no_grad"):
+        with _rounded_matrices(toy):
+            pass

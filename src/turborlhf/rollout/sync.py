@@ -243,61 +243,88 @@ def _round_bf16(p: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def _rounded_matrices(model: torch.nn.Module):
     """Within the block (no grad), a forward of `model` reads every 2-D floating parameter rounded
-    to bf16, as FastEngine's bf16 weights are: each module's own matrices are rounded into a
-    buffer just before its forward and put back after it, one buffer per shape, so the check
-    never holds a rounded copy of the whole model (540 MB for SmolLM2-135M in fp32), and the
-    rounding, read while the buffers are in cache, takes half the time (0.12 → 0.06 s of a
-    0.27 → 0.21 s trainer side there, 2-core Xeon, natively and limited to AVX2 alike).
-    A plain `nn.Embedding` rounds the rows it looked up instead (the same values, tied or not).
-    Yields the set of matrices' names not read through their module's forward (filled when the
-    block ends; the caller then rounds a copy, which covers every way of reading them).
-    Raises RuntimeError under grad (autograd would keep buffers that the next module overwrites)."""
+    to bf16, as FastEngine's bf16 weights are, without a rounded copy of the whole model (540 MB
+    for SmolLM2-135M in fp32), and with the rounding read while it is in cache: 0.12 → 0.06 s of
+    a 0.27 → 0.21 s trainer side there (2-core Xeon, natively and limited to AVX2 alike).
+
+    - A matrix of one module only (the projections): rounded into a buffer just before that
+      module's forward and put back after it (a module called inside its own forward keeps its
+      rounded matrices until the outer call returns; buffers are per name, shape and nesting
+      depth, so no two live matrices share one).
+    - A matrix with several owners (tied embeddings) or of an embedding: rounded once for the
+      whole block and swapped into every owner, so a read through any of them, inside a module's
+      forward or not (``F.linear(h, embed.weight)``), sees the rounded values.
+
+    Yields the set of names of one-module matrices whose module never ran (filled when the block
+    ends): such a matrix may have been read some other way unrounded, and the caller then rounds a
+    copy, which covers every way of reading it. Every parameter is back in place when the block
+    ends, also when the forward raised. Raises RuntimeError under grad (autograd would keep
+    buffers that the next module overwrites)."""
     if torch.is_grad_enabled():
         raise RuntimeError("_rounded_matrices reuses its buffers: use it under torch.no_grad()")
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for mod in model.modules():
+        for n, p in mod._parameters.items():
+            if _is_matrix(p):
+                owners.setdefault(id(p), []).append((mod, n))
+    shared = {pid for pid, own in owners.items()
+              if len(own) > 1 or any(isinstance(m, torch.nn.Embedding) for m, _ in own)}
+    whole: list[tuple[torch.nn.Module, str, torch.Tensor]] = []     # (owner, name, own tensor), block-wide
+    rounded_ids: set[int] = set()
     bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     seen: set[int] = set()
     missed: set[str] = set()
-    swapped: list[torch.nn.Module] = []        # modules whose forward has not returned yet
+    active: dict[int, list] = {}               # id(module) → [calls inside, {name: own tensor}, module]
 
     def swap_in(mod, args):
-        mod._turborlhf_own = {}
-        depth = len(swapped)                   # a module running inside another gets buffers of its own
-        swapped.append(mod)
+        entry = active.get(id(mod))
+        if entry is not None:                  # called inside its own forward: already rounded
+            entry[0] += 1
+            return
+        own, depth = {}, len(active)
         for n, p in mod._parameters.items():
-            if _is_matrix(p):
-                key = (tuple(p.shape), p.dtype, p.device, depth)
+            if _is_matrix(p) and id(p) not in rounded_ids:
+                key = (n, tuple(p.shape), p.dtype, p.device, depth)
                 if key not in bufs:
                     bufs[key] = (torch.empty(p.shape, dtype=torch.bfloat16, device=p.device), torch.empty_like(p))
                 half, full = bufs[key]
                 half.copy_(p.detach())
                 full.copy_(half)
-                mod._turborlhf_own[n], mod._parameters[n] = p, full
+                own[n], mod._parameters[n] = p, full
                 seen.add(id(p))
+        active[id(mod)] = [0, own, mod]
 
     def swap_back(mod, args, out):
-        mod._parameters.update(mod._turborlhf_own)
-        del mod._turborlhf_own
-        swapped.remove(mod)
-
-    def round_rows(mod, args, out):
-        seen.add(id(mod.weight))
-        return out.to(torch.bfloat16).to(out.dtype)
+        entry = active[id(mod)]
+        if entry[0]:
+            entry[0] -= 1
+            return
+        mod._parameters.update(entry[1])
+        del active[id(mod)]
 
     handles = []
-    for mod in model.modules():
-        if type(mod) is torch.nn.Embedding:
-            handles.append(mod.register_forward_hook(round_rows))
-        elif any(_is_matrix(p) for p in mod._parameters.values()):
-            handles += [mod.register_forward_pre_hook(swap_in), mod.register_forward_hook(swap_back)]
     try:
+        for pid in shared:
+            first_mod, first_name = owners[pid][0]
+            r = _round_bf16(first_mod._parameters[first_name])
+            rounded_ids.add(id(r))
+            for mod, n in owners[pid]:
+                whole.append((mod, n, mod._parameters[n]))
+                mod._parameters[n] = r
+        for mod in model.modules():
+            if any(_is_matrix(p) and id(p) not in shared for p in mod._parameters.values() if id(p) in owners):
+                handles += [mod.register_forward_pre_hook(swap_in), mod.register_forward_hook(swap_back)]
         yield missed
     finally:
         for h in handles:
             h.remove()
-        for mod in swapped:                    # a forward that raised: its modules get their own back
-            mod._parameters.update(mod._turborlhf_own)
-            del mod._turborlhf_own
-        missed.update(n for n, p in model.named_parameters() if _is_matrix(p) and id(p) not in seen)
+        for _, own, mod in active.values():    # a forward that raised: its modules get their own back
+            mod._parameters.update(own)
+        active.clear()
+        for mod, n, p in whole:
+            mod._parameters[n] = p
+        missed.update(n for n, p in model.named_parameters()
+                      if _is_matrix(p) and id(p) in owners and id(p) not in shared and id(p) not in seen)
 
 
 def verify_sync(engine, model: torch.nn.Module, canary: Canary, tol: Optional[float] = None,
