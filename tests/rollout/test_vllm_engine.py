@@ -227,3 +227,14 @@ def test_gpu_memory_share_reaches_vllm(model):
         fake = FakeVLLM(FakeLLM(tiny_llama(0)))
         VLLMEngine(model, dtype="fp32", vllm_module=fake, **vllm_kwargs(roll, shares_gpu=shares))
         assert fake.built[0]["gpu_memory_utilization"] == want
+
+
+def test_a_push_never_hands_vllm_the_trainers_tensors(model):
+    """An in-process vLLM may change what it loads in place (some of its loaders add to a norm's
+    weight): at the engine's own dtype the pushed tensors are copies, not the trainer's."""
+    eng, fake = _engine(model, dtype="fp32")
+    seen = []
+    fake._llm.collective_rpc = lambda method, args=(), kwargs=None: seen.extend(kwargs["weights_iterator"])
+    eng.load_weights(model.named_parameters())
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    assert seen and all(t.dtype == torch.float32 and t.data_ptr() not in ptrs for _, t in seen)

@@ -216,7 +216,10 @@ class VLLMEngine:
             name = strip_wrapper_prefixes(name)
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            weights.append((name, t.detach().to(self.dtype).contiguous()))
+            w = t.detach().to(self.dtype).contiguous()
+            if w.data_ptr() == t.data_ptr():   # never the trainer's own tensor: some of vLLM's loaders
+                w = w.clone()                  # change what they load in place (an in-process engine)
+            weights.append((name, w))
         t1 = time.perf_counter()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
