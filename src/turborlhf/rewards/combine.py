@@ -61,7 +61,8 @@ def rows_to_columns(rows: Optional[Sequence[Optional[dict]]]) -> Optional[dict[s
 
 
 class _ModelSource:
-    def __init__(self, path: str, tokenizer, dtype: str, chunk: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, path: str, tokenizer, dtype: str, chunk: int, device: str | torch.device = "cpu",
+                 compute_device: str | torch.device | None = None) -> None:
         from turborlhf.models.load import load_tokenizer
         from turborlhf.rewards.model import load_reward_model
 
@@ -70,7 +71,7 @@ class _ModelSource:
         self.tok = tokenizer if self.same_vocab else rm_tok
         from turborlhf.engine.hardware import compute_dtype
 
-        dtype = compute_dtype(dtype, torch.device(device).type)
+        dtype = compute_dtype(dtype, torch.device(compute_device or device).type)
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.model = load_reward_model(path, self.tok, dtype=torch_dtype, device=device).eval().requires_grad_(False)
         self.dtype, self.chunk = dtype, chunk
@@ -148,7 +149,8 @@ class CombinedReward:
 
 
 def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtype: str = "auto",
-                 chunk: int = 8, callables=None, device: str | torch.device = "cpu") -> CombinedReward:
+                 chunk: int = 8, callables=None, device: str | torch.device = "cpu",
+                 compute_device: str | torch.device | None = None) -> CombinedReward:
     """Load every source.
 
     Args:
@@ -161,7 +163,9 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
         chunk: rows per reward-model forward pass.
         callables: the ``kind: callable`` sources' functions
             (`turborlhf.rewards.callables.RewardCallables`), keyed by their ``path``.
-        device: where in-process reward models are loaded and compute.
+        device: where in-process reward models are loaded (and compute, unless `compute_device`).
+        compute_device: where they compute when it differs from `device` (reward models kept on the
+            CPU between uses, ``distributed.ref_reward_offload``); their precision is chosen for it.
 
     Raises:
         ValueError: no source, duplicate names, unknown kind; `RewardFunctionError` for a bad
@@ -169,11 +173,11 @@ def build_reward(sources: Sequence, reward_model: Optional[str], tokenizer, dtyp
     """
     loaded: list[tuple[str, float, object]] = []
     if reward_model:
-        loaded.append(("rm", 1.0, _ModelSource(reward_model, tokenizer, dtype, chunk, device)))
+        loaded.append(("rm", 1.0, _ModelSource(reward_model, tokenizer, dtype, chunk, device, compute_device)))
     for i, s in enumerate(sources):
         name = s.name or f"{s.kind}{i}"
         if s.kind == "model":
-            fn: object = _ModelSource(s.path, tokenizer, dtype, chunk, device)
+            fn: object = _ModelSource(s.path, tokenizer, dtype, chunk, device, compute_device)
         elif s.kind == "function":
             fn = _FunctionSource(s.path)
         elif s.kind == "remote":

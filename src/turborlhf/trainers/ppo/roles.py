@@ -298,7 +298,8 @@ class RewardWorker(_Offload):
         # loaded where it computes (on the CPU with the fused layers, or straight onto the GPU);
         # offloaded models wait on the CPU between uses
         self.reward = build_reward(cfg.rewards, cfg.reward_model, self.tok, cfg.actor.dtype, cfg.train.micro_batch_size,
-                                   callables, device="cpu" if self.offload else self.device)
+                                   callables, device="cpu" if self.offload else self.device,
+                                   compute_device=self.device)
         for m in self._models():
             m.to("cpu" if self.offload else self.device)
 
