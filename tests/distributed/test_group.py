@@ -130,3 +130,34 @@ def test_ray_death_is_reported_over_the_peer_error_it_caused(ray_cluster):
     with pytest.raises(WorkerDiedError, match=rf"actor worker rank 1 \(pid {pid1} .*\) died during peer_dies"):
         g.run("peer_dies")
     ray.kill(hosts[0])
+
+
+def test_roles_that_need_no_gpu_take_a_cpu_slot():
+    """With ``distributed.device: gpu`` a colocation group takes GPU bundles unless every role in it
+    is `cpu_only` (reward functions alone, an engine on the CPU)."""
+    from turborlhf.distributed.placement import RoleSpec, bundle_of
+
+    specs = {"actor": RoleSpec(object), "reward": RoleSpec(object, cpu_only=True),
+             "rollout": RoleSpec(object, cpu_only=True)}
+    gpu, cpu = _dist(device="gpu"), _dist(device="cpu")
+    assert bundle_of(gpu, ("actor",), specs) == {"GPU": 1, "CPU": 1}
+    assert bundle_of(gpu, ("reward",), specs) == bundle_of(gpu, ("reward", "rollout"), specs) == {"CPU": 1}
+    assert bundle_of(gpu, ("actor", "reward", "rollout"), specs) == {"GPU": 1, "CPU": 1}
+    assert bundle_of(cpu, ("actor",), specs) == {"CPU": 1}
+
+
+def test_ppo_marks_the_roles_that_need_no_gpu(monkeypatch):
+    """GSM8K GRPO scores with a function: its reward workers need no GPU; an engine on the CPU
+    neither; the actor always does."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.trainers.ppo import driver
+
+    seen = {}
+    monkeypatch.setattr(driver, "launch", lambda dist, specs, threads: seen.update(specs))
+    cfg = load_config(PPOConfig, REPO / "configs/gsm8k_smollm2/grpo.yaml", ["rollout.device=cpu"])
+    driver.build_roles(cfg, None)
+    assert seen["reward"].cpu_only and seen["rollout"].cpu_only and not seen["actor"].cpu_only
+    cfg = load_config(PPOConfig, REPO / "configs/tiny/grpo.yaml", ["actor.name_or_path=x", "reward_model=y",
+                                                                  "data.prompts_file=z", "rollout.device=cuda"])
+    driver.build_roles(cfg, None)
+    assert not seen["reward"].cpu_only and not seen["rollout"].cpu_only

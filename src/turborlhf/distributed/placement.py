@@ -7,8 +7,9 @@ Ray placement (``distributed.backend: ray``):
    either a local cluster is started with as many logical CPU slots as the placement needs
    (``local_num_cpus`` to override) and torn down at the end;
 2. one placement group per colocation group (`turborlhf.distributed.roles.colocation_groups`)
-   with ``num_nodes × devices_per_node`` bundles of ``{CPU: 1}`` (``device: cpu``) or
-   ``{GPU: 1, CPU: 1}`` (``device: gpu``), strategy ``placement_strategy``;
+   with ``num_nodes × devices_per_node`` bundles of ``{CPU: 1}`` (``device: cpu``, or a group whose
+   roles need no GPU, `RoleSpec.cpu_only`) or ``{GPU: 1, CPU: 1}`` (``device: gpu``), strategy
+   ``placement_strategy``;
 3. one `Host` actor per bundle; rank i of every role of the group lives in host i;
 4. a torch.distributed process group over the hosts of a group that trains (actor, critic) and
    has more than one worker (``tcp://`` rendezvous at rank 0's address);
@@ -26,18 +27,28 @@ from typing import Any, Optional
 from turborlhf.distributed.group import LocalGroup, RayGroup, WorkerError, WorkerTimeoutError
 from turborlhf.distributed.roles import colocation_groups
 
-__all__ = ["RoleSpec", "Cluster", "launch", "TRAINED_ROLES"]
+__all__ = ["RoleSpec", "Cluster", "launch", "bundle_of", "TRAINED_ROLES"]
 
 TRAINED_ROLES = ("actor", "critic")
 
 
 @dataclass
 class RoleSpec:
-    """How to build a role object on each of its ranks: ``cls(*args, **kwargs)``."""
+    """How to build a role object on each of its ranks: ``cls(*args, **kwargs)``. ``cpu_only``: the
+    role needs no GPU (reward functions only, an engine on the CPU), so with ``device: gpu`` its
+    workers take a CPU slot unless a colocated role needs the GPU."""
 
     cls: type
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    cpu_only: bool = False
+
+
+def bundle_of(dist, roles, specs: dict[str, RoleSpec]) -> dict[str, int]:
+    """The Ray bundle of one worker of a colocation group: ``{GPU: 1, CPU: 1}`` with ``device: gpu``
+    unless every role of the group is `cpu_only`, else ``{CPU: 1}``."""
+    gpu = dist.device == "gpu" and not all(specs[r].cpu_only for r in roles)
+    return {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
 
 
 @dataclass
@@ -170,13 +181,13 @@ def _launch_ray(dist, specs: dict[str, RoleSpec], threads: int) -> Cluster:
 
 def _launch_all(ray, dist, groups_of_roles, specs, cluster, env, threads, placement_group, pg_strategy, Host) -> None:
     """Start every worker at once (their imports overlap), then rendezvous, then build the roles."""
-    bundle = {"GPU": 1, "CPU": 1} if dist.device == "gpu" else {"CPU": 1}
-    res = {"num_gpus": 1, "num_cpus": 1} if dist.device == "gpu" else {"num_cpus": 1}
     remote_host = ray.remote(Host)
     wait_pg = min(dist.timeout_s, 120.0)
     started = []                                    # (roles, hosts)
     for roles in groups_of_roles:
         n, names = getattr(dist, roles[0]).world_size, "+".join(roles)
+        bundle = bundle_of(dist, roles, specs)
+        res = {"num_gpus": 1, "num_cpus": 1} if "GPU" in bundle else {"num_cpus": 1}
         pg = placement_group([dict(bundle) for _ in range(n)], strategy=dist.placement_strategy,
                              name=f"turborlhf-{names}")
         cluster.placement_groups.append(pg)

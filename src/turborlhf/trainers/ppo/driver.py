@@ -77,7 +77,7 @@ from turborlhf.trainers.ppo.actor import ActorWorker
 from turborlhf.trainers.ppo.async_rollout import RolloutPipeline, rollout_pipeline
 from turborlhf.trainers.ppo.critic import CriticWorker
 from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
-from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, role_models
+from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, has_model_rewards, role_models
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
 __all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update",
@@ -313,10 +313,11 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, re
     specs = {"actor": RoleSpec(ActorWorker, (cfg, c, total_updates, threads))}
     if A.needs_critic:
         specs["critic"] = RoleSpec(CriticWorker, (cfg, c, total_updates, threads))
-    specs["reward"] = RoleSpec(RewardWorker, (cfg, threads, reward_callables))
+    # with distributed.device gpu, reward functions alone and an engine on the CPU take no GPU
+    specs["reward"] = RoleSpec(RewardWorker, (cfg, threads, reward_callables), cpu_only=not has_model_rewards(cfg))
     if A.needs_reference and not lora_reference(cfg):
         specs["reference"] = RoleSpec(ReferenceWorker, (cfg, threads))
-    specs["rollout"] = RoleSpec(RolloutWorker, (cfg, c, threads))
+    specs["rollout"] = RoleSpec(RolloutWorker, (cfg, c, threads), cpu_only=cfg.rollout.device == "cpu")
     return launch(cfg.distributed, specs, threads=threads)
 
 

@@ -47,7 +47,7 @@ from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_prompts
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
-           "worker_device", "setup_worker", "in_chunks", "sampling_temperature", "add_stats", "role_models"]
+           "worker_device", "has_model_rewards", "setup_worker", "in_chunks", "sampling_temperature", "add_stats", "role_models"]
 
 STATE_FILE = "worker_state.pt"
 
@@ -64,6 +64,11 @@ def worker_device(cfg) -> torch.device:
             raise RuntimeError("distributed.device=gpu but this worker sees no CUDA device")
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def has_model_rewards(cfg) -> bool:
+    """Whether the run scores with a reward model (``reward_model`` or a ``kind: model`` source)."""
+    return bool(cfg.reward_model) or any(r.kind == "model" for r in cfg.rewards)
 
 
 def setup_worker(cfg, threads: int) -> None:
@@ -292,7 +297,8 @@ class RewardWorker(_Offload):
     def __init__(self, cfg, threads: int = 0, callables=None) -> None:
         """`callables`: the ``kind: callable`` sources' functions (`turborlhf.rewards.callables`)."""
         setup_worker(cfg, threads)
-        self.cfg, self.device = cfg, worker_device(cfg)
+        # reward functions alone need no GPU: on a GPU cluster such a worker holds a CPU slot
+        self.cfg, self.device = cfg, worker_device(cfg) if has_model_rewards(cfg) else torch.device("cpu")
         self.offload = cfg.distributed.ref_reward_offload
         self.tok = load_tokenizer(cfg.actor.name_or_path)
         # loaded where it computes (on the CPU with the fused layers, or straight onto the GPU);
