@@ -526,35 +526,10 @@ class PPOConfig(Cfg):
             # the gathered state would carry peft's names and unmerged adapters to the engines and the export
             raise ValueError(f"distributed.dp_strategy: fsdp does not shard LoRA models ({' and '.join(lora)} > 0); "
                              "use distributed.dp_strategy=ddp")
-        if self.distributed.dp_strategy == "fsdp":
-            self._check_fsdp_batches()
-        from turborlhf.distributed.roles import check_colocation  # pure Python, no torch/Ray
+        from turborlhf.distributed.roles import check_colocation, check_fsdp_batches  # pure Python, no torch/Ray
         check_colocation(self.distributed, self.active_roles)
+        check_fsdp_batches(self.distributed, self.algo, self.train.micro_batch_size)
         check_rlvr(self)
-
-    def _check_fsdp_batches(self) -> None:
-        """FSDP runs every forward and backward of a trained role on all its workers together (each
-        gathers the sharded weights), so every rank must get the same number of micro-batches of
-        each batch it scores (the step's rows, split by whole micro-batches as `row_shards` does)
-        and trains (each mini-batch, cut as `minibatch_schedule` cuts them), and a PPO-ptx
-        micro-batch must give every worker a row. DDP sums its gradients at the step instead."""
-        A, mb = self.algo, self.train.micro_batch_size
-        rows = A.prompts_per_step * A.n_samples_per_prompt
-        per_mini = -(-rows // min(A.num_mini_batches, rows))              # torch.chunk's sizes
-        batches = [rows] + [min(per_mini, rows - s) for s in range(0, rows, per_mini)]
-        for role in ("actor", "critic") if A.needs_critic else ("actor",):
-            w = self.distributed.roles()[role].world_size
-            bad = next((b for b in batches if -(-b // mb) % w), None) if w > 1 else None
-            if bad is not None:
-                raise ValueError(
-                    f"distributed.dp_strategy: fsdp runs each forward and backward on all {w} {role} workers "
-                    f"together, so every batch must split into a multiple of {w} micro-batches "
-                    f"(train.micro_batch_size {mb}); {rows} rows per step (algo.prompts_per_step x "
-                    f"algo.n_samples_per_prompt) in algo.num_mini_batches {A.num_mini_batches} give a batch of "
-                    f"{bad} rows: {-(-bad // mb)} micro-batch(es)")
-            if w > 1 and A.ptx_coef > 0 and mb < w:
-                raise ValueError(f"distributed.dp_strategy: fsdp with algo.ptx_coef > 0 needs train.micro_batch_size "
-                                 f">= the {w} {role} workers (each runs a part of every PTX micro-batch)")
 
     @property
     def active_roles(self) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["ROLES", "colocation_groups", "check_colocation"]
+__all__ = ["ROLES", "colocation_groups", "check_colocation", "check_fsdp_batches"]
 
 ROLES = ("actor", "critic", "reward", "reference", "rollout")
 
@@ -56,3 +56,36 @@ def check_colocation(dist, active: Sequence[str]) -> None:
             detail = ", ".join(f"distributed.{r}: {n}" for r, n in sizes.items())
             raise ValueError(f"distributed.{flag}: colocated roles need the same number of workers "
                              f"(num_nodes × devices_per_node), got {detail}")
+
+
+def check_fsdp_batches(dist, algo, micro_batch_size: int) -> None:
+    """With ``dist.dp_strategy: fsdp``, raise ValueError naming the fields unless every rank of a
+    trained role (actor; critic for gae) gets the same number of micro-batches of each batch.
+
+    FSDP runs every forward and backward on all of a role's workers together (each gathers the
+    sharded weights), so each batch scored (the step's rows, split by whole micro-batches as
+    `turborlhf.trainers.ppo.experience.row_shards` splits them) and trained (each mini-batch, cut
+    as `minibatch_schedule` cuts them) must make a multiple of the worker count in micro-batches,
+    and a PPO-ptx micro-batch must give every worker a row. DDP sums its gradients at the
+    optimizer step instead, so uneven splits are fine there."""
+    if dist.dp_strategy != "fsdp":
+        return
+    mb = micro_batch_size
+    rows = algo.prompts_per_step * algo.n_samples_per_prompt
+    per_mini = -(-rows // min(algo.num_mini_batches, rows))              # torch.chunk's sizes
+    batches = [rows] + [min(per_mini, rows - s) for s in range(0, rows, per_mini)]
+    for role in ("actor", "critic") if algo.needs_critic else ("actor",):
+        w = getattr(dist, role).world_size
+        if w == 1:
+            continue
+        bad = next((b for b in batches if -(-b // mb) % w), None)
+        if bad is not None:
+            raise ValueError(
+                f"distributed.dp_strategy: fsdp runs each forward and backward on all {w} {role} workers together, "
+                f"so every batch must split into a multiple of {w} micro-batches (train.micro_batch_size {mb}); "
+                f"{rows} rows per step (algo.prompts_per_step x algo.n_samples_per_prompt) in "
+                f"algo.num_mini_batches {algo.num_mini_batches} give a batch of {bad} rows: {-(-bad // mb)} "
+                "micro-batch(es)")
+        if algo.ptx_coef > 0 and mb < w:
+            raise ValueError(f"distributed.dp_strategy: fsdp with algo.ptx_coef > 0 needs train.micro_batch_size >= "
+                             f"the {w} {role} workers (each runs a part of every PTX micro-batch)")
