@@ -1,5 +1,5 @@
-"""Role names and colocation: which roles share worker processes. Pure Python (no torch, no Ray),
-so the config can validate a placement instantly.
+"""Role names and colocation: which roles share worker processes, and how FSDP roles must split
+their batches. Pure Python (no torch, no Ray), so the config can validate a placement instantly.
 
 A *role* is one of ``actor, critic, reward, reference, rollout``. Each role has ``world_size``
 workers (``num_nodes × devices_per_node``, one device each). Colocated roles live in the *same*
