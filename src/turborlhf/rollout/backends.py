@@ -26,8 +26,8 @@ from turborlhf.engine.hardware import best_time, cached_probe, cpu_features, wei
 
 from .llama_ops import mkldnn_packing_available
 
-__all__ = ["choose_linear_backend", "vllm_kwargs", "choose_weight_dtype", "choose_rollout_dtype", "decode_fp32_over_bf16",
-           "warn_once", "MKLDNN_BF16_FEATURES"]
+__all__ = ["choose_linear_backend", "vllm_kwargs", "choose_weight_dtype", "choose_rollout_dtype",
+           "decode_fp32_over_bf16", "warn_once", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
 # packed weights at run time (weights change after every policy update; no recompile). FastEngine

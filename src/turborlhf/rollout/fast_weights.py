@@ -135,7 +135,8 @@ class FastEngineWeights:
         engine dtype), then re-pack the oneDNN weights of the layers touched. Partial updates
         are allowed. Wrapper prefixes ('module.', '_orig_mod.') are stripped; rotary buffers
         are ignored. With tied embeddings 'lm_head.weight' writes the shared embedding. Tensors
-        on another device (a trainer on a GPU) are copied to the CPU first. Seconds spent are left in `last_weight_update` ({'copy_s', 'repack_s', 'tensors'}).
+        on another device (a trainer on a GPU) are copied to the CPU first. Seconds spent are
+        left in `last_weight_update` ({'copy_s', 'repack_s', 'tensors'}).
         Raises KeyError on an unknown name, ValueError on a bad shape."""
         t0 = time.perf_counter()
         dirty: set[int] = set()
