@@ -254,6 +254,8 @@ def prompt_end(target_mask_BT: torch.Tensor, attention_mask_BT: torch.Tensor) ->
 def _prompt_groups(ids_BT: torch.Tensor, valid_BT: torch.Tensor, prompt_end_B: torch.Tensor) -> list[list[int]]:
     """Rows grouped by identical prompts: the same prompt end column and the same real tokens before
     it. Groups in order of first appearance."""
+    # one copy from a GPU, not one sync per row
+    ids_BT, valid_BT, prompt_end_B = ids_BT.cpu(), valid_BT.cpu(), prompt_end_B.cpu()
     groups: dict[tuple, list[int]] = {}
     for b in range(ids_BT.shape[0]):
         e = int(prompt_end_B[b])

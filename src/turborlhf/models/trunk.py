@@ -188,7 +188,8 @@ def trunk_hidden_states(backbone: nn.Module, cache: TrunkCache, input_ids_BT: to
     valid_BT = attention_mask_BT.bool()
     on = torch.is_autocast_enabled(dev.type)
     ctx = (str(dev), on, torch.get_autocast_dtype(dev.type) if on else None)
-    keys = [(ctx, tuple(input_ids_BT[b][valid_BT[b]].tolist())) for b in range(B)]
+    ids_cpu, valid_cpu = input_ids_BT.cpu(), valid_BT.cpu()     # one copy from a GPU, not one sync per row
+    keys = [(ctx, tuple(ids_cpu[b][valid_cpu[b]].tolist())) for b in range(B)]
     rows = [cache.get(k) for k in keys]
     miss = [b for b, h in enumerate(rows) if h is None]
     cache.hits += B - len(miss)
