@@ -244,8 +244,9 @@ def _round_bf16(p: torch.Tensor) -> torch.Tensor:
 def _rounded_matrices(model: torch.nn.Module):
     """Within the block (no grad), a forward of `model` reads every 2-D floating parameter rounded
     to bf16, as FastEngine's bf16 weights are, without a rounded copy of the whole model (540 MB
-    for SmolLM2-135M in fp32), and with the rounding read while it is in cache: 0.12 → 0.06 s of
-    a 0.27 → 0.21 s trainer side there (2-core Xeon, natively and limited to AVX2 alike).
+    for SmolLM2-135M in fp32), and with the rounding read while it is in cache: 0.12 → 0.06 s per
+    check there, natively and limited to AVX2 alike (the trainer side 0.27 → 0.21 s and 0.33 →
+    0.28 s; 2-core Xeon).
 
     - A matrix of one module only (the projections): rounded into a buffer just before that
       module's forward and put back after it (a module called inside its own forward keeps its
