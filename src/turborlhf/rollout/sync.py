@@ -221,7 +221,7 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
             else:
                 with _rounded_matrices(model) as missed:
                     logits_BSV = model(**kw).logits
-                if missed:     # a matrix read outside its module's forward: round a copy of them all
+                if missed:     # a matrix whose module never ran may have been read unrounded: round a copy
                     params = {n: _round_bf16(p) if _is_matrix(p) else p for n, p in model.named_parameters()}
                     logits_BSV = torch.func.functional_call(model, params, (), kw).logits
             for i, (p, r) in enumerate(zip(canary.prompts, canary.responses)):
@@ -312,8 +312,8 @@ def _rounded_matrices(model: torch.nn.Module):
             for mod, n in owners[pid]:
                 whole.append((mod, n, mod._parameters[n]))
                 mod._parameters[n] = r
-        for mod in model.modules():
-            if any(_is_matrix(p) and id(p) not in shared for p in mod._parameters.values() if id(p) in owners):
+        for mod in model.modules():            # the shared matrices are swapped out by now: the rest
+            if any(p is not None and id(p) in owners for p in mod._parameters.values()):
                 handles += [mod.register_forward_pre_hook(swap_in), mod.register_forward_hook(swap_back)]
         yield missed
     finally:
@@ -324,8 +324,8 @@ def _rounded_matrices(model: torch.nn.Module):
         active.clear()
         for mod, n, p in whole:
             mod._parameters[n] = p
-        missed.update(n for n, p in model.named_parameters()
-                      if _is_matrix(p) and id(p) in owners and id(p) not in shared and id(p) not in seen)
+        covered = shared | seen
+        missed.update(n for n, p in model.named_parameters() if id(p) in owners and id(p) not in covered)
 
 
 def verify_sync(engine, model: torch.nn.Module, canary: Canary, tol: Optional[float] = None,
