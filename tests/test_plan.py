@@ -105,6 +105,17 @@ def test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, head, pac
     assert est["saved"] == pytest.approx(measured, rel=0.01), (est, measured)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa-tied", "mha-untied"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_activation_formula_with_recomputed_logits(tmp_path, monkeypatch, shape, dtype, variant):
+    """Above `MAX_KEPT_LOGITS_BYTES` the LM head keeps its hidden states instead of its logits."""
+    import turborlhf.models.head_logprobs as HL
+
+    monkeypatch.setattr(HL, "MAX_KEPT_LOGITS_BYTES", 0)
+    test_activation_formula_equals_saved_tensor_bytes(tmp_path, shape, "lm", False, dtype, variant)
+
+
 def test_model_shape_counts_parameters_from_config_only(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

@@ -109,3 +109,69 @@ def test_labels_outside_the_vocabulary_are_refused():
     labels[2] = head.weight.shape[0]
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 301\), got"):
         head_logprobs(h, head, labels)
+
+
+def _saved_shapes(fn):
+    """Shapes of every tensor autograd saves for the backward while `fn` runs."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_recomputed_logits_give_the_kept_ones_results_and_are_not_saved(path, frozen_head):
+    h, head, labels, w = _case(N=37, V=301, spread=30.0)
+    head.requires_grad_(not frozen_head)
+    results = {}
+    for keep in (True, False):
+        hh = h.clone().requires_grad_()
+        head.zero_grad()
+        (lp, ent), shapes = _saved_shapes(lambda: head_logprobs(hh, head, labels, 0.7, True, rows=8, keep_logits=keep))
+        (lp * w).sum().backward()
+        assert ((37, 301) in shapes) == keep, shapes                     # the N×V logits, kept or not
+        results[keep] = (lp.detach(), ent, hh.grad, None if frozen_head else head.weight.grad.clone())
+    for a, b, what in zip(results[True], results[False], ("logp", "entropy", "dh", "dW")):
+        if a is not None:
+            # the recomputing path's matmuls go 8 rows at a time, the kept path's over all rows
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def test_logits_above_the_limit_are_recomputed_on_both_paths(monkeypatch):
+    """`keep_logits=None` keeps them up to MAX_KEPT_LOGITS_BYTES; the plain path (a wrapped head)
+    checkpoints its chunks above it. Same log-probs and gradients either way."""
+    from turborlhf.models.forward import response_logprobs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    ids = torch.randint(0, 300, (3, 12))
+    mask, target = torch.ones_like(ids), torch.zeros_like(ids)
+    target[:, 5:] = 1
+    n_scored = 3 * 7
+
+    def run():
+        model.zero_grad()
+        (lp, _), shapes = _saved_shapes(lambda: response_logprobs(model, ids, mask, target, with_entropy=True,
+                                                                  chunk_tokens=8))
+        lp.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return lp.detach(), grads, any(s[-1:] == (300,) and len(s) == 2 and s[0] >= 8 for s in shapes)
+
+    for plain in (False, True):
+        if plain:                                       # a hook makes the head unfusable: the plain path
+            model.lm_head.register_forward_hook(lambda m, i, o: o)
+        monkeypatch.setattr(HL, "MAX_KEPT_LOGITS_BYTES", 1 << 30)
+        lp_kept, g_kept, saved_logits = run()
+        assert saved_logits
+        monkeypatch.setattr(HL, "MAX_KEPT_LOGITS_BYTES", n_scored * 300 * 4 - 1)
+        lp_re, g_re, saved_logits = run()
+        assert not saved_logits
+        torch.testing.assert_close(lp_re, lp_kept, rtol=1e-5, atol=1e-5)
+        for a, b in zip(g_re, g_kept):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

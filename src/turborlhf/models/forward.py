@@ -24,11 +24,12 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from turborlhf.algo.losses import entropy_from_logits
 from turborlhf.data.tokenize import pad_batch, pad_masks
 from turborlhf.engine.train import autocast
-from turborlhf.models.head_logprobs import fusable_head, head_logprobs
+from turborlhf.models.head_logprobs import fusable_head, head_logprobs, keeps_logits
 from turborlhf.models.load import backbone_of
 from turborlhf.models.trunk import trunk_hidden_states
 
@@ -177,6 +178,19 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
     return h_NH.new_zeros((B * T, h_NH.shape[-1])).index_copy(0, idx_N, h_NH).view(B, T, -1)
 
 
+def _plain_head_chunk(head: nn.Module, h_nH: torch.Tensor, labels_n: torch.Tensor, temperature: float,
+                      with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`response_logprobs`' plain path for one chunk of positions: (log-probs, entropies or None)."""
+    logits = head(h_nH).float()                                              # n×V
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.gather(-1, labels_n[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, entropy_from_logits(logits if entropy_grad else logits.detach())
+
+
 @_on_model_device
 def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                       target_mask_BT: torch.Tensor, with_entropy: bool = False,
@@ -193,8 +207,10 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         with_entropy: also return the entropy of the predictive distribution at those positions.
         entropy_grad: keep the entropy in the autograd graph (for an entropy bonus); otherwise
             it is computed without grad (a metric only).
-        chunk_tokens: positions per LM-head chunk (`head_logprobs`'s ``rows``; on the plain path,
-            for a wrapped head or an entropy bonus, peak extra memory ~ chunk_tokens·V·4 bytes).
+        chunk_tokens: positions per LM-head chunk (`head_logprobs`'s ``rows``; the plain path, for
+            a wrapped head or an entropy bonus, goes chunk by chunk too). With grad, the logits of
+            all positions are kept for the backward up to `MAX_KEPT_LOGITS_BYTES`; above it each
+            chunk's are recomputed there.
         temperature: the logits are divided by it first: the distribution the rollout engine samples
             from at that temperature (PPO/GRPO score their samples this way, as verl, OpenRLHF and
             TRL do). Must be > 0.
@@ -221,15 +237,16 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         lp, ent = head_logprobs(h_NH, head, labels_N, temperature, with_entropy, chunk_tokens)
         logps, ents = [lp], ([ent] if with_entropy else [])
     else:                               # a wrapped head, or an entropy bonus (its gradient): plain autograd
+        # each chunk's fp32 logits are kept for the backward, or recomputed there where all of them
+        # would pass `head_logprobs`' limit
+        recompute = torch.is_grad_enabled() and not keeps_logits(h_NH.shape[0], head.weight.shape[0], 4)
         for s in range(0, h_NH.shape[0], chunk_tokens):
-            logits = head(h_NH[s:s + chunk_tokens]).float()                  # n×V
-            if temperature != 1.0:
-                logits = logits / temperature
-            lse = torch.logsumexp(logits, dim=-1)
-            logps.append(logits.gather(-1, labels_N[s:s + chunk_tokens, None]).squeeze(-1) - lse)
+            args = (head, h_NH[s:s + chunk_tokens], labels_N[s:s + chunk_tokens], temperature, with_entropy,
+                    entropy_grad)
+            lp, ent = checkpoint(_plain_head_chunk, *args, use_reentrant=False) if recompute else _plain_head_chunk(*args)
+            logps.append(lp)
             if with_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    ents.append(entropy_from_logits(logits if entropy_grad else logits.detach()))
+                ents.append(ent)
     B, T = input_ids_BT.shape
     logp_BT = hidden.new_zeros((B, T), dtype=torch.float32)
     ent_BT = hidden.new_zeros((B, T), dtype=torch.float32) if with_entropy else None

@@ -22,6 +22,10 @@ follow). A row holding a NaN/inf logit gets NaN outputs. The entropy is ``log s 
 y the scaled logits minus their maximum and s = Σ exp y: both terms are non-negative, so nothing
 cancels (the reason TRL and OpenRLHF use ``−Σ p·log p`` is unshifted logits).
 
+Above `MAX_KEPT_LOGITS_BYTES` of logits the backward recomputes each chunk's instead of keeping
+them all (docs/memory.md): one more head matmul per chunk, 376 → 491 ms for the 512 fp32
+positions above.
+
 Where the C library is unavailable (no compiler, `TURBORLHF_KERNELS=0`, not x86-64 Linux) or the
 tensors are not on the CPU, the same maths runs as torch ops on the kept logits.
 """
@@ -35,10 +39,16 @@ import torch
 
 from turborlhf.algo.logprobs import entropy_from_logits
 
-__all__ = ["head_logprobs", "fusable_head", "load_kernels"]
+__all__ = ["head_logprobs", "fusable_head", "keeps_logits", "load_kernels", "MAX_KEPT_LOGITS_BYTES"]
 
 _SRC = Path(__file__).resolve().parent.parent / "engine" / "headsoftmax.c"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+MAX_KEPT_LOGITS_BYTES = 1 << 30
+"""The most logit bytes `head_logprobs` keeps for the backward. Larger (long rows, large
+vocabularies: 8192 positions of a 152k vocabulary are 2.5 GB in bf16) the backward recomputes each
+chunk's logits instead, one more head matmul (about a third more of the head's cost), as Liger's
+fused linear cross-entropy does; the kept memory is then the hidden states (``N×H``)."""
 
 
 def _type_kernels(lib: ctypes.CDLL) -> None:
@@ -106,15 +116,22 @@ def _backward(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, lse_N: torch
 
 class _HeadLogprobs(torch.autograd.Function):
     """(log p(label), entropy or None) per row of ``h_NH`` under ``softmax(h·Wᵀ / T)``, h and W in
-    the compute dtype; the entropy carries no gradient. Keeps every row's logits for the backward,
-    which goes `rows` rows at a time."""
+    the compute dtype; the entropy carries no gradient. With `keep`, every row's logits are kept for
+    the backward, which goes `rows` rows at a time; without, the forward goes `rows` rows at a time
+    too and the backward recomputes each chunk's logits with the same matmul (the same bits)."""
 
     @staticmethod
-    def forward(ctx, h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int):  # type: ignore[override]
-        z_NV = torch.mm(h_NH, W_VH.t())                                  # N×V, compute dtype
-        lse, logp, ent = _forward(z_NV, labels_N, temperature, with_entropy)
-        # the hidden states only for the head's own gradient (a frozen head, as under LoRA, needs none)
-        ctx.save_for_backward(h_NH if ctx.needs_input_grad[1] else None, W_VH, labels_N, z_NV, lse)
+    def forward(ctx, h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int, keep: bool):  # type: ignore[override]
+        if keep:
+            z_NV = torch.mm(h_NH, W_VH.t())                              # N×V, compute dtype
+            lse, logp, ent = _forward(z_NV, labels_N, temperature, with_entropy)
+        else:
+            z_NV = None
+            logp, ent, lse = _no_grad(h_NH, W_VH, labels_N, temperature, with_entropy, rows, with_lse=True)
+        # the hidden states for the head's own gradient (a frozen head, as under LoRA, needs none
+        # unless the logits are recomputed)
+        h_kept = h_NH if ctx.needs_input_grad[1] or not keep else None
+        ctx.save_for_backward(h_kept, W_VH, labels_N, z_NV, lse)
         ctx.temperature, ctx.rows = temperature, rows
         if ent is not None:
             ctx.mark_non_differentiable(ent)
@@ -124,31 +141,41 @@ class _HeadLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp_N, g_ent_N):  # type: ignore[override]
         h_NH, W_VH, labels_N, z_NV, lse = ctx.saved_tensors
-        N, rows = z_NV.shape[0], ctx.rows
+        N, rows = labels_N.shape[0], ctx.rows
         dh = torch.empty(N, W_VH.shape[1], dtype=W_VH.dtype, device=W_VH.device) if ctx.needs_input_grad[0] else None
         dW = None
         for s in range(0, N, rows):
-            dz = _backward(z_NV[s:s + rows], labels_N[s:s + rows], ctx.temperature, lse[s:s + rows],
-                           g_logp_N[s:s + rows])
+            z = z_NV[s:s + rows] if z_NV is not None else torch.mm(h_NH[s:s + rows], W_VH.t())
+            dz = _backward(z, labels_N[s:s + rows], ctx.temperature, lse[s:s + rows], g_logp_N[s:s + rows])
+            del z
             if dh is not None:
                 torch.mm(dz, W_VH, out=dh[s:s + rows])
             if ctx.needs_input_grad[1]:
                 part = torch.mm(dz.t(), h_NH[s:s + rows])
                 dW = part if dW is None else dW.add_(part)
-        return dh, dW, None, None, None, None
+        return dh, dW, None, None, None, None, None
 
 
-def _no_grad(h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int):
-    """`_HeadLogprobs.forward` without a backward to keep logits for: `rows` rows at a time."""
+def _no_grad(h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int, with_lse: bool = False):
+    """`_HeadLogprobs.forward` without keeping logits: `rows` rows at a time. Returns
+    ``(logp, entropy or None)``, and the log-sum-exp third with `with_lse`."""
     out = [_forward(torch.mm(h_NH[s:s + rows], W_VH.t()), labels_N[s:s + rows], temperature, with_entropy)
            for s in range(0, h_NH.shape[0], rows)] or [_forward(h_NH.new_empty(0, W_VH.shape[0]), labels_N,
                                                                 temperature, with_entropy)]
     logp = torch.cat([o[1] for o in out])
-    return logp, torch.cat([o[2] for o in out]) if with_entropy else None
+    ent = torch.cat([o[2] for o in out]) if with_entropy else None
+    return (logp, ent, torch.cat([o[0] for o in out])) if with_lse else (logp, ent)
+
+
+def keeps_logits(positions: int, vocab: int, itemsize: int) -> bool:
+    """Whether `head_logprobs` keeps the ``positions×vocab`` logits (`itemsize` bytes each) for the
+    backward: up to `MAX_KEPT_LOGITS_BYTES`; above, the backward recomputes them chunk by chunk."""
+    return positions * vocab * itemsize <= MAX_KEPT_LOGITS_BYTES
 
 
 def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Tensor, temperature: float = 1.0,
-                  with_entropy: bool = False, rows: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  with_entropy: bool = False, rows: int = 1024,
+                  keep_logits: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-position log-probability of ``labels_N`` (and the entropy, without gradient) under
     ``softmax(head(h_NH) / temperature)``, differentiable in `h_NH` and the head's weight.
 
@@ -159,13 +186,16 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Ten
         labels_N: int64 token ids ``N``, each in ``[0, V)``.
         temperature: the logits are divided by it (> 0).
         with_entropy: also return the entropy per position (a metric: no gradient flows from it).
-        rows: positions per chunk where chunks are used: the whole forward without grad, the
-            backward's logit gradients (``rows·V`` values in the compute dtype at a time).
+        rows: positions per chunk where chunks are used: the whole forward without grad or
+            without kept logits, the backward's logit gradients (``rows·V`` values in the compute
+            dtype at a time, twice that when the logits are recomputed).
+        keep_logits: keep the ``N×V`` logits for the backward (True) or recompute them there chunk
+            by chunk (False); None: keep them up to `MAX_KEPT_LOGITS_BYTES` (`keeps_logits`).
 
     Returns:
         ``(logp_N, entropy_N or None)``, fp32. Memory kept for the backward: the ``N×V`` logits in
-        the compute dtype (the plain path keeps them in fp32), the head weight's cast and, when the
-        head trains, the hidden states in the compute dtype.
+        the compute dtype when they are kept, the head weight's cast and the hidden states in the
+        compute dtype (when the head trains or the logits are recomputed).
 
     Raises:
         ValueError: a label outside ``[0, V)`` (the C passes index the logits with it).
@@ -179,5 +209,7 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Ten
     with torch.autocast(dev, enabled=False):
         if not (torch.is_grad_enabled() and (h_NH.requires_grad or head.weight.requires_grad)):
             return _no_grad(h_NH.to(cdt), head.weight.to(cdt), *args)
+        if keep_logits is None:
+            keep_logits = keeps_logits(h_NH.shape[0], V, cdt.itemsize)
         # the casts outside the Function: autograd hands each gradient back in its tensor's dtype
-        return _HeadLogprobs.apply(h_NH.to(cdt), head.weight.to(cdt), *args)
+        return _HeadLogprobs.apply(h_NH.to(cdt), head.weight.to(cdt), *args, bool(keep_logits))

@@ -178,9 +178,14 @@ def train_activation_bytes(s: ModelShape, rows: int, row_len: int, resp_tokens: 
     const = N * ((4 * E + 4 if lora_rank else 8 * E + 4 + 8) + (1 if head == "lm" else 0))
     rope = N * 8 * D                                                # cos/sin, kept outside checkpointed layers
     if head == "lm":   # `head_logprobs`: the logits in the compute dtype, log-sum-exp, labels, the head's cast
-        hidden = 0 if lora_rank else w * E                          # a frozen head needs no input for its grad
-        out = resp_tokens * (w * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
-        transient = min(resp_tokens, HEAD_CHUNK) * V * w            # one chunk of logit gradients
+        from turborlhf.models.head_logprobs import keeps_logits
+        if keeps_logits(resp_tokens, V, w):
+            hidden = 0 if lora_rank else w * E                      # a frozen head needs no input for its grad
+            out = resp_tokens * (w * V + hidden + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
+            transient = min(resp_tokens, HEAD_CHUNK) * V * w        # one chunk of logit gradients
+        else:          # the logits recomputed chunk by chunk in backward: the hidden states kept instead
+            out = resp_tokens * (w * E + 12) + (2 * s.lm_head if dtype == "bf16" else 0)
+            transient = 2 * min(resp_tokens, HEAD_CHUNK) * V * w    # a chunk's logits and their gradients
     elif head == "values":   # the scalar head runs in fp32 (`apply_score_head`): it keeps an fp32 input
         out, transient = N * 4 * E, 0
     else:
