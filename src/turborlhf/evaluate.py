@@ -153,7 +153,11 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
         tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]
         logger.info(f"[eval-policy] conditional-SFT policy: generating with tag {tag['tag']}")
-    gen_dtype = compute_dtype(dtype, "cuda" if engine == "vllm" else device.type)
+    if engine == "vllm":
+        from turborlhf.rollout.backends import vllm_device_type
+        gen_dtype = compute_dtype(dtype, vllm_device_type())
+    else:
+        gen_dtype = compute_dtype(dtype, device.type)
     # the policy's side of the KL: an fp32 engine's temperature-1 log-probs of its samples are the
     # policy forward's (the weight-sync check measures them equal to ~1e-6) and save that forward; a
     # bf16 engine rounds differently from the scoring models, so they score both sides there

