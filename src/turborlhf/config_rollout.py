@@ -45,7 +45,8 @@ class RolloutFields(BaseModel):
         None, gt=0, le=1, description="share of its GPU that vLLM takes for weights and KV cache (vLLM's "
         "gpu_memory_utilization, OpenRLHF's --vllm_gpu_memory_utilization); default: 0.9 (vLLM's) where the rollout "
         "engine has its GPU to itself (Ray, not colocated), 0.5 (verl's) where the trainer's models share it (the "
-        "local backend, distributed.colocate_all_models)")
+        "local backend, distributed.colocate_all_models); vLLM's CPU build reads it as a share of host memory, so there "
+        "the default is divided among the node's engines (distributed.rollout.devices_per_node)")
     verify_sync: bool = Field(True, description="after each weight push, check the engine's log-probs on a fixed "
                                                 "canary batch against the trainer's (rollout/sync.py)")
     sync_tolerance: Optional[float] = Field(

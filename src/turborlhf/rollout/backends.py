@@ -53,14 +53,21 @@ _KERNEL_FEATURES = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx2", "f
 _WARNED: set[str] = set()
 
 
-def vllm_kwargs(rollout, shares_gpu: bool) -> dict:
+def vllm_kwargs(rollout, shares_gpu: bool, engines_per_host: int = 1) -> dict:
     """Constructor arguments for `turborlhf.rollout.vllm.VLLMEngine` from a ``rollout`` section
     (empty for the other engines): vLLM's ``gpu_memory_utilization`` is
     ``rollout.vllm_gpu_memory_utilization``, or 0.5 where the trainer's models are on the same GPU
-    (`shares_gpu`; vLLM's own 0.9 would not fit beside them) and 0.9 where they are not."""
+    (`shares_gpu`; vLLM's own 0.9 would not fit beside them) and 0.9 where they are not. vLLM's
+    CPU build reads the share as one of the host's memory, which all `engines_per_host` engines of
+    a node share: there the default is divided among them (each reserving 0.5 of the host, a
+    second engine could not start)."""
     if rollout.engine != "vllm":
         return {}
-    share = rollout.vllm_gpu_memory_utilization or (0.5 if shares_gpu else 0.9)
+    share = rollout.vllm_gpu_memory_utilization
+    if share is None:
+        share = 0.5 if shares_gpu else 0.9
+        if vllm_device_type() == "cpu":
+            share /= max(1, engines_per_host)
     return {"llm_kwargs": {"gpu_memory_utilization": float(share)}}
 
 

@@ -355,7 +355,9 @@ class RolloutWorker:
         # vLLM fixes its log-prob mode per engine (the other engines take it per call)
         kw = {"logprobs_mode": logprobs_mode(self.cfg)} if roll.engine == "vllm" else {}
         dist = self.cfg.distributed
-        kw.update(vllm_kwargs(roll, shares_gpu=dist.backend != "ray" or dist.colocate_all_models))
+        ray = dist.backend == "ray"
+        kw.update(vllm_kwargs(roll, shares_gpu=not ray or dist.colocate_all_models,
+                              engines_per_host=dist.rollout.devices_per_node if ray else 1))
         return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
                            weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **kw)
 
