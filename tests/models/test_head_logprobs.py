@@ -137,8 +137,10 @@ def test_recomputed_logits_give_the_kept_ones_results_and_are_not_saved(path, fr
         results[keep] = (lp.detach(), ent, hh.grad, None if frozen_head else head.weight.grad.clone())
     for a, b, what in zip(results[True], results[False], ("logp", "entropy", "dh", "dW")):
         if a is not None:
-            # the recomputing path's matmuls go 8 rows at a time, the kept path's over all rows
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+            # the recomputing path's matmuls go 8 rows at a time, the kept path's over all rows: the
+            # BLAS may round them differently (bit-identical on the AMX Xeon, ~1e-6 of the norm when
+            # limited to AVX2, for gradients of up to ~100)
+            assert (a - b).norm() <= 1e-5 * b.norm(), what
 
 
 def test_logits_above_the_limit_are_recomputed_on_both_paths(monkeypatch):
@@ -172,6 +174,6 @@ def test_logits_above_the_limit_are_recomputed_on_both_paths(monkeypatch):
         monkeypatch.setattr(HL, "MAX_KEPT_LOGITS_BYTES", n_scored * 300 * 4 - 1)
         lp_re, g_re, saved_logits = run()
         assert not saved_logits
-        torch.testing.assert_close(lp_re, lp_kept, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lp_re, lp_kept, rtol=1e-4, atol=1e-5)    # chunked matmuls may round apart
         for a, b in zip(g_re, g_kept):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
