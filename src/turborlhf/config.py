@@ -343,8 +343,9 @@ class DistributedCfg(Cfg):
                           "bit-for-bit equal (the reference, a reward model and a critic with freeze_layers, all from "
                           "one SFT model) run those layers once per sequence and only their upper layers each "
                           "(turborlhf.models.trunk; same results). local backend, without ref_reward_offload")
-    rollout_sleep: bool = Field(False, description="rollout engines free their weights while the actor trains and "
-                                                   "rebuild them at the next weight sync (vLLM sleep mode)")
+    rollout_sleep: bool = Field(False, description="rollout engines free their memory while the actor trains: vLLM's "
+                                                   "sleep mode on its GPU build, else closed and rebuilt at the next "
+                                                   "weight sync")
     dp_strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="data parallelism of trained roles with >1 worker: ddp = replicas + gradient "
                            "all-reduce; fsdp = FSDP2 fully_shard (parameters, gradients and optimizer sharded)")

@@ -101,6 +101,13 @@ class FakeLLM:
         self.resets += 1
         return True
 
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        return True
+
 
 class FakeVLLM(types.SimpleNamespace):
     def __init__(self, llm):
@@ -251,8 +258,11 @@ def test_close_frees_the_engine_and_leaves_a_callers_process_group_alone(model, 
     """`close` drops the LLM and runs vLLM's cleanup (process groups, cached device memory) only
     where the engine's process group is vLLM's own; evaluation closes its engine before the
     scoring models load."""
-    cleanups = []
+    import turborlhf.rollout.vllm as V
+
+    cleanups, trims = [], []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: group_before)
+    monkeypatch.setattr(V, "release_freed_memory", lambda: trims.append(1))    # trainers keep freed memory
     worker = tiny_llama(0)
     fake = FakeVLLM(FakeLLM(worker))
     fake.distributed = types.SimpleNamespace(cleanup_dist_env_and_memory=lambda: cleanups.append(1))
@@ -260,7 +270,7 @@ def test_close_frees_the_engine_and_leaves_a_callers_process_group_alone(model, 
     tmp = eng._tmp.name
     eng.close()
     eng.close()                                                           # a second call does nothing
-    assert eng.llm is None and cleanups == ([] if group_before else [1])
+    assert eng.llm is None and cleanups == ([] if group_before else [1]) and trims == [1]
     assert not __import__("os").path.exists(tmp)                         # the config written for vLLM
     with pytest.raises(RuntimeError, match="engine was closed"):
         eng.generate(prompts, SamplingParams(max_new_tokens=2))
@@ -313,3 +323,53 @@ def test_on_the_cpu_build_the_default_share_is_divided_among_a_hosts_engines(mon
     assert share(RolloutCfg(engine="vllm", vllm_gpu_memory_utilization=0.4), shares_gpu=True, engines_per_host=2) == 0.4
     monkeypatch.setattr(B, "vllm_device_type", lambda: "cuda")
     assert share(RolloutCfg(engine="vllm"), shares_gpu=True, engines_per_host=2) == 0.5
+
+
+@pytest.mark.parametrize("build", ["cuda", "cpu"])
+def test_sleep_mode_where_the_build_has_it(model, prompts, monkeypatch, build):
+    """GPU builds: vLLM's sleep mode (level 1), woken by the next call; the CPU build has none
+    (vLLM raises for enable_sleep_mode there), so the engine says it cannot sleep."""
+    import turborlhf.rollout.vllm as V
+
+    monkeypatch.setattr(V, "_vllm_device_type", lambda: build)
+    fake = FakeVLLM(FakeLLM(tiny_llama(0)))
+    eng = VLLMEngine(model, dtype="fp32", vllm_module=fake, sleep_mode=True)
+    assert eng.can_sleep is (build == "cuda") and fake.built[0].get("enable_sleep_mode", False) is eng.can_sleep
+    if not eng.can_sleep:
+        with pytest.raises(RuntimeError, match="without sleep mode"):
+            eng.sleep()
+        return
+    eng.sleep()
+    eng.sleep()                                                   # already asleep: nothing more
+    eng.generate(prompts[:1], SamplingParams(max_new_tokens=2))
+    eng.generate(prompts[:1], SamplingParams(max_new_tokens=2))
+    events = [c for c in fake._llm.calls if isinstance(c, tuple)]
+    assert events == [("sleep", 1), ("wake_up", None)]
+
+
+def test_a_sleeping_rollout_worker_closes_an_engine_that_cannot_sleep():
+    """`distributed.rollout_sleep`: an engine without sleep mode is closed before it is dropped (a
+    dropped vLLM engine kept its reservation, and the next one could not start); one with sleep
+    mode sleeps and is kept."""
+    from turborlhf.trainers.ppo.roles import RolloutWorker
+
+    class Engine:
+        def __init__(self, can_sleep):
+            self.can_sleep, self.events = can_sleep, []
+
+        def sleep(self):
+            self.events.append("sleep")
+
+        def close(self):
+            self.events.append("close")
+
+    for can_sleep, kept, events in [(False, False, ["close"]), (True, True, ["sleep"])]:
+        w = RolloutWorker.__new__(RolloutWorker)
+        w.cfg = types.SimpleNamespace(distributed=types.SimpleNamespace(rollout_sleep=True))
+        w.engine = eng = Engine(can_sleep)
+        w.sleep()
+        assert (w.engine is eng) is kept and eng.events == events
+    w.cfg.distributed.rollout_sleep = False
+    w.engine = eng = Engine(False)
+    w.sleep()
+    assert w.engine is eng and eng.events == []

@@ -50,6 +50,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from turborlhf.engine.malloc import release_freed_memory
+
 from ._util import check_prompts, resolve_dtype, strip_wrapper_prefixes
 from .backends import vllm_device_type as _vllm_device_type
 from .base import RolloutOutput, SamplingParams
@@ -117,6 +119,9 @@ class VLLMEngine:
     llm_kwargs: extra `vllm.LLM` arguments (e.g. gpu_memory_utilization, max_model_len).
     logprobs_mode: vLLM's ``logprobs_mode``, the only `SamplingParams.logprobs_mode` this engine
         answers (``processed_logprobs`` or ``raw_logprobs``).
+    sleep_mode: build with vLLM's sleep mode (``enable_sleep_mode``) where the build has it (GPUs):
+        then `sleep` offloads the weights to host memory and drops the KV cache, and the next call
+        wakes the engine (`can_sleep`). vLLM's CPU build has none.
     llm, vllm_module: an already built LLM-like object and module-like namespace with
         `SamplingParams` (tests inject fakes; normal use leaves both None).
     Raises ImportError (with install instructions) when vllm is not installed.
@@ -125,7 +130,7 @@ class VLLMEngine:
     def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 256,
                  enforce_eager: Optional[bool] = None, in_process: bool = True, seed: int = 0,
                  llm_kwargs: Optional[dict] = None, llm: Any = None, vllm_module: Any = None,
-                 logprobs_mode: str = "processed_logprobs"):
+                 logprobs_mode: str = "processed_logprobs", sleep_mode: bool = False):
         self.logprobs_mode = logprobs_mode
         self.dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
@@ -152,6 +157,9 @@ class VLLMEngine:
                 kw.update(model=self._tmp.name, load_format="dummy", skip_tokenizer_init=True)
             else:
                 kw.update(model=str(model_or_path), skip_tokenizer_init=True)
+            self.can_sleep = bool(sleep_mode) and _vllm_device_type() == "cuda"
+            if self.can_sleep:
+                kw["enable_sleep_mode"] = True
             kw.update(llm_kwargs or {})
             # vLLM makes its own process group unless this process already has one (`close`)
             self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -160,7 +168,9 @@ class VLLMEngine:
             self.llm = self._vllm.LLM(**kw)
         else:
             self._owns_group = False
+            self.can_sleep = bool(sleep_mode) and hasattr(llm, "sleep")
             self.llm = llm
+        self._asleep = False
         self.last_weight_update: dict = {}
         # vLLM's CPU build packs a tied LM head once (`_repack_tied_head`)
         self._tied_cpu_head = bool(getattr(self.config, "tie_word_embeddings", False)) and _vllm_device_type() == "cpu"
@@ -251,7 +261,20 @@ class VLLMEngine:
     def _live(self):
         if self.llm is None:
             raise RuntimeError("this vLLM engine was closed (VLLMEngine.close)")
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
         return self.llm
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode, level 1 (`can_sleep` engines only: weights to host memory, the KV
+        cache dropped) until the next call, which wakes the engine first. Raises RuntimeError on an
+        engine built without it (`RolloutWorker.sleep` closes those instead)."""
+        if not self.can_sleep:
+            raise RuntimeError("this vLLM engine was built without sleep mode (sleep_mode=True, on a GPU build)")
+        if not self._asleep:
+            self._live().sleep(level=1)
+            self._asleep = True
 
     def close(self) -> None:
         """Frees what the engine holds on its device (weights, KV cache), so that another engine or
@@ -268,9 +291,13 @@ class VLLMEngine:
         if cleanup is not None:
             cleanup()
         else:
+            gc.unfreeze()           # vLLM freezes the objects it made at start-up out of the collector's reach
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        # back to the system: trainers keep freed memory in the heap (`engine.malloc`), and vLLM's
+        # CPU build checks the host's free memory when the next engine starts
+        release_freed_memory()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

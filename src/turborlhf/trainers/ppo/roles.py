@@ -336,8 +336,9 @@ class RolloutWorker:
     """One rollout engine (`turborlhf.rollout.make_engine`), built from the actor's initial weights
     (or the resumed checkpoint's) and kept in sync by `load_weights`.
 
-    With ``distributed.rollout_sleep`` the engine is dropped by `sleep` (while the actor trains)
-    and rebuilt by the next `load_weights` (which always precedes the next generation)."""
+    With ``distributed.rollout_sleep`` the engine sleeps while the actor trains (`sleep`: vLLM's
+    sleep mode on a GPU build, else closed, dropped and rebuilt by the next `load_weights`, which
+    always precedes the next generation)."""
 
     def __init__(self, cfg, ckpt: Optional[str], threads: int = 0) -> None:
         setup_worker(cfg, threads)
@@ -353,7 +354,8 @@ class RolloutWorker:
     def _build(self):
         roll = self.cfg.rollout
         # vLLM fixes its log-prob mode per engine (the other engines take it per call)
-        kw = {"logprobs_mode": logprobs_mode(self.cfg)} if roll.engine == "vllm" else {}
+        kw = ({"logprobs_mode": logprobs_mode(self.cfg), "sleep_mode": self.cfg.distributed.rollout_sleep}
+              if roll.engine == "vllm" else {})
         dist = self.cfg.distributed
         ray = dist.backend == "ray"
         kw.update(vllm_kwargs(roll, shares_gpu=not ray or dist.colocate_all_models,
@@ -394,5 +396,15 @@ class RolloutWorker:
         return check_engine(self.engine, trainer_logprobs, canary, tol).metrics()
 
     def sleep(self) -> None:
-        if self.cfg.distributed.rollout_sleep:
-            self.engine = None
+        """With ``distributed.rollout_sleep``, free the engine's memory while the actor trains:
+        vLLM's sleep mode where the engine has it (`VLLMEngine.can_sleep`), else the engine is
+        closed (a vLLM engine keeps its device reservation until closed) and dropped, and the next
+        call builds it again."""
+        if not self.cfg.distributed.rollout_sleep or self.engine is None:
+            return
+        if getattr(self.engine, "can_sleep", False):
+            self.engine.sleep()
+            return
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+        self.engine = None
