@@ -46,6 +46,7 @@ import importlib
 import os
 import tempfile
 import time
+import types
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -282,8 +283,10 @@ class VLLMEngine:
         `vllm.distributed.cleanup_dist_env_and_memory` (its process groups, a garbage collection,
         the device's cached blocks). Where the process had a torch.distributed group before the
         engine was built, that group is left alone: only the garbage collection and
-        `torch.cuda.empty_cache` run. The engine cannot generate afterwards; a second call does
-        nothing. Written against vLLM's API; run on the CPU build only (docs/rollout.md)."""
+        `torch.cuda.empty_cache` run. Then the heap's free memory goes back to the system
+        (`turborlhf.engine.malloc.release_freed_memory`). The engine cannot generate afterwards; a
+        second call does nothing. Written against vLLM's API; run on the CPU build only
+        (docs/rollout.md)."""
         if self.llm is None:
             return
         self.llm = None
@@ -306,7 +309,7 @@ class VLLMEngine:
 def _cleanup_fn(vllm_module):
     """vLLM's `cleanup_dist_env_and_memory`, or None where the installed vLLM has none."""
     dist = getattr(vllm_module, "distributed", None)
-    if dist is None and isinstance(vllm_module, type(os)):
+    if dist is None and isinstance(vllm_module, types.ModuleType):
         try:
             dist = importlib.import_module(vllm_module.__name__ + ".distributed")
         except ImportError:
