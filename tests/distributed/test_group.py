@@ -161,3 +161,34 @@ def test_ppo_marks_the_roles_that_need_no_gpu(monkeypatch):
                                                                   "data.prompts_file=z", "rollout.device=cuda"])
     driver.build_roles(cfg, None)
     assert not seen["reward"].cpu_only and not seen["rollout"].cpu_only
+
+
+def test_a_sibling_argument_is_computed_by_the_colocated_role_in_the_same_process():
+    """`Sibling(role, method)` reaches the called role as the result of the other role's method in
+    the same worker: the colocated weight push hands each engine its own process's actor weights."""
+    from turborlhf.config import load_config, PPOConfig
+    from turborlhf.distributed.group import Host, Sibling
+    from turborlhf.trainers.ppo.driver import colocated_push
+
+    class Actor:
+        def __init__(self):
+            self.w = {"x": object()}
+
+        def local_weights(self):
+            return self.w
+
+    class Engine:
+        def load_weights(self, state, tag=None):
+            self.got = (state, tag)
+
+    h = Host()
+    h.build("actor", Actor)
+    h.build("rollout", Engine)
+    h.call("rollout", "load_weights", Sibling("actor", "local_weights"), tag=Sibling("actor", "local_weights"))
+    assert h.objs["rollout"].got == (h.objs["actor"].w, h.objs["actor"].w)      # the very objects: no copy
+
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "distributed.backend=ray"]
+    assert colocated_push(load_config(PPOConfig, overrides=base + ["distributed.colocate_all_models=true"]))
+    assert not colocated_push(load_config(PPOConfig, overrides=base))
+    assert not colocated_push(load_config(PPOConfig, overrides=base + ["distributed.colocate_all_models=true",
+                                                                       "distributed.dp_strategy=fsdp"]))

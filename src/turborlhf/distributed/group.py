@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 # collective error caused by that death (Ray notices a killed process within about a second)
 DEATH_GRACE_S = 10.0
 
-__all__ = ["WorkerError", "WorkerDiedError", "WorkerTimeoutError", "Host", "LocalGroup", "RayGroup", "Pending"]
+__all__ = ["WorkerError", "WorkerDiedError", "WorkerTimeoutError", "Host", "LocalGroup", "RayGroup", "Pending",
+           "Sibling"]
 
 
 class WorkerError(RuntimeError):
@@ -55,6 +57,17 @@ class WorkerTimeoutError(WorkerError):
 # ----------------------------------------------------------------------------------------------
 # One worker process
 # ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sibling:
+    """An argument that the receiving worker's own process computes: the result of ``method()`` of
+    the ``role`` object it holds beside the called one (colocated roles). Nothing crosses between
+    processes: ``rollout.run_alive("load_weights", Sibling("actor", "local_weights"))`` hands each
+    engine its own process's actor weights (verl's hybrid-engine handoff). Resolved by `Host.call`;
+    the roles must share their workers."""
+    role: str
+    method: str
+
 
 class Host:
     """One worker process holding the role objects placed on it (several when roles are
@@ -95,7 +108,12 @@ class Host:
         self.objs[name] = cls(*args, **kwargs)
 
     def call(self, name: str, method: str, *args, **kwargs):
+        args = tuple(self._resolve(a) for a in args)
+        kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
         return getattr(self.objs[name], method)(*args, **kwargs)
+
+    def _resolve(self, arg):
+        return getattr(self.objs[arg.role], arg.method)() if isinstance(arg, Sibling) else arg
 
     def call_put(self, name: str, method: str, *args, **kwargs):
         """`call`, with the result put in the object store here; returns ``[ref]`` (a list, so the

@@ -287,8 +287,14 @@ class ActorWorker(Trainable):
         if dp_rank_world()[0] != 0:
             return None
         if self.cfg.distributed.backend != "ray":   # in this process: the engine copies from the trainer's own
-            return {n: p.detach() for n, p in merged_named_parameters(self.model)}   # tensors (LoRA merged)
+            return self.local_weights()             # tensors (LoRA merged)
         return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # to the object store
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's own parameters by HF name (LoRA merged), for a rollout engine in the same
+        process (`distributed.colocate_all_models` on Ray with DDP, where every rank holds them all):
+        the engine copies them, nothing goes through the object store."""
+        return {n: p.detach() for n, p in merged_named_parameters(self.model)}
 
     def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
         """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),

@@ -60,7 +60,7 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
 from turborlhf.config import PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
-from turborlhf.distributed.group import WorkerError
+from turborlhf.distributed.group import Sibling, WorkerError
 from turborlhf.distributed.placement import RoleSpec, launch
 from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
@@ -126,19 +126,28 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 # 1. Rollouts: seeded work items spread over the rollout engines
 # ----------------------------------------------------------------------------------------------
 
-def sync_weights(cluster, canary=None, tol: float = 0.05) -> dict:
+def sync_weights(cluster, canary=None, tol: float = 0.05, colocated: bool = False) -> dict:
     """Weight sync: actor rank 0's parameters reach every live rollout engine (one object-store
-    copy read by all engines under Ray; a plain dict locally). With a `canary`, every engine's
+    copy read by all engines under Ray; a plain dict locally), or with `colocated` (`colocated_push`)
+    each engine takes those of the actor rank in its own process. With a `canary`, every engine's
     log-probs on it are checked against the actor's (`turborlhf.rollout.sync`): WeightSyncError,
     naming the rollout worker, when one disagrees by more than `tol`. Returns the sync metrics of
     the worst engine (empty without a canary)."""
     t0 = time.perf_counter()
-    weights = cluster["actor"].ref0("weights")
+    weights = Sibling("actor", "local_weights") if colocated else cluster["actor"].ref0("weights")
     cluster["rollout"].run_alive("load_weights", weights)
     if canary is None:
         return {}
     t_push = time.perf_counter() - t0
     return _check_engines(cluster, canary, tol) | {M.T_WEIGHT_PUSH: t_push}
+
+
+def colocated_push(cfg: PPOConfig) -> bool:
+    """Whether each rollout engine takes its weights from the actor rank in its own process: on Ray
+    with every role on the same workers (`distributed.colocate_all_models`) and DDP, where every
+    actor rank holds the whole model (FSDP shards it: rank 0 gathers and the object store carries)."""
+    d = cfg.distributed
+    return d.backend == "ray" and d.colocate_all_models and d.dp_strategy == "ddp"
 
 
 def start_sync_check(cluster, cfg: PPOConfig, prompt_ids: list[list[int]]):
@@ -434,7 +443,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         set_rng_state(st["rng"])
         gen.set_state(st["gen"])
         start = st["step"]
-        sync_weights(cluster)   # the engines hold the checkpoint's actor (a LoRA checkpoint: they started from the base)
+        # the engines hold the checkpoint's actor (a LoRA checkpoint: they started from the base)
+        sync_weights(cluster, colocated=colocated_push(cfg))
         logger.info(f"[ppo] resumed from {ckpt} at step {start}")
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
@@ -508,7 +518,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     t0 = time.perf_counter()
     sync_metrics = {}
     if train_actor:  # push, then the canary check on every engine (WeightSyncError if one disagrees)
-        sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance)
+        sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance, colocated_push(cfg))
         pipe.pushed(step)
     t_sync = time.perf_counter() - t0
     metrics = _rollout_metrics(exp, kl_ctl.value)
