@@ -143,6 +143,11 @@ class VLLMEngine:
             from transformers import AutoConfig
             self.config = AutoConfig.from_pretrained(model_or_path)
         self.vocab_size = int(self.config.vocab_size)
+        build = _vllm_device_type()
+        # sleep mode exists on vLLM's GPU builds only; its CPU build packs a tied LM head once
+        # (`_repack_tied_head`)
+        self.can_sleep = bool(sleep_mode) and build == "cuda"
+        self._tied_cpu_head = bool(getattr(self.config, "tie_word_embeddings", False)) and build == "cpu"
         if llm is None:
             on_cpu = not torch.cuda.is_available()
             if enforce_eager is None:
@@ -158,7 +163,6 @@ class VLLMEngine:
                 kw.update(model=self._tmp.name, load_format="dummy", skip_tokenizer_init=True)
             else:
                 kw.update(model=str(model_or_path), skip_tokenizer_init=True)
-            self.can_sleep = bool(sleep_mode) and _vllm_device_type() == "cuda"
             if self.can_sleep:
                 kw["enable_sleep_mode"] = True
             kw.update(llm_kwargs or {})
@@ -169,12 +173,9 @@ class VLLMEngine:
             self.llm = self._vllm.LLM(**kw)
         else:
             self._owns_group = False
-            self.can_sleep = bool(sleep_mode) and hasattr(llm, "sleep")
             self.llm = llm
         self._asleep = False
         self.last_weight_update: dict = {}
-        # vLLM's CPU build packs a tied LM head once (`_repack_tied_head`)
-        self._tied_cpu_head = bool(getattr(self.config, "tie_word_embeddings", False)) and _vllm_device_type() == "cpu"
         if module is not None:
             self.load_weights(module.named_parameters())  # tied lm_head listed once, as trainers push
 
