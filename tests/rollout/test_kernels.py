@@ -1,6 +1,8 @@
 """The fused C decode kernels (turborlhf.rollout.kernels): the same maths as the torch path, in
 the engine and on their own, and a clean fallback when they cannot be built."""
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -169,6 +171,69 @@ def test_linear_ops_match_fp32_reference(M, K, N, dtype):
         y = KERN.linear(x, _packed(W, True), N, b, op=KERN.SWIGLU, out_f32=True)
         want = torch.nn.functional.silu(ref[:, :I]) * ref[:, I:]
         assert y.shape == (M, I) and torch.allclose(y, want, atol=1e-4, rtol=1e-4)
+
+
+needs_amx = pytest.mark.skipif(KERN is None or not KERN.amx,
+                               reason="bf16 linears without AMX tiles here (no amx_bf16, or Linux refused the tile state)")
+
+
+@pytest.fixture
+def amx_restored():
+    """Leaves the kernels' AMX switch as the library sets it, whatever a test does to it."""
+    yield KERN
+    KERN.set_amx(True, KERN.AMX_MIN_ROWS)
+
+
+@needs_amx
+@pytest.mark.parametrize("M", [1, 4, 15, 16, 17, 32, 33, 300])
+@pytest.mark.parametrize("K,N,op", [(64, 96, 0), (576, 960, 1), (64, 80, 2), (96, 40, 0), (130, 70, 0), (1536, 48, 1)])
+def test_amx_tiles_match_dot_products_and_fp32(amx_restored, M, K, N, op):
+    """AMX tiles (row counts on both sides of each 16-row tile and of a 32-row pass, K not a
+    multiple of 32 taking the dot products) against the AVX-512-BF16 dot products and fp32 maths
+    on the same bf16 inputs: both sum bf16 products in fp32, so only the summation order differs."""
+    g = torch.Generator().manual_seed(M * 7 + K + N)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    W = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    other = torch.randn(M, N, generator=g).bfloat16() if op == KERN.ADD else None
+    p = _packed(W, op == KERN.SWIGLU)
+    ref = x.float() @ W.float().T + b.float() + (other.float() if other is not None else 0)
+    if op == KERN.SWIGLU:
+        ref = torch.nn.functional.silu(ref[:, :N // 2]) * ref[:, N // 2:]
+    out = {}
+    for amx in (False, True):
+        assert amx_restored.set_amx(amx, 1) is amx
+        out[amx] = KERN.linear(x, p, N, b, other, op, out_f32=True)
+    assert torch.allclose(out[True], ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4)
+
+
+@needs_linear
+def test_amx_switch(amx_restored):
+    """set_amx(False) turns the tiles off on every host; on a host without them True stays False."""
+    assert KERN.set_amx(False) is False and KERN.amx is False
+    assert KERN.set_amx(True, KERN.AMX_MIN_ROWS) is bool(KERN.lib.amx_enable(1, 0))
+
+
+@needs_amx
+def test_amx_tiles_after_onednn_released_them():
+    """oneDNN (torch's bf16 matmuls on an AMX CPU) configures and releases the same threads' tiles:
+    the kernels must configure theirs on every call. In a child process, since a tile instruction
+    without a configuration is SIGILL."""
+    code = (
+        "import torch\n"
+        "from turborlhf.rollout import kernels\n"
+        "K = kernels.load(warn=False); assert K.amx\n"
+        "W = torch.randn(512, 256).bfloat16(); p = K.new_packed(512, 256); K.pack_rows(W, p, 0, 512)\n"
+        "a = torch.randn(64, 256).bfloat16()\n"
+        "for i in range(3):\n"
+        "    K.linear(a[:32].contiguous(), p, 512)\n"
+        "    torch.nn.functional.linear(a, W)\n"
+        "    y = K.linear(a, p, 512, out_f32=True)\n"
+        "assert torch.allclose(y, a.float() @ W.float().T, atol=1e-3)\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
 @LINEAR_DTYPES

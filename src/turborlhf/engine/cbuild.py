@@ -70,7 +70,8 @@ def isa_flags() -> list[str]:
       -mtune=native``, the AVX2 baseline every such CPU has, so GCC emits none of the extensions
       (AVX-VNNI, AMX...) a real AVX2-only CPU such as AMD Zen 3 lacks;
     - otherwise no AVX-512 at all → ``-march=native -mno-avx512f`` (GCC then drops every AVX-512
-      subset); AVX-512 without AVX-512-BF16 → ``-march=native -mno-avx512bf16``.
+      subset); AVX-512 without AVX-512-BF16 → ``-march=native -mno-avx512bf16``; and on a CPU
+      with AMX that this process may not use (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``), no AMX.
     So the C sources' ``#ifdef __AVX512F__`` / ``__AVX512BF16__`` paths are compiled exactly where
     they may run."""
     from turborlhf.engine import hardware
@@ -83,6 +84,8 @@ def isa_flags() -> list[str]:
         flags.append("-mno-avx512f")
     elif "avx512_bf16" not in feats:
         flags.append("-mno-avx512bf16")
+    if "amx_bf16" not in feats and "amx_bf16" in hardware.host_cpu_features():
+        flags += ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
     return flags
 
 

@@ -185,7 +185,8 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
 
 def _time_decode_linear(kernels, dtype: torch.dtype, M: int = 8, K: int = 576, N: int = 1536, reps: int = 20) -> float:
     """Best-of-`reps` seconds of the kernel library's linear on bf16-stored weights with `dtype`
-    activations (bf16: ``vdpbf16ps``; fp32: widened weights and fp32 FMAs), at a decode shape."""
+    activations (bf16: ``vdpbf16ps``, or AMX tiles where they run; fp32: widened weights and fp32
+    FMAs), at a decode shape."""
     g = torch.Generator().manual_seed(0)
     W = torch.randn(N, K, generator=g) / K ** 0.5
     p = kernels.new_packed(N, K, False, dtype, torch.bfloat16)
@@ -197,9 +198,12 @@ def _time_decode_linear(kernels, dtype: torch.dtype, M: int = 8, K: int = 576, N
 def decode_fp32_over_bf16(kernels) -> float:
     """Time of FastEngine's fp32 decode linear on bf16 weights over its bf16 one, on this CPU
     (below 1: the fp32 arithmetic is faster). A few milliseconds, cached per host with the other
-    probes (`turborlhf.engine.hardware.cached_probe`). On a 2-core Xeon with AMX the whole engine
-    decoded 1.3-1.4× faster with fp32 arithmetic (`docs/benchmarks.md`)."""
-    return cached_probe("decode_fp32_over_bf16", lambda: _time_decode_linear(kernels, torch.float32)
+    probes (`turborlhf.engine.hardware.cached_probe`; a separate entry where the bf16 linears use
+    AMX tiles). On a 2-core Xeon with AMX, before the bf16 linears used its tiles, the whole engine
+    decoded 1.3-1.4× faster with fp32 arithmetic (`docs/benchmarks.md`); with them, bf16 wins
+    from 8 rows (docs/rollout.md)."""
+    name = "decode_fp32_over_bf16" + ("_amx" if getattr(kernels, "amx", False) else "")
+    return cached_probe(name, lambda: _time_decode_linear(kernels, torch.float32)
                         / max(_time_decode_linear(kernels, torch.bfloat16), 1e-9))
 
 

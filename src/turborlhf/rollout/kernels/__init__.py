@@ -9,7 +9,8 @@ torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
 What is built depends on the instruction sets this process may use (`cbuild.isa_flags`, from
 `turborlhf.engine.hardware.cpu_features`): attention and RMSNorm always (portable C, with an
 AVX-512-BF16 inner loop for bf16 attention where available); the bf16 linears only with
-AVX-512-BF16; the fp32 linears with AVX2 + FMA; the sampler everywhere (AVX-512
+AVX-512-BF16, multiplying on AMX tiles from a few rows on where the CPU has AMX (`set_amx`); the
+fp32 linears with AVX2 + FMA; the sampler everywhere (AVX-512
 intrinsics, else plain loops). `linear_dtypes` says which linears
 exist; FastEngine uses nothing else to decide.
 """
@@ -38,6 +39,7 @@ class DecodeKernels:
         (float32 or bfloat16). Raises ValueError on a dtype/layout mismatch.
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
     has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
+    amx: they run on AMX tiles from `AMX_MIN_ROWS` rows of x on (`set_amx`).
     linear_dtypes: the dtypes with packed linears and `decode_layers` (bf16: AVX-512-BF16;
         float32: AVX2 + FMA). The float32 linears also read weights stored in bf16
         (`weight_dtype=torch.bfloat16`: half the bytes, the same fp32 arithmetic, each weight
@@ -63,6 +65,8 @@ class DecodeKernels:
         self.linear_dtypes: frozenset = frozenset(
             ([torch.bfloat16] if self.has_linear else []) + ([torch.float32] if lib.f32_linear_available() else []))
         self.has_sampler = True            # (AVX-512 intrinsics, or loops GCC vectorises for AVX2)
+        lib.amx_enable.argtypes, lib.amx_enable.restype = [I, I], I
+        self.amx = self.set_amx(True, self.AMX_MIN_ROWS)
         layers_args = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P, I, I, I, I, I, I, I,
                        F, F, P]
         self._pack, self._lin, self._layers = {}, {}, {}
@@ -85,6 +89,18 @@ class DecodeKernels:
             if dt in self.linear_dtypes:
                 self._pack[dt] = getattr(lib, f"{suf}_linear_pack_rows")
                 self._layers[dt] = getattr(lib, f"decode_layers_{suf}")
+
+    # From this many rows of x the bf16 linears use AMX tiles where they can (below it the
+    # AVX-512-BF16 dot products stream the weights as fast: 1 row, 2-core AMX Xeon).
+    AMX_MIN_ROWS = 4
+
+    def set_amx(self, on: bool, min_rows: int = 0) -> bool:
+        """Whether the bf16 linears multiply on AMX tiles from `min_rows` rows of x on (0: keep the
+        current threshold). True only where the library was built for AMX (a compiler targeting
+        amx-tile and amx-bf16) and Linux granted this process the tile state; False turns them
+        off (the AVX-512-BF16 dot products then do all rows). Returns the state now in force."""
+        self.amx = bool(self.lib.amx_enable(int(on), int(min_rows)))
+        return self.amx
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn
