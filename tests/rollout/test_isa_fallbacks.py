@@ -42,6 +42,8 @@ def test_isa_flags_follow_cpu_features(monkeypatch):
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     for host, allowed, want in ((avx512 | {"avx512_bf16", "amx_bf16"},) * 2 + (["-march=native"],),
                                 (avx512 | {"avx512_bf16"}, avx512, ["-march=native", "-mno-avx512bf16"]),
+                                (avx512 | {"avx512_bf16", "amx_bf16"}, avx512 | {"avx512_bf16"},   # AMX limited away
+                                 ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]),
                                 (avx512, avx2, ["-march=x86-64-v3", "-mtune=native"]),
                                 (avx2, avx2, ["-march=native", "-mno-avx512f"])):
         monkeypatch.setattr(hardware, "host_cpu_features", lambda h=host: h)
