@@ -200,8 +200,8 @@ def decode_fp32_over_bf16(kernels) -> float:
     (below 1: the fp32 arithmetic is faster). A few milliseconds, cached per host with the other
     probes (`turborlhf.engine.hardware.cached_probe`; a separate entry where the bf16 linears use
     AMX tiles). On a 2-core Xeon with AMX, before the bf16 linears used its tiles, the whole engine
-    decoded 1.3-1.4× faster with fp32 arithmetic (`docs/benchmarks.md`); with them, bf16 wins
-    from 8 rows (docs/rollout.md)."""
+    decoded 1.3-1.4× faster with fp32 arithmetic (`docs/benchmarks.md`); with them, bf16 is the
+    faster at the probe's 8 rows (docs/rollout.md)."""
     name = "decode_fp32_over_bf16" + ("_amx" if getattr(kernels, "amx", False) else "")
     return cached_probe(name, lambda: _time_decode_linear(kernels, torch.float32)
                         / max(_time_decode_linear(kernels, torch.bfloat16), 1e-9))

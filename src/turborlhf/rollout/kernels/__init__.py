@@ -66,7 +66,9 @@ class DecodeKernels:
             ([torch.bfloat16] if self.has_linear else []) + ([torch.float32] if lib.f32_linear_available() else []))
         self.has_sampler = True            # (AVX-512 intrinsics, or loops GCC vectorises for AVX2)
         lib.amx_enable.argtypes, lib.amx_enable.restype = [I, I], I
-        self.amx = self.set_amx(True, self.AMX_MIN_ROWS)
+        if not getattr(lib, "amx_initialised", False):      # once per library: the switch is the library's
+            lib.amx_initialised = True
+            self.set_amx(True, self.AMX_MIN_ROWS)
         layers_args = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P, I, I, I, I, I, I, I,
                        F, F, P]
         self._pack, self._lin, self._layers = {}, {}, {}
@@ -98,9 +100,16 @@ class DecodeKernels:
         """Whether the bf16 linears multiply on AMX tiles from `min_rows` rows of x on (0: keep the
         current threshold). True only where the library was built for AMX (a compiler targeting
         amx-tile and amx-bf16) and Linux granted this process the tile state; False turns them
-        off (the AVX-512-BF16 dot products then do all rows). Returns the state now in force."""
-        self.amx = bool(self.lib.amx_enable(int(on), int(min_rows)))
-        return self.amx
+        off (the AVX-512-BF16 dot products then do all rows). Returns the state now in force. The
+        switch belongs to the library, so it holds for every engine of the process; `load()`
+        leaves it as it is after the first time."""
+        return bool(self.lib.amx_enable(int(bool(on)), int(min_rows)))
+
+    @property
+    def amx(self) -> bool:
+        """Whether the bf16 linears use AMX tiles now (the switch is the loaded library's, shared
+        by every `DecodeKernels` of this process)."""
+        return bool(self.lib.amx_enable(-1, 0))
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn

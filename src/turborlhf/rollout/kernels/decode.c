@@ -440,10 +440,12 @@ static inline void bf16_block_out(const __m512 *acc, int64_t m0, int mb, int nb,
 #define TURBORLHF_AMX 1
 static int amx_on = 0, amx_min_rows = 4;
 
-int amx_enable(int on, int min_rows) {        /* → 1 if AMX tiles will be used, else 0 */
+/* on: 1 use the tiles (if granted), 0 do not, -1 leave as is; min_rows > 0 sets the threshold.
+ * Returns 1 if AMX tiles are now in use, else 0. */
+int amx_enable(int on, int min_rows) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    amx_on = on && granted;
+    if (on >= 0) amx_on = on && granted;
     if (min_rows > 0) amx_min_rows = min_rows;
     return amx_on;
 }
@@ -538,6 +540,8 @@ void bf16_linear(const bf16 *x, const bf16 *wp, const bf16 *bias, const bf16 *ot
     }
 #ifdef TURBORLHF_AMX
     if (configured >= 0) _tile_release();
+#else
+    (void)configured;
 #endif
     }
 }
