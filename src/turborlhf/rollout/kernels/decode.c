@@ -438,7 +438,7 @@ static inline void bf16_block_out(const __m512 *acc, int64_t m0, int mb, int nb,
 #include <sys/syscall.h>
 #include <unistd.h>
 #define TURBORLHF_AMX 1
-static int amx_on = 0, amx_min_rows = 4;
+static int amx_on = 0, amx_min_rows = 1;
 
 /* on: 1 use the tiles (if granted), 0 do not, -1 leave as is; min_rows > 0 sets the threshold.
  * Returns 1 if AMX tiles are now in use, else 0. */
