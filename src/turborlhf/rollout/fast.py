@@ -10,7 +10,7 @@ measures both in one process):
 - the engine owns a converted copy of the weights (bf16 by default) with q/k/v fused into one
   matrix and gate/up fused into one, refreshed in place by `load_weights` (no disk);
 - in bf16 the linears are our own AVX-512-BF16 kernels (`linear_backend='kernel'`,
-  `turborlhf.rollout.kernels`; on AMX tiles from 4 rows where the CPU has them) on weights
+  `turborlhf.rollout.kernels`; on AMX tiles where the CPU has them) on weights
   packed into 32-output blocks, with the residual add and silu(gate)·up fused in;
   `load_weights` packs the trainer's tensors straight into place (no dense copy of the layer
   matrices). Where they do not build: oneDNN with weights pre-packed into
