@@ -9,7 +9,7 @@ torch's OpenMP runtime and `torch.set_num_threads` (see cbuild).
 What is built depends on the instruction sets this process may use (`cbuild.isa_flags`, from
 `turborlhf.engine.hardware.cpu_features`): attention and RMSNorm always (portable C, with an
 AVX-512-BF16 inner loop for bf16 attention where available); the bf16 linears only with
-AVX-512-BF16, multiplying on AMX tiles from a few rows on where the CPU has AMX (`set_amx`); the
+AVX-512-BF16, multiplying on AMX tiles where the CPU has AMX (`set_amx`); the
 fp32 linears with AVX2 + FMA; the sampler everywhere (AVX-512
 intrinsics, else plain loops). `linear_dtypes` says which linears
 exist; FastEngine uses nothing else to decide.
