@@ -181,7 +181,7 @@ needs_amx = pytest.mark.skipif(KERN is None or not KERN.amx,
 def amx_restored():
     """Leaves the kernels' AMX switch as the library sets it, whatever a test does to it."""
     yield KERN
-    KERN.set_amx(True, KERN.AMX_MIN_ROWS)
+    KERN.set_amx(True)
 
 
 @needs_amx
@@ -202,7 +202,7 @@ def test_amx_tiles_match_dot_products_and_fp32(amx_restored, M, K, N, op):
         ref = torch.nn.functional.silu(ref[:, :N // 2]) * ref[:, N // 2:]
     out = {}
     for amx in (False, True):
-        assert amx_restored.set_amx(amx, 1) is amx
+        assert amx_restored.set_amx(amx) is amx
         out[amx] = KERN.linear(x, p, N, b, other, op, out_f32=True)
     assert torch.allclose(out[True], ref, atol=1e-4, rtol=1e-4)
     assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4)

@@ -39,7 +39,7 @@ class DecodeKernels:
         (float32 or bfloat16). Raises ValueError on a dtype/layout mismatch.
     rms_norm(x_BE, w_E, out_BE, eps): transformers' LlamaRMSNorm.
     has_linear: the bf16 decode linears below were built (the compiler targets AVX-512-BF16).
-    amx: they run on AMX tiles from `AMX_MIN_ROWS` rows of x on (`set_amx`).
+    amx: they run on AMX tiles (`set_amx`).
     linear_dtypes: the dtypes with packed linears and `decode_layers` (bf16: AVX-512-BF16;
         float32: AVX2 + FMA). The float32 linears also read weights stored in bf16
         (`weight_dtype=torch.bfloat16`: half the bytes, the same fp32 arithmetic, each weight
@@ -65,10 +65,10 @@ class DecodeKernels:
         self.linear_dtypes: frozenset = frozenset(
             ([torch.bfloat16] if self.has_linear else []) + ([torch.float32] if lib.f32_linear_available() else []))
         self.has_sampler = True            # (AVX-512 intrinsics, or loops GCC vectorises for AVX2)
-        lib.amx_enable.argtypes, lib.amx_enable.restype = [I, I], I
+        lib.amx_enable.argtypes, lib.amx_enable.restype = [I], I
         if not getattr(lib, "amx_initialised", False):      # once per library: the switch is the library's
             lib.amx_initialised = True
-            self.set_amx(True, self.AMX_MIN_ROWS)
+            self.set_amx(True)
         layers_args = [P, I, I, ctypes.POINTER(ctypes.c_void_p), P, P, P, P, ctypes.c_int64, P, I, I, I, I, I, I, I,
                        F, F, P]
         self._pack, self._lin, self._layers = {}, {}, {}
@@ -92,25 +92,21 @@ class DecodeKernels:
                 self._pack[dt] = getattr(lib, f"{suf}_linear_pack_rows")
                 self._layers[dt] = getattr(lib, f"decode_layers_{suf}")
 
-    # From this many rows of x the bf16 linears use AMX tiles where they can: every row count, as
-    # measured on a 2-core AMX Xeon (the tiles read the weights faster than the AVX-512-BF16 dot
-    # products even at 1 row: 1.31 against 1.77 ms for one SmolLM2 layer and its LM head).
-    AMX_MIN_ROWS = 1
-
-    def set_amx(self, on: bool, min_rows: int = 0) -> bool:
-        """Whether the bf16 linears multiply on AMX tiles from `min_rows` rows of x on (0: keep the
-        current threshold). True only where the library was built for AMX (a compiler targeting
+    def set_amx(self, on: bool) -> bool:
+        """Whether the bf16 linears multiply on AMX tiles (at every row count: on a 2-core AMX Xeon
+        they read the weights faster than the AVX-512-BF16 dot products even at 1 row, 1.31
+        against 1.77 ms for one SmolLM2 layer and its LM head). True only where the library was built for AMX (a compiler targeting
         amx-tile and amx-bf16) and Linux granted this process the tile state; False turns them
         off (the AVX-512-BF16 dot products then do all rows). Returns the state now in force. The
         switch belongs to the library, so it holds for every engine of the process; `load()`
         leaves it as it is after the first time."""
-        return bool(self.lib.amx_enable(int(bool(on)), int(min_rows)))
+        return bool(self.lib.amx_enable(int(bool(on))))
 
     @property
     def amx(self) -> bool:
         """Whether the bf16 linears use AMX tiles now (the switch is the loaded library's, shared
         by every `DecodeKernels` of this process)."""
-        return bool(self.lib.amx_enable(-1, 0))
+        return bool(self.lib.amx_enable(-1))
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._attn

@@ -328,8 +328,8 @@ int turborlhf_kernels_version(void) { return 3; }
  * or silu(gate)·up from the fused [gate; up] matrix. Why: oneDNN's packed bf16 linear at 1-32
  * rows reads weights at about half of the memory bandwidth on the 2-core CPU (docs/rollout.md).
  * Built only where the compiler targets avx512bf16; bf16_linear_available() says which. Where it
- * also targets AMX, from a few rows on the same packed weights go through AMX tiles instead
- * (amx_block below), several times the dot products' rate at 8-32 rows. */
+ * also targets AMX, the same packed weights go through AMX tiles instead (amx_block below):
+ * faster at every row count, several times the dot products' rate at 8-32 rows. */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 int bf16_linear_available(void) { return 1; }
@@ -431,22 +431,20 @@ static inline void bf16_block_out(const __m512 *acc, int64_t m0, int mb, int nb,
  * values, 2/3 the block's two halves × the same 32 K values, 4-7 the four 16×16 fp32 sums
  * (tdpbf16ps: products of bf16 pairs summed in fp32, as vdpbf16ps). Linux hands out the tile
  * state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: `amx_enable`), and
- * each thread loads its tile configuration for the rows it multiplies. Used only where K is a
- * multiple of 32 and at least `amx_min_rows` rows come (below that the vdpbf16ps tiles stream
- * the weights as fast). */
+ * each thread loads its tile configuration for the rows it multiplies. Used where K is a
+ * multiple of 32 (else the vdpbf16ps tiles). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define TURBORLHF_AMX 1
-static int amx_on = 0, amx_min_rows = 1;
+static int amx_on = 0;
 
-/* on: 1 use the tiles (if granted), 0 do not, -1 leave as is; min_rows > 0 sets the threshold.
- * Returns 1 if AMX tiles are now in use, else 0. */
-int amx_enable(int on, int min_rows) {
+/* on: 1 use the tiles (if granted), 0 do not, -1 leave as is. Returns 1 if AMX tiles are now
+ * in use, else 0. */
+int amx_enable(int on) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     if (on >= 0) amx_on = on && granted;
-    if (min_rows > 0) amx_min_rows = min_rows;
     return amx_on;
 }
 
@@ -490,7 +488,7 @@ static inline void amx_block(const bf16 *x, int rows, int K, const bf16 *w, __m5
     for (int m = 0; m < rows; ++m) { acc[2 * m] = _mm512_loadu_ps(sums + m * 32); acc[2 * m + 1] = _mm512_loadu_ps(sums + m * 32 + 16); }
 }
 #else
-int amx_enable(int on, int min_rows) { (void)on; (void)min_rows; return 0; }
+int amx_enable(int on) { (void)on; return 0; }
 #endif
 
 /* y = x W^T (+ bias) then: op 0 → y; 1 → y + other; 2 (swiglu-packed W) → silu(g)*u.
@@ -503,7 +501,7 @@ void bf16_linear(const bf16 *x, const bf16 *wp, const bf16 *bias, const bf16 *ot
     const int NB = swiglu ? (NO + 15) / 16 : (N + 31) / 32;
     const uint32_t *x32 = (const uint32_t *)x;
 #ifdef TURBORLHF_AMX
-    const int amx = amx_on && K % 32 == 0 && M >= amx_min_rows;
+    const int amx = amx_on && K % 32 == 0;
 #else
     const int amx = 0;
 #endif
@@ -635,7 +633,7 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
 int sampler_vectorised(void) { return 1; }
 #else
 int bf16_linear_available(void) { return 0; }
-int amx_enable(int on, int min_rows) { (void)on; (void)min_rows; return 0; }
+int amx_enable(int on) { (void)on; return 0; }
 int sampler_vectorised(void) { return 0; }
 
 /* sample_rows_f32 without AVX-512: the same three passes and the same walk, in plain loops that
