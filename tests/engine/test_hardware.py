@@ -167,6 +167,11 @@ def test_rollout_weight_dtype_choice():
     assert choose_weight_dtype("same", "fp32", "fast", "cpu", Fp32Linears()) == ("same", "set in the config")
     with pytest.raises(ValueError, match="FastEngine's"):
         choose_weight_dtype("bf16", "fp32", "vllm", "cuda", Fp32Linears())
+    assert choose_weight_dtype("bf16", "fp32", "fast", "cpu", Fp32Linears()) == ("bf16", "set in the config")
+    # set explicitly where the fp32 kernel linears are missing: the weights stay fp32, with one warning
+    with pytest.warns(UserWarning, match="weight_dtype=bf16 needs FastEngine's fp32 kernel linears"):
+        value, why = choose_weight_dtype("bf16", "fp32", "fast", "cpu", None)
+    assert value == "same" and "bf16 was set" in why
     with pytest.raises(ConfigError, match="rollout.weight_dtype=bf16"):
         load_config(PPOConfig, overrides=[*PPO_BASE, "rollout.dtype=fp32", "rollout.weight_dtype=bf16",
                                           "rollout.engine=hf"])

@@ -1,9 +1,11 @@
 """The fused C decode kernels (turborlhf.rollout.kernels): the same maths as the torch path, in
 the engine and on their own, and a clean fallback when they cannot be built."""
 import math
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,6 +391,35 @@ def test_bf16_weight_storage_errors(model):
     with pytest.raises(ValueError, match="needs the fp32 kernel linears"):
         FastEngine(model, dtype="fp32", linear_backend="dense", weight_dtype="bf16")
     assert FastEngine(model, dtype="fp32", linear_backend="dense", weight_dtype="fp32").weight_dtype == torch.float32
+
+
+def test_bf16_weight_storage_falls_back_where_the_host_lacks_the_kernel_linears(tmp_path):
+    """A host without the fp32 kernel linears (here: kernels switched off, as where no C compiler
+    or AVX2 exists) given weight_dtype='bf16' by a config resolved elsewhere (a Ray driver on
+    another kind of host) keeps fp32 weights with one warning instead of failing; options that
+    rule the kernels out explicitly still raise (test above)."""
+    code = f"""
+import sys, warnings, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from rollout_helpers import tiny_llama
+from turborlhf.rollout import SamplingParams
+from turborlhf.rollout.fast import FastEngine
+model = tiny_llama(4)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    e = FastEngine(model, dtype="fp32", weight_dtype="bf16")
+msgs = [str(x.message) for x in w if "kernel linears" in str(x.message)]
+assert e.weight_dtype == torch.float32 and e.linear_backend != "kernel", (e.weight_dtype, e.linear_backend)
+assert len(msgs) == 1 and "TURBORLHF_KERNELS" in msgs[0] and "keeping the weights in fp32" in msgs[0], msgs
+sp = SamplingParams(max_new_tokens=6, temperature=0.0, return_logprobs=True)
+a = e.generate([[1, 2, 3]], sp)
+b = FastEngine(model, dtype="fp32").generate([[1, 2, 3]], sp)
+assert a.response_ids == b.response_ids
+print("ok")
+"""
+    env = {**os.environ, "TURBORLHF_KERNELS": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
 @needs_kernels

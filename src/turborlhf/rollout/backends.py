@@ -27,7 +27,7 @@ from turborlhf.engine.hardware import best_time, cached_probe, cpu_features, wei
 from .llama_ops import mkldnn_packing_available
 
 __all__ = ["choose_linear_backend", "vllm_kwargs", "vllm_device_type", "choose_weight_dtype", "choose_rollout_dtype",
-           "decode_fp32_over_bf16", "warn_once", "MKLDNN_BF16_FEATURES"]
+           "decode_fp32_over_bf16", "warn_once", "kernel_linears_missing", "MKLDNN_BF16_FEATURES"]
 
 # ---- the packed linears as one opaque custom op, so a compiled step reads the engine's current
 # packed weights at run time (weights change after every policy update; no recompile). FastEngine
@@ -111,6 +111,25 @@ def _dt(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
+def kernel_linears_missing(dtype: torch.dtype = torch.float32, feats: Optional[frozenset] = None) -> Optional[str]:
+    """Why this process has no FastEngine kernel linears for `dtype` (one phrase for a warning),
+    or None where it has them: the instruction sets they need (`_KERNEL_FEATURES`), or the kernel
+    library itself (`turborlhf.engine.cbuild.compiler`: no C compiler, not x86-64 Linux,
+    ``TURBORLHF_KERNELS=0``; or a failed build)."""
+    feats = cpu_features() if feats is None else feats
+    isa = _missing(_KERNEL_FEATURES.get(dtype, ("<none>",)), feats)
+    if isa:
+        return f"{'/'.join(isa)}, this CPU has {_has(feats)}"
+    from turborlhf.engine.cbuild import compiler
+
+    if compiler() is None:
+        return "a C compiler on x86-64 Linux, and TURBORLHF_KERNELS not 0"
+    from .kernels import load
+
+    k = load(warn=False)
+    return None if k is not None and dtype in k.linear_dtypes else "the kernel library did not build here"
+
+
 def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: bool, int8: bool,
                           feats: Optional[frozenset] = None) -> str:
     """'kernel' | 'mkldnn' | 'dense' for FastEngine's `linear_backend=requested`.
@@ -164,21 +183,31 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
     compute in fp32 with its kernel linears (fp32 arithmetic on bf16-rounded weights, half the
     bytes a decode step reads; `turborlhf.rollout.fast.FastEngine`'s `weight_dtype`), else 'same'
     (the weights at `dtype`). kernels: the loaded `DecodeKernels` or None ('load':
-    `turborlhf.rollout.kernels.load()`). Raises ValueError for a combination
+    `turborlhf.rollout.kernels.load()`). An explicit 'bf16' for FastEngine in fp32 where its fp32
+    kernel linears are missing (`kernel_linears_missing`) falls back to 'same' with one warning,
+    as FastEngine itself does. Raises ValueError for a combination
     `turborlhf.engine.hardware.weight_dtype_conflict` refuses."""
     why = weight_dtype_conflict(requested, dtype, engine, device)
     if why:
         raise ValueError(why)
+    fast_fp32 = dtype == "fp32" and engine in ("auto", "fast") and device == "cpu"
+    if requested == "auto" or (requested == "bf16" and fast_fp32):
+        if kernels == "load":
+            from .kernels import load
+            kernels = load(warn=False)
+        has_kernels = kernels is not None and torch.float32 in kernels.linear_dtypes
     if requested != "auto":
+        if requested == "bf16" and fast_fp32 and not has_kernels:
+            missing = kernel_linears_missing() or "the kernel library did not load"
+            warn_once(f"rollout.weight_dtype=bf16 needs FastEngine's fp32 kernel linears ({missing}); "
+                      "keeping the weights at rollout.dtype (fp32)")
+            return "same", f"as rollout.dtype: bf16 was set, but FastEngine's fp32 kernel linears need {missing}"
         return requested, "set in the config"
     if dtype != "fp32":
         return "same", f"as rollout.dtype ({dtype})"
-    if engine not in ("auto", "fast") or device != "cpu":
+    if not fast_fp32:
         return "same", f"as rollout.dtype (bf16 weight storage is FastEngine's; this engine: {engine} on {device})"
-    if kernels == "load":
-        from .kernels import load
-        kernels = load(warn=False)
-    if kernels is None or torch.float32 not in kernels.linear_dtypes:
+    if not has_kernels:
         return "same", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
     return "bf16", "fp32 arithmetic on bf16-rounded weights: half the bytes per decode step"
 

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from ._util import check_prompts, resolve_dtype
-from .backends import _ENGINES, choose_linear_backend   # importing backends registers turborlhf::packed_linear
+from .backends import _ENGINES, choose_linear_backend, kernel_linears_missing, warn_once   # importing backends registers turborlhf::packed_linear
 from .base import RolloutOutput, SamplingParams
 from .fast_weights import _DOWN, _GATE, _O, _QKV, _UP, FastEngineWeights, _Layer
 from .llama_ops import _load_state_dict, _rms, _rope_inv_freq, _rope_signed, decode_mask, is_supported
@@ -143,7 +143,8 @@ class FastEngine(FastEngineWeights):
         self.linear_backend = choose_linear_backend(linear_backend, self.dtype, self._k, compile,
                                                     bool(self.int8_max_batch))
         self._kl, self._mkl = self.linear_backend == "kernel", self.linear_backend == "mkldnn"
-        self.weight_dtype = self._resolve_weight_dtype(weight_dtype)
+        self.weight_dtype = self._resolve_weight_dtype(weight_dtype, host_lacks_kernels=(
+            linear_backend == "auto" and kernels is not False and not compile and not self.int8_max_batch))
         if isinstance(model_or_path, torch.nn.Module):
             config = copy.deepcopy(model_or_path.config)
             state = model_or_path.state_dict()
@@ -207,8 +208,11 @@ class FastEngine(FastEngineWeights):
             dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, 512)
             self._compiled_step = torch.compile(self._step_graph, dynamic=False, fullgraph=True)
 
-    def _resolve_weight_dtype(self, weight_dtype: Optional[str]) -> torch.dtype:
-        """The packed matrices' storage dtype for the `weight_dtype` argument (docstring above)."""
+    def _resolve_weight_dtype(self, weight_dtype: Optional[str], host_lacks_kernels: bool = False) -> torch.dtype:
+        """The packed matrices' storage dtype for the `weight_dtype` argument (docstring above).
+        host_lacks_kernels: no option of this engine ruled the kernel linears out, so if they are
+        not here this host cannot build them; bf16 storage then falls back to `dtype` with one warning
+        (a Ray worker on another kind of host than the driver that resolved the config)."""
         if weight_dtype in (None, "same"):
             return self.dtype
         wdt = resolve_dtype(weight_dtype)
@@ -218,6 +222,10 @@ class FastEngine(FastEngineWeights):
             raise ValueError(f"weight_dtype={weight_dtype!r} with dtype {self.dtype}: only bf16 weights with fp32 "
                              "compute are supported")
         if not self._kl:
+            if host_lacks_kernels:
+                warn_once(f"FastEngine: weight_dtype='bf16' needs the fp32 kernel linears ({kernel_linears_missing()}); "
+                          f"keeping the weights in fp32 ({self.linear_backend} linears)")
+                return self.dtype
             raise ValueError(f"weight_dtype='bf16' needs the fp32 kernel linears (linear_backend 'kernel'); this "
                              f"engine uses {self.linear_backend!r}")
         return wdt
