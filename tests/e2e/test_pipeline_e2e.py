@@ -97,3 +97,59 @@ def test_eval_policy_pair_equals_two_evals_with_the_prompt_scored_once(tiny_mode
     assert [r["prompt"] for r in rows[0]] == [r["prompt"] for r in rows[1]] and len(rows[0]) == 6
     scores = [sum(r["score"] for r in rs) / 6 for rs in rows]
     assert scores == [pytest.approx(pb["reward_mean"], abs=1e-5), pytest.approx(pp["reward_mean"], abs=1e-5)]
+
+
+def _pipeline_cli(tiny_model, run_dir, *extra) -> list[str]:
+    return [sys.executable, "-m", "turborlhf", "pipeline", "--config", str(REPO / "configs/tiny/pipeline.yaml"),
+            f"model={tiny_model}", f"run_dir={run_dir}",
+            f"prepare.input={REPO / 'data/hh-rlhf/harmless-base-1800.jsonl.gz'}", *map(str, extra)]
+
+
+def _env() -> dict:
+    import os
+    return dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
+                HF_HUB_OFFLINE="1")
+
+
+def test_pipeline_stage_runs_in_its_own_process_and_stops_on_sigterm(tiny_model, tmp_path):
+    """A training stage is a child process of the pipeline; SIGTERM sent to the pipeline reaches it
+    once (forwarded: the child has a process group of its own), so the stage finishes its step,
+    saves a checkpoint and the pipeline exits with 143; ``--resume`` then finishes the run."""
+    import signal
+
+    import psutil
+
+    run_dir = tmp_path / "pipe"
+    cmd = _pipeline_cli(tiny_model, run_dir, "stages=[prepare,sft]", "sft.train.max_steps=400",
+                        "sft.train.save_every=0", "sft.log.progress=true")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
+    lines, stage_pids = [], set()
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("[sft] 2/"):        # the stage's training loop is running
+            stage_pids = {c.pid for c in psutil.Process(p.pid).children() if "python" in c.name().lower()}
+            p.send_signal(signal.SIGTERM)
+            break
+    rest = p.communicate(timeout=300)[0]
+    out = "".join(lines) + rest
+    assert stage_pids and p.pid not in stage_pids, out[-3000:]
+    assert p.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped:" in out and "Traceback" not in out, out[-3000:]
+    ckpts = list((run_dir / "sft" / "checkpoints").glob("step-*"))
+    assert ckpts and not (run_dir / "sft" / ".done").exists(), out[-3000:]
+    done = subprocess.run(_pipeline_cli(tiny_model, run_dir, "stages=[prepare,sft]", "sft.train.max_steps=400",
+                                        "sft.train.save_every=0", "sft.log.progress=false", "--resume"),
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run_dir / "sft" / ".done").exists() and "resum" in (done.stdout + done.stderr).lower()
+
+
+def test_pipeline_stage_error_is_one_line(tiny_model, tmp_path):
+    """An input error inside a stage's process comes back to the pipeline as the same error: one
+    line and exit code 2, no traceback."""
+    run_dir = tmp_path / "pipe"
+    r = subprocess.run(_pipeline_cli(tiny_model, run_dir, "stages=[sft]"), capture_output=True, text=True,
+                       env=_env(), cwd=REPO, timeout=300)        # no prepare stage: no data files
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "train_pairs.jsonl" in err[0] and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -33,7 +33,7 @@ from turborlhf.errors import UserError
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
-           "allow_config_change", "config_changes", "RESUME_EXEMPT", "run_to_end"]
+           "allow_config_change", "config_change_allowed", "config_changes", "RESUME_EXEMPT", "run_to_end"]
 
 # Fields that may differ on --resume without changing what is computed: where things go (the output
 # directory, the placement of roles on workers: Ray and the local backend train the same numbers),
@@ -77,6 +77,12 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: tree}
+
+
+def config_change_allowed() -> bool:
+    """Whether `allow_config_change` is in force here (``--resume-changed``): for a process that
+    runs a stage elsewhere and passes the permission on (`turborlhf.pipeline.run_stage_in_child`)."""
+    return _ALLOW_CHANGED.get()
 
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:

@@ -38,7 +38,7 @@ import platform
 import sys
 from typing import Optional
 
-__all__ = ["keep_freed_memory", "release_freed_memory", "prefer_huge_pages"]
+__all__ = ["keep_freed_memory", "keeps_freed_memory", "release_freed_memory", "prefer_huge_pages"]
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 _M_TRIM_THRESHOLD = -1
@@ -71,6 +71,11 @@ def keep_freed_memory() -> bool:
               and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1)
     _state["on"] = on
     return on
+
+
+def keeps_freed_memory() -> bool:
+    """Whether `keep_freed_memory` put its settings in effect in this process."""
+    return _state.get("on", False)
 
 
 def release_freed_memory() -> None:
