@@ -149,7 +149,7 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
     signal stops it at once); if this process dies, the child gets SIGTERM. An error of the child
     is raised here again (`UserError`, `RunError`, `RunInterrupted` with its exit code: the CLI
     prints its one line); an unexpected one prints its traceback in the child first. Raises
-    RuntimeError if the child dies without reporting (e.g. killed by the kernel's OOM killer)."""
+    `RunError` if the child dies without reporting (e.g. killed by the kernel's OOM killer)."""
     from turborlhf.engine.lifecycle import config_change_allowed
     from turborlhf.engine.malloc import keeps_freed_memory
 
@@ -186,8 +186,11 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
             err.exit_code = exit_code
         raise err
     if child.exitcode != 0:
-        raise RuntimeError(f"[pipeline] the {stage} stage's process exited with code {child.exitcode} "
-                           "without an error report (killed? the kernel's OOM killer sends SIGKILL, code -9)")
+        from turborlhf.errors import RunError
+
+        raise RunError(f"[pipeline] the {stage} stage's process ended with code {child.exitcode} without an error "
+                       "report (-9: killed, e.g. by the kernel's OOM killer); --resume continues from its last "
+                       "checkpoint")
 
 
 def _stage_main(stage: str, cfg, resume: bool, allow_changed: bool, keep_freed: bool, conn) -> None:

@@ -153,3 +153,25 @@ def test_pipeline_stage_error_is_one_line(tiny_model, tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "train_pairs.jsonl" in err[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_pipeline_reports_a_killed_stage_in_one_line(tiny_model, tmp_path):
+    """A stage's process killed outright (SIGKILL, as the kernel's OOM killer does) cannot report:
+    the pipeline says which stage ended how, in one line, and exits with 1."""
+    import signal
+
+    import psutil
+
+    cmd = _pipeline_cli(tiny_model, tmp_path / "pipe", "stages=[prepare,sft]", "sft.train.max_steps=400",
+                        "sft.log.progress=true")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
+    for line in p.stdout:
+        if line.startswith("[sft] 2/"):
+            for c in psutil.Process(p.pid).children():
+                if "spawn_main" in " ".join(c.cmdline()):
+                    c.send_signal(signal.SIGKILL)
+            break
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 1, out[-3000:]
+    err = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "sft stage's process ended with code -9" in err[0] and "Traceback" not in out, out[-3000:]
