@@ -68,7 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from ._util import check_prompts, resolve_dtype
-from .backends import _ENGINES, choose_linear_backend, kernel_linears_missing, warn_once   # importing backends registers turborlhf::packed_linear
+# importing backends registers turborlhf::packed_linear
+from .backends import _ENGINES, choose_linear_backend, kernel_linears_missing, warn_once
 from .base import RolloutOutput, SamplingParams
 from .fast_weights import _DOWN, _GATE, _O, _QKV, _UP, FastEngineWeights, _Layer
 from .llama_ops import _load_state_dict, _rms, _rope_inv_freq, _rope_signed, decode_mask, is_supported
@@ -223,7 +224,8 @@ class FastEngine(FastEngineWeights):
                              "compute are supported")
         if not self._kl:
             if host_lacks_kernels:
-                warn_once(f"FastEngine: weight_dtype='bf16' needs the fp32 kernel linears ({kernel_linears_missing()}); "
+                missing = kernel_linears_missing() or "they did not load"
+                warn_once(f"FastEngine: weight_dtype='bf16' needs the fp32 kernel linears ({missing}); "
                           f"keeping the weights in fp32 ({self.linear_backend} linears)")
                 return self.dtype
             raise ValueError(f"weight_dtype='bf16' needs the fp32 kernel linears (linear_backend 'kernel'); this "
