@@ -191,24 +191,24 @@ def choose_weight_dtype(requested: str, dtype: str, engine: str, device: str, ke
     if why:
         raise ValueError(why)
     fast_fp32 = dtype == "fp32" and engine in ("auto", "fast") and device == "cpu"
-    if requested == "auto" or (requested == "bf16" and fast_fp32):
-        if kernels == "load":
-            from .kernels import load
-            kernels = load(warn=False)
-        has_kernels = kernels is not None and torch.float32 in kernels.linear_dtypes
-    if requested != "auto":
-        if requested == "bf16" and fast_fp32 and not has_kernels:
-            missing = kernel_linears_missing() or "the kernel library did not load"
-            warn_once(f"rollout.weight_dtype=bf16 needs FastEngine's fp32 kernel linears ({missing}); "
-                      "keeping the weights at rollout.dtype (fp32)")
-            return "same", f"as rollout.dtype: bf16 was set, but FastEngine's fp32 kernel linears need {missing}"
+    if requested != "auto" and not (requested == "bf16" and fast_fp32):
         return requested, "set in the config"
-    if dtype != "fp32":
-        return "same", f"as rollout.dtype ({dtype})"
     if not fast_fp32:
-        return "same", f"as rollout.dtype (bf16 weight storage is FastEngine's; this engine: {engine} on {device})"
-    if not has_kernels:
-        return "same", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
+        why = "" if dtype != "fp32" else f"; bf16 weight storage is FastEngine's, this engine: {engine} on {device}"
+        return "same", f"as rollout.dtype ({dtype}{why})"
+    # FastEngine in fp32 on the CPU: bf16 storage needs its fp32 kernel linears
+    if kernels == "load":
+        from .kernels import load
+        kernels = load(warn=False)
+    if kernels is None or torch.float32 not in kernels.linear_dtypes:
+        if requested == "auto":
+            return "same", "as rollout.dtype (FastEngine's fp32 kernel linears are not available here)"
+        missing = kernel_linears_missing() or "the kernel library did not load"
+        warn_once(f"rollout.weight_dtype=bf16 needs FastEngine's fp32 kernel linears ({missing}); "
+                  "keeping the weights at rollout.dtype (fp32)")
+        return "same", f"as rollout.dtype: bf16 was set, but FastEngine's fp32 kernel linears need {missing}"
+    if requested == "bf16":
+        return "bf16", "set in the config"
     return "bf16", "fp32 arithmetic on bf16-rounded weights: half the bytes per decode step"
 
 
