@@ -180,13 +180,13 @@ def test_rejects_non_fp32_parameters():
 def test_make_optimizer_picks_the_state_dtype(monkeypatch, compute, kernel):
     from turborlhf.engine import cbuild, hardware
 
-    # the default (auto): bf16 moments beside bf16 compute, and on the CPU wherever the C kernel
-    # builds; the compute choice and the compiler are pinned, so no host decides the outcome
+    # the default (auto): bf16 moments on the CPU wherever the C kernel builds, whatever the
+    # compute precision; the compute choice and the compiler are pinned, so no host decides it
     monkeypatch.setattr(hardware, "compute_dtype", lambda requested="auto", device="cpu": compute)
     monkeypatch.setattr(cbuild, "compiler", lambda: "cc" if kernel else None)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     auto = make_optimizer(model, OptimCfg())
-    assert isinstance(auto, BF16StateAdamW) == (compute == "bf16" or kernel)
+    assert isinstance(auto, BF16StateAdamW) == kernel
     assert isinstance(make_optimizer(model, OptimCfg(state_dtype="bf16")), BF16StateAdamW)   # explicit: every host
     fp32 = make_optimizer(model, OptimCfg(state_dtype="fp32"))
     assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
@@ -250,10 +250,12 @@ def test_choose_state_dtype():
     from turborlhf.engine import cbuild
     from turborlhf.engine.hardware import choose_state_dtype
 
-    assert choose_state_dtype(["bf16", "bf16"], ["cuda", "cuda"])[0] == "bf16"
-    assert choose_state_dtype(["fp32"], ["cuda"])[0] == "fp32"
-    assert choose_state_dtype(["bf16", "fp32"], ["cuda", "cuda"])[0] == "fp32"
+    # on a GPU torch's fused fp32 AdamW, bf16 compute or not: the bf16-moment kernel is CPU-only
+    for compute in (["bf16", "bf16"], ["fp32"], ["bf16", "fp32"]):
+        dt, why = choose_state_dtype(compute, ["cuda"] * len(compute))
+        assert dt == "fp32" and "CPU-only" in why, compute
     has_cc = cbuild.compiler() is not None
-    dt, why = choose_state_dtype(["fp32", "fp32"], ["cpu", "cpu"])
-    assert dt == ("bf16" if has_cc else "fp32") and ("C kernel" in why)
+    for compute in (["fp32", "fp32"], ["bf16", "bf16"]):
+        dt, why = choose_state_dtype(compute, ["cpu", "cpu"])
+        assert dt == ("bf16" if has_cc else "fp32") and ("C kernel" in why), compute
     assert choose_state_dtype(["fp32", "fp32"], ["cpu", "cuda"])[0] == "fp32"      # not every model on the CPU

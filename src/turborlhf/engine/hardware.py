@@ -256,7 +256,8 @@ def _choose(requested: str, device_type: str) -> Precision:
             # the driver of a Ray cluster whose GPUs are on other nodes (distributed.device: gpu)
             return Precision("bf16", "bf16: assumed for GPUs this process cannot see (Ampere or newer compute it "
                                      "natively, as OpenRLHF and verl assume; set dtype fp32 for older ones)")
-        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # compute capability 8.0+ (Ampere); torch's default also counts emulated bf16 (V100, T4)
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         if requested == "bf16" or ok:
             return Precision("bf16", "bf16: the CUDA device computes it natively" if ok else "bf16 as configured")
         return Precision("fp32", "fp32: this CUDA device has no native bf16")
@@ -308,20 +309,22 @@ def choose_state_dtype(compute: list[str], devices: list[str]) -> tuple[str, str
     on `devices` (``"cpu"``, ``"cuda"``, ...): (``"bf16"`` or ``"fp32"``, the reason).
 
     bf16 moments (`turborlhf.engine.optim.BF16StateAdamW`: stochastic rounding, fp32 update and
-    master weights) where every model computes in bf16, and on the CPU in fp32 too where its C
-    kernel builds: there it saves 4 bytes per trainable parameter at fp32 AdamW's speed (PPO
+    master weights) where every model trains on the CPU and its C kernel builds, whatever the
+    compute precision: there it saves 4 bytes per trainable parameter at fp32 AdamW's speed (PPO
     bench in fp32, 2-core Xeon limited to AVX2: 1.03 GiB less peak RSS, step time within 1%).
-    fp32 moments (torch's fused AdamW) elsewhere: a GPU computing in fp32, or a CPU without the
-    kernel, where the torch-ops fallback would take several passes per step."""
-    if compute and all(c == "bf16" for c in compute):
-        return "bf16", "bf16 moments beside bf16 compute"
+    fp32 moments (torch's AdamW, fused on a GPU) everywhere else, as TRL, OpenRLHF and verl keep
+    them: on a GPU (the kernel is CPU-only, and its torch-ops fallback runs ~90 tensor ops per
+    parameter tensor per step: tens of thousands of kernel launches for a whole model) and on a CPU without the
+    kernel. An explicit ``optim.state_dtype: bf16`` still runs there, through that fallback.
+    `compute` is kept for the reason's wording."""
     if devices and all(d == "cpu" for d in devices):
         from turborlhf.engine.cbuild import compiler
 
         if compiler() is not None:
-            return "bf16", "bf16 moments on the CPU (C kernel; fp32 update): half the state at fp32 AdamW's speed"
+            what = "beside bf16 compute" if compute and all(c == "bf16" for c in compute) else "on the CPU"
+            return "bf16", f"bf16 moments {what} (C kernel; fp32 update): half the state at fp32 AdamW's speed"
         return "fp32", "fp32 moments: the bf16-moment C kernel cannot be built here"
-    return "fp32", "fp32 moments (torch's fused AdamW) beside fp32 compute"
+    return "fp32", "fp32 moments (torch's AdamW, fused on a GPU): the bf16-moment kernel is CPU-only"
 
 
 def state_dtype_for(state_dtype: str, device="cpu", compute: str = "auto") -> str:

@@ -52,7 +52,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
     ``rollout.dtype`` (for that device; `choose_rollout_dtype`), ``rollout.weight_dtype``
     (`turborlhf.rollout.backends.choose_weight_dtype`) and ``optim.state_dtype``
-    (`choose_state_dtype`: bf16 moments where the models compute in bf16 or train on the CPU).
+    (`choose_state_dtype`: bf16 moments where the models train on the CPU and its kernel builds).
     Prints the choices once as a start-up table (`name` labels it; not with `show=False`);
     `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
