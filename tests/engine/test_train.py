@@ -158,3 +158,28 @@ def test_bf16_state_adamw_clips_inside_its_step_as_torch_clips_the_gradients():
     _backward(a)
     with pytest.raises(NonFiniteError, match=r"^critic: non-finite parameter after the optimizer step .*: 0\.weight \("):
         clip_and_step(a, BF16StateAdamW(a.parameters(), lr=3e38), None, 0.0, role="critic")
+
+
+def test_rng_state_carries_the_cuda_generators_where_the_device_count_matches(monkeypatch):
+    """A checkpoint's random state holds each visible CUDA device's generator (LoRA dropout on a
+    GPU draws from it) and restores it only with as many devices; no CUDA is faked beyond those
+    four calls, so on a CPU host the CPU states round-trip as before."""
+    from turborlhf.engine import train
+
+    cpu = train.rng_state()
+    assert "cuda" not in cpu or torch.cuda.is_available()
+    a = torch.rand(3)
+    train.set_rng_state(cpu)
+    assert torch.equal(torch.rand(3), a)
+
+    saved, restored = [torch.tensor([1, 2], dtype=torch.uint8)], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    state = train.rng_state()
+    assert state["cuda"] is saved
+    for count, want in ((1, [saved]), (2, [])):
+        restored.clear()
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        train.set_rng_state(state)
+        assert restored == want, count

@@ -105,8 +105,10 @@ class CPUOffloadAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # asynchronous copies from CUDA only, then one synchronize: from MPS a non-blocking copy
+        # to the CPU can return before its data lands (the step would read stale gradients)
         for p, c in self._pairs:
-            c.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32, non_blocking=True)
+            c.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32, non_blocking=p.is_cuda)
         if any(p.is_cuda for p, _ in self._pairs[:1]):
             torch.cuda.synchronize()
         loss = super().step(closure)
@@ -288,10 +290,20 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python's, numpy's and torch's random states, with each visible CUDA device's (dropout in a
+    LoRA adapter on a GPU draws from it), for a checkpoint."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore `rng_state`'s states. The CUDA ones only where the run resumes with as many visible
+    devices as it saved (elsewhere `seed_everything`'s seeding stands)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
