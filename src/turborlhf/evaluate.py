@@ -143,7 +143,9 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
 
     t0 = time.perf_counter()
     tok = load_tokenizer(policy_dir)
-    policy = load_causal_lm(policy_dir, tok, device=device)
+    # vLLM sizes its share of the GPU from the memory free at its start: the policy's fp32 copy waits
+    # on the CPU (its weights are pushed from there) and moves to `device` only for a KL forward
+    policy = load_causal_lm(policy_dir, tok, device="cpu" if engine == "vllm" else device)
     prompts = load_prompts(prompts_file, tok)[:n]
     tag = None
     gen_prompts = prompts
@@ -166,6 +168,8 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
                                                     engine, dtype=gen_dtype, device=device, raw_logprobs=engine_logps)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     keep = kl_wanted and r_logps is None
+    if keep:
+        policy = policy.to(device)
     return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, r_ids, fin, r_logps, texts, tag,
                          time.perf_counter() - t0, policy if keep else None)
 
