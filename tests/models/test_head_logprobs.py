@@ -177,3 +177,22 @@ def test_logits_above_the_limit_are_recomputed_on_both_paths(monkeypatch):
         torch.testing.assert_close(lp_re, lp_kept, rtol=1e-4, atol=1e-5)    # chunked matmuls may round apart
         for a, b in zip(g_re, g_kept):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_kept_logits_on_the_torch_path_go_rows_at_a_time(monkeypatch):
+    """Without the C kernel (a GPU) the kept logits' log-softmax goes `rows` rows at a time, so no
+    fp32 copy of all N×V logits is made; with it, one call over all rows."""
+    real, seen = HL._forward, []
+
+    def spy(z, *a):
+        seen.append(z.shape[0])
+        return real(z, *a)
+
+    monkeypatch.setattr(HL, "_forward", spy)
+    monkeypatch.setattr(HL, "_kernel", lambda z, which: None)
+    h, head, labels, w = _case(N=37)
+    ours = _run(lambda *a: head_logprobs(*a, with_entropy=True, rows=8), h, head, labels, w)
+    ref = _run(lambda *a: _plain(*a, 1.0), h, head, labels, w)
+    assert seen == [8, 8, 8, 8, 5]
+    for a, b, what in zip(ours, ref, ("logp", "entropy", "dh", "dW")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=what)

@@ -100,6 +100,17 @@ def _forward(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, with_entropy:
     return lse, logp, ent
 
 
+def _forward_rows(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, with_entropy: bool, rows: int):
+    """`_forward` over kept logits: in one call where the C kernel takes them (no fp32 copy),
+    else `rows` rows at a time, so torch's path (a GPU) never holds an fp32 N×V either."""
+    N = z_NV.shape[0]
+    if _kernel(z_NV, "fwd") is not None or N <= rows:
+        return _forward(z_NV, labels_N, T, with_entropy)
+    parts = [_forward(z_NV[i:i + rows], labels_N[i:i + rows], T, with_entropy) for i in range(0, N, rows)]
+    lse, logp = (torch.cat([p[k] for p in parts]) for k in (0, 1))
+    return lse, logp, torch.cat([p[2] for p in parts]) if with_entropy else None
+
+
 def _backward(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, lse_N: torch.Tensor, g_N: torch.Tensor):
     """d(Σ g·logp)/dz in z's dtype."""
     N, V = z_NV.shape
@@ -124,7 +135,7 @@ class _HeadLogprobs(torch.autograd.Function):
     def forward(ctx, h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int, keep: bool):  # type: ignore[override]
         if keep:
             z_NV = torch.mm(h_NH, W_VH.t())                              # N×V, compute dtype
-            lse, logp, ent = _forward(z_NV, labels_N, temperature, with_entropy)
+            lse, logp, ent = _forward_rows(z_NV, labels_N, temperature, with_entropy, rows)
         else:
             z_NV = None
             logp, ent, lse = _no_grad(h_NH, W_VH, labels_N, temperature, with_entropy, rows, with_lse=True)
