@@ -88,8 +88,11 @@ class HFEngine:
                                           logits_processor=[forcing] if forcing is not None else None)
                 new = out.sequences[:, L:]
                 if params.return_logprobs:
-                    scores = torch.stack(out.logits if raw else out.scores, 1).float().log_softmax(-1)  # B×T×V
-                    lp = scores.gather(-1, new[:, :, None]).squeeze(-1).cpu()
+                    # step by step: transformers already holds one B×V per step; a stacked fp32
+                    # B×T×V and its log-softmax would add two more (GBs on a GPU)
+                    steps = out.logits if raw else out.scores
+                    lp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, t, None]).squeeze(-1)
+                                      for t, s in enumerate(steps)], 1).cpu()
                 new = new.cpu()
                 for i in range(new.shape[0]):
                     toks, done = cut_at_stop(new[i].tolist(), set(stop), params.min_new_tokens)
