@@ -242,6 +242,27 @@ def test_gpu_memory_share_reaches_vllm(model):
         assert fake.built[0]["gpu_memory_utilization"] == want
 
 
+def test_a_vllm_whose_reload_weights_takes_no_weights_gets_them_through_its_model_runner(model):
+    """vLLM before its layerwise reload has `reload_weights(self)` (from disk): called with weights
+    it raises TypeError, and the push goes through the model runner's `load_weights` instead."""
+    trainer = tiny_llama(0)
+    eng, fake = _engine(trainer)
+    llm, loaded = fake._llm, []
+    llm.worker.model_runner.model.load_weights = lambda weights: loaded.extend(n for n, _ in weights)
+
+    def reload_weights():                                       # the old worker method's signature
+        return None
+
+    def old_rpc(method, args=(), kwargs=None):
+        if callable(method):
+            return [method(llm.worker, *args)]
+        return [{"reload_weights": reload_weights}[method](**(kwargs or {}))]
+
+    llm.collective_rpc = old_rpc
+    eng.load_weights(trainer.named_parameters())
+    assert sorted(loaded) == sorted(n for n, _ in trainer.named_parameters())
+
+
 def test_a_push_never_hands_vllm_the_trainers_tensors(model):
     """An in-process vLLM may change what it loads in place (some of its loaders add to a norm's
     weight): at the engine's own dtype the pushed tensors are copies, not the trainer's."""
@@ -339,12 +360,16 @@ def test_sleep_mode_where_the_build_has_it(model, prompts, monkeypatch, build):
         with pytest.raises(RuntimeError, match="without sleep mode"):
             eng.sleep()
         return
+    # torch's cached blocks go back to the driver after the sleep and before the wake, where vLLM's
+    # allocator can map them (only those two calls of torch.cuda are faked)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake._llm.calls.append(("empty_cache",)))
     eng.sleep()
     eng.sleep()                                                   # already asleep: nothing more
     eng.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     eng.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     events = [c for c in fake._llm.calls if isinstance(c, tuple)]
-    assert events == [("sleep", 1), ("wake_up", None)]
+    assert events == [("sleep", 1), ("empty_cache",), ("empty_cache",), ("wake_up", None)]
 
 
 def test_a_sleeping_rollout_worker_closes_an_engine_that_cannot_sleep():

@@ -252,7 +252,9 @@ class VLLMEngine:
         try:
             self._live().collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
-        except (NotImplementedError, AttributeError):
+        except (NotImplementedError, AttributeError, TypeError):
+            # vLLM before its layerwise reload (2026-01): `reload_weights()` takes no weights and
+            # reads the checkpoint from disk again, so the call above fails on its arguments
             self._live().collective_rpc(_load_into_model_runner, args=(weights,))
         if self._tied_cpu_head:
             self._live().collective_rpc(_repack_tied_head)
@@ -264,6 +266,7 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("this vLLM engine was closed (VLLMEngine.close)")
         if self._asleep:
+            _release_cached_device_memory()
             self.llm.wake_up()
             self._asleep = False
         return self.llm
@@ -277,6 +280,7 @@ class VLLMEngine:
         if not self._asleep:
             self._live().sleep(level=1)
             self._asleep = True
+            _release_cached_device_memory()
 
     def close(self) -> None:
         """Frees what the engine holds on its device (weights, KV cache), so that another engine or
@@ -327,6 +331,15 @@ def _repack_tied_head(worker) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+def _release_cached_device_memory() -> None:
+    """torch's cached CUDA blocks back to the driver. vLLM's sleep mode allocates through its own
+    allocator, which sees only what the driver has free: the memory a sleeping engine gave back
+    would otherwise stay in torch's cache after the trainer used it, and waking could fail (verl
+    empties the cache around sleep and wake for the same reason)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _load_into_model_runner(worker, weights):
