@@ -119,3 +119,23 @@ def test_saved_config_does_not_name_it(tiny_model, tmp_path):
     model.save_pretrained(tmp_path)
     assert "turborlhf" not in (tmp_path / "config.json").read_text()
     assert json.loads((tmp_path / "config.json").read_text()).get("_attn_implementation") in (None, "sdpa")
+
+
+def test_a_cpu_loaded_model_computing_on_a_gpu_goes_back_to_sdpa(tiny_model):
+    """Offloaded reference/reward models are loaded on the CPU (which gives them this attention)
+    but compute on the GPU: there they get sdpa back, and the log-probs stay the same; on the CPU
+    they keep it. No GPU is needed: only the device's type is read."""
+    from turborlhf.models.attention import attention_for_compute_device
+    from turborlhf.models.forward import packs_sequences
+
+    model = load_causal_lm(str(tiny_model))
+    ids, am = _batch()
+    target = am.clone()
+    target[:, 1:] &= am[:, :-1]                                     # tokens with a real token before them
+    with torch.no_grad():
+        before = response_logprobs(model, ids, am, target)[0]
+    assert attention_for_compute_device(model, "cpu").config._attn_implementation == "turborlhf"
+    assert attention_for_compute_device(model, torch.device("cuda")) is model
+    assert model.config._attn_implementation == "sdpa" and not packs_sequences(model.model)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(model, ids, am, target)[0], before, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["ATTN_IMPLEMENTATION", "MASKED", "MATH_MAX_KEYS", "MATH_MAX_SCORES", "register", "use_training_attention", "math_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "MASKED", "MATH_MAX_KEYS", "MATH_MAX_SCORES", "register", "use_training_attention",
+           "attention_for_compute_device", "math_attention"]
 
 ATTN_IMPLEMENTATION = "turborlhf"
 #: longest key axis done by the matmul path (flash attention is faster beyond ~300 keys here)
@@ -302,4 +303,18 @@ def use_training_attention(model: nn.Module) -> nn.Module:
     if next(base.parameters()).device.type != "cpu":
         return model
     base.set_attn_implementation(register())
+    return model
+
+
+def attention_for_compute_device(model: nn.Module, device) -> nn.Module:
+    """`use_training_attention` decided by where `model` computes rather than where it was loaded:
+    a model loaded on the CPU that computes on a GPU (a reference or reward model offloaded between
+    uses, ``distributed.ref_reward_offload``) goes back to ``sdpa``, since the ``"turborlhf"``
+    attention's packed path attends one sequence at a time (a host sync per layer there) and its
+    other paths are tuned for the CPU. `device`: a ``torch.device`` or its name."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    if (torch.device(device).type != "cpu" and cfg is not None
+            and getattr(cfg, "_attn_implementation", None) == ATTN_IMPLEMENTATION):
+        base.set_attn_implementation("sdpa")
     return model

@@ -63,6 +63,7 @@ def rows_to_columns(rows: Optional[Sequence[Optional[dict]]]) -> Optional[dict[s
 class _ModelSource:
     def __init__(self, path: str, tokenizer, dtype: str, chunk: int, device: str | torch.device = "cpu",
                  compute_device: str | torch.device | None = None) -> None:
+        from turborlhf.models.attention import attention_for_compute_device
         from turborlhf.models.load import load_tokenizer
         from turborlhf.rewards.model import load_reward_model
 
@@ -74,6 +75,7 @@ class _ModelSource:
         dtype = compute_dtype(dtype, torch.device(compute_device or device).type)
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.model = load_reward_model(path, self.tok, dtype=torch_dtype, device=device).eval().requires_grad_(False)
+        attention_for_compute_device(self.model, compute_device or device)
         self.dtype, self.chunk = dtype, chunk
 
     @torch.no_grad()

@@ -36,6 +36,7 @@ from turborlhf.engine.malloc import keep_freed_memory
 from turborlhf.engine.parallel import allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, shard_fsdp
 from turborlhf.engine.train import autocast, clip_and_step, seed_everything, set_threads
 from turborlhf.metrics import console_logging
+from turborlhf.models.attention import attention_for_compute_device
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import load_causal_lm, load_tokenizer
 from turborlhf.models.zoo import resolve_model_path
@@ -274,6 +275,7 @@ class ReferenceWorker(_Offload):
         dtype = torch.bfloat16 if cfg.actor.dtype == "bf16" else torch.float32
         self.model = load_causal_lm(cfg.reference or cfg.actor.name_or_path, tok, dtype=dtype,
                                     device="cpu" if self.offload else self.device)
+        attention_for_compute_device(self.model, self.device)
         self.model.eval().requires_grad_(False)
         self.model.to("cpu" if self.offload else self.device)
 
