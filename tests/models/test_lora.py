@@ -238,3 +238,24 @@ def test_fused_adamw_update_matches_the_foreach_one(tiny_model):
     diff = max(float((p - q).abs().max()) for p, q in zip(fused.parameters(), m.parameters()))
     assert 0 <= diff < 1e-5            # fp32 rounding of a different kernel (1.2e-6 measured)
     assert max(float((p - q).abs().max()) for p, q in zip(fused.parameters(), load_causal_lm(str(tiny_model)).parameters())) > 1e-3
+
+
+def test_actor_hands_a_colocated_engine_merged_weights_one_at_a_time(tiny_model):
+    """The actor's weights for an engine in its process (`ActorWorker.local_weights` under LoRA):
+    the merged pairs come from a generator, made as the engine reads them, and an engine loaded
+    from them scores what the merged model scores."""
+    import inspect
+
+    from turborlhf.rollout import make_engine
+    from turborlhf.trainers.ppo.actor import MergedWeights
+
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    _perturb_adapters(m)
+    weights = MergedWeights(m)
+    assert inspect.isgenerator(weights.items())
+    want = {n: t.clone() for n, t in merged_named_parameters(m)}
+    engine = make_engine("hf", str(tiny_model), dtype="fp32")
+    engine.load_weights(weights.items())
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, want[n]), n

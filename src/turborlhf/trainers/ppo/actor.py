@@ -33,7 +33,7 @@ from turborlhf.engine.run import export_model
 from turborlhf.engine.train import autocast, make_optimizer, make_scheduler
 from turborlhf.metrics import M
 from turborlhf.models.forward import response_logprobs
-from turborlhf.models.load import load_tokenizer, load_trainable, merged_named_parameters
+from turborlhf.models.load import is_lora, load_tokenizer, load_trainable, merged_named_parameters
 from turborlhf.models.reference import LoraReference, reference_view
 from turborlhf.rollout.sync import trainer_logprobs
 from turborlhf.trainers.common import sft_loss_on_batch
@@ -290,11 +290,15 @@ class ActorWorker(Trainable):
             return self.local_weights()             # tensors (LoRA merged)
         return {n: p.detach().cpu() for n, p in merged_named_parameters(self.model)}   # to the object store
 
-    def local_weights(self) -> dict[str, torch.Tensor]:
+    def local_weights(self):
         """This rank's own parameters by HF name (LoRA merged), for a rollout engine in the same
         process (`distributed.colocate_all_models` on Ray with DDP, where every rank holds them all):
-        the engine copies them, nothing goes through the object store."""
-        return {n: p.detach() for n, p in merged_named_parameters(self.model)}
+        the engine copies them, nothing goes through the object store. Under LoRA the merged
+        matrices are made one at a time as the engine reads them (`MergedWeights`): a whole merged
+        model at once would sit beside the adapted one (a QLoRA base dequantized, on a small GPU)."""
+        if is_lora(self.model):
+            return MergedWeights(self.model)
+        return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def canary_logprobs(self, canary) -> Optional[list[list[float]]]:
         """The trainer side of the weight-sync check (`turborlhf.rollout.sync.trainer_logprobs`),
@@ -329,3 +333,15 @@ class ActorWorker(Trainable):
         export_model(model, self.tok, out_dir)
         if self.ema is not None:
             export_model(self.ema.model, self.tok, Path(out_dir) / "ema")
+
+
+class MergedWeights:
+    """A LoRA model's merged weights for a rollout engine in the same process: each call of
+    `items` yields (HF name, tensor) pairs from `turborlhf.models.load.merged_named_parameters`,
+    each merged matrix made as it is read and dropped once the engine copied it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def items(self):
+        return merged_named_parameters(self.model)

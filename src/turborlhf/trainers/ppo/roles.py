@@ -379,7 +379,9 @@ class RolloutWorker:
                else self.engine.generate(prompts, params))
         return out.response_ids, out.finished, out.logprobs, out.tool_mask
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state) -> None:
+        """`state`: anything whose `items()` gives (HF name, tensor) pairs (a dict, or the actor's
+        `MergedWeights` under LoRA)."""
         if self.engine is None:
             self.engine = self._build()
         self.engine.load_weights(state.items())
