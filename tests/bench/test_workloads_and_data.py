@@ -98,7 +98,8 @@ def test_response_length_reaches_both_sides(command, peer_opt, tmp_path):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("command", ["ppo", "grpo", "dpo", "rm", "generate"])
 def test_both_sides_run_at_the_harness_precision(command, dtype, tmp_path):
-    """No side is pinned to bf16: the host's choice reaches our config and the peer's --dtype."""
+    """No side is pinned to bf16: the host's choice reaches our config and the peer's --dtype. Our
+    side runs on the CPU as the peer scripts do (TRL's `use_cpu`), also where a GPU is visible."""
     w, ctx = WORKLOADS[command], _ctx(tmp_path, dtype=dtype)
     raw = our_config(w, ctx, tmp_path / "run", 0) if w.trainer else None
     assert _opt(peer_args(w, raw, ctx, tmp_path, 0), "--dtype") == dtype
@@ -107,6 +108,10 @@ def test_both_sides_run_at_the_harness_precision(command, dtype, tmp_path):
         return
     model = raw.get("model") or raw["actor"]
     assert model["dtype"] == dtype and raw.get("rollout", {"dtype": dtype})["dtype"] == dtype
+    assert model["device"] == "cpu" and raw.get("rollout", {"device": "cpu"})["device"] == "cpu"
+    if command in ("ppo", "grpo"):
+        assert raw["distributed"]["device"] == "cpu"
+        C.PPOConfig.model_validate(raw)
 
 
 @pytest.mark.parametrize("command", ["ppo", "grpo", "generate"])

@@ -173,10 +173,11 @@ def _main(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"error: --batch-sizes must be comma-separated integers, got {a.batch_sizes!r}", file=sys.stderr)
         return 2
-    from turborlhf.engine.hardware import choose_precision, resolve_device
+    from turborlhf.engine.hardware import choose_precision
 
-    # the device both sides' children will train on (`device: auto`: a GPU where there is one)
-    precision = choose_precision(a.dtype, resolve_device("auto"))
+    # both sides run on the CPU, GPU host or not (the peer scripts pass TRL `use_cpu`, and our
+    # configs pin the CPU): the precision is the CPU's, and the timings, RSS and roofline are its
+    precision = choose_precision(a.dtype, "cpu")
     _log(f"[bench] precision of both sides: {precision.dtype} ({precision.reason})")
     ctx = RunContext(repo=repo, model_dir=model_dir, data={}, threads=threads, warmup=a.warmup, steps=a.steps,
                      force_length=not a.no_force_length, gradient_checkpointing=a.gradient_checkpointing,

@@ -164,8 +164,14 @@ def our_config(w: Workload, ctx: RunContext, output_dir: Path, seed: int) -> dic
     for section in ("model", "actor"):          # the same precision as the peer's, not pinned by the YAML
         if section in cfg:
             set_dotted(cfg, f"{section}.dtype", ctx.dtype)
+            # on the CPU, where the peer scripts run (TRL's `use_cpu`): a GPU host's `device: auto`
+            # would otherwise compare our GPU run with TRL's CPU run
+            set_dotted(cfg, f"{section}.device", "cpu")
     if "rollout" in cfg:
         set_dotted(cfg, "rollout.dtype", ctx.rollout_dtype or ctx.dtype)
+        set_dotted(cfg, "rollout.device", "cpu")
+    if w.command in ("ppo", "grpo"):
+        set_dotted(cfg, "distributed.device", "cpu")
     return cfg
 
 
