@@ -128,3 +128,12 @@ def test_freeze_layers_beyond_the_model_is_one_line(tiny_model, tiny_data, tmp_p
     res = _sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "model.freeze_layers=1", "model.lora.rank=4")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "model: Value error, freeze_layers and lora both choose what trains" in res.stderr
+
+
+def test_a_device_the_host_lacks_is_one_line(tiny_model, tiny_data, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    _one_line_error(_sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "model.device=cuda"),
+                    "no CUDA device")

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from turborlhf.errors import UserError
+
 __all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
            "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
            "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe",
@@ -131,8 +133,9 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp32")
 
 
-class HardwareError(ValueError):
-    """A requested device is not available on this host (the message says which and why)."""
+class HardwareError(UserError, ValueError):
+    """A requested device is not available on this host, or an unknown device/dtype name (the
+    message says which and why): a `UserError`, so the command line prints one line."""
 
 
 def resolve_device(name: str = "auto"):
