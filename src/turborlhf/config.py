@@ -147,8 +147,8 @@ class OptimCfg(Cfg):
     state_dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
                             "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW); "
-                            "auto = bf16 where the model computes in bf16, and on the CPU where the C kernel builds "
-                            "(fp32 compute too: the same speed there), else fp32")
+                            "auto = bf16 on the CPU where its C kernel builds (bf16 or fp32 compute: the same speed "
+                            "there as fp32 AdamW), fp32 on a GPU and elsewhere")
     offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
                                              "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
                                              "GPU memory; a no-op when the model is on the CPU already")

@@ -128,9 +128,9 @@ class CPUOffloadAdamW(torch.optim.AdamW):
 def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload: bool = False) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; no weight decay on biases, norms and embeddings.
 
-    ``cfg.state_dtype`` = bf16 (the default) stores the moments in bf16 (`BF16StateAdamW`: 4 B per
-    parameter instead of 8, fp32 update); fp32 uses torch's fused AdamW. Non-fp32 parameters
-    always get torch's AdamW.
+    ``cfg.state_dtype`` = bf16 (what ``auto`` gives on the CPU where the C kernel builds) stores the
+    moments in bf16 (`BF16StateAdamW`: 4 B per parameter instead of 8, fp32 update); fp32 (what
+    ``auto`` gives on a GPU) uses torch's fused AdamW. Non-fp32 parameters always get torch's AdamW.
 
     ``cfg.offload`` (or `force_offload`) keeps the states in CPU memory (`CPUOffloadAdamW`). When
     every trainable parameter is on the CPU already that saves nothing, so plain AdamW is used
