@@ -8,8 +8,8 @@ adds up, per role:
   ones (reference and reward in bf16: 2 B/param), QLoRA bases in NF4 (~0.52 B/param);
 - gradients: 4 B per trainable parameter (LoRA: adapters only);
 - optimizer states: AdamW exp_avg + exp_avg_sq, 8 B per trainable parameter (4 B with
-  ``optim.state_dtype: bf16``, the default), in host memory with ``optim.offload`` (plus a 4 B
-  fp32 copy);
+  ``optim.state_dtype: bf16``, what ``auto`` gives on the CPU), in host memory with
+  ``optim.offload`` (plus 4 B fp32 copies of the weights and of the gradients);
 - activations of the configured micro-batch at the configured lengths (the worst case: every
   sequence at ``max_len``, every response at ``max_new_tokens``): the bytes autograd saves for
   backward, from `train_activation_bytes` (`turborlhf.models.memory`, with the other per-model
@@ -185,7 +185,7 @@ def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool
     role.trainable_params = trainable
     role.grads = 4 * trainable
     if getattr(optim_cfg, "offload", False) and device_kind == "gpu":
-        role.optimizer_host = 12 * trainable
+        role.optimizer_host = 16 * trainable           # moments, fp32 weights and fp32 gradients (CPUOffloadAdamW)
         role.notes.append("optimizer states offloaded to host memory")
     else:
         from turborlhf.engine.hardware import state_dtype_for
@@ -486,7 +486,7 @@ def _placement(cfg, roles: dict[str, Role]) -> tuple[str, list[tuple[str, list[s
     """(device kind, [(group name, roles, workers)], options) from ``cfg.distributed`` when the
     config has one (PPO), else one local process."""
     d = getattr(cfg, "distributed", None)
-    kind = getattr(d, "device", "cpu") if d is not None else "cpu"
+    kind = _device_kind(cfg)
     opts = {"offload": bool(getattr(d, "ref_reward_offload", False)), "sleep": bool(getattr(d, "rollout_sleep", False)),
             "fsdp": getattr(d, "dp_strategy", "ddp") == "fsdp", "backend": getattr(d, "backend", "local")}
     names = list(roles)
@@ -650,14 +650,14 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         for stage, scfg in stage_configs(cfg, cfg.model).items():
             if stage in cfg.stages:
                 scfg = resolve_hardware(scfg, show=False)       # dtype/device auto → this host's choice
-                kind = getattr(getattr(scfg, "distributed", None), "device", "cpu")
+                kind = _device_kind(scfg)
                 p = _assemble(stage, _trainer_phases(stage, SPECS[stage](scfg, resolve, kind), scfg), scfg,
                               device_memory, host)
                 p.stage = stage
                 out.append(p)
         return out
     cfg = resolve_hardware(cfg, show=False)
-    kind = getattr(getattr(cfg, "distributed", None), "device", "cpu")
+    kind = _device_kind(cfg)
     data = None
     if from_data:
         model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
@@ -667,6 +667,15 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
     if from_data and data is None:
         spec.assumptions.append(f"--from-data: {command}'s batches come from generation; configured maxima used")
     return [_assemble(command, spec, cfg, device_memory, host)]
+
+
+def _device_kind(cfg) -> str:
+    """``"gpu"`` or ``"cpu"``: where a resolved config trains. PPO's ``distributed.device``; the
+    other commands' ``model.device`` (``cuda`` → gpu; cpu and mps → cpu)."""
+    d = getattr(cfg, "distributed", None)
+    if d is not None:
+        return getattr(d, "device", "cpu")
+    return "gpu" if getattr(getattr(cfg, "model", None), "device", "cpu") == "cuda" else "cpu"
 
 
 def _has_tokenizer(name: str) -> bool:

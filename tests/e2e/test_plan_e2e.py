@@ -259,3 +259,21 @@ def test_plan_refuses_to_drift_from_a_trainers_phases(command, config, tiny_mode
     monkeypatch.setattr(trainer, "phases", lambda cfg, real=trainer.phases: (*real(cfg), "weight averaging"))
     with pytest.raises(RuntimeError, match=r"phases declares .*'weight averaging'"):
         plan_config(command, cfg, model_config=str(tiny_model))
+
+
+def test_a_trainer_on_cuda_is_planned_on_the_gpu_and_offload_books_its_host_copies(tiny_model):
+    """Commands without a `distributed` section (SFT, DPO, ...) are placed by `model.device`: a
+    resolved `cuda` is a GPU plan, not a CPU one. `optim.offload` on a GPU books the moments plus
+    the fp32 weight and gradient copies `CPUOffloadAdamW` keeps in host memory: 16 B per trainable
+    parameter."""
+    from turborlhf.config import ModelCfg, OptimCfg
+    from turborlhf.plan import _device_kind, _train_role, model_shape
+
+    assert _device_kind(SimpleNamespace(model=SimpleNamespace(device="cuda"))) == "gpu"
+    for dev in ("cpu", "mps"):
+        assert _device_kind(SimpleNamespace(model=SimpleNamespace(device=dev))) == "cpu"
+    assert _device_kind(SimpleNamespace(model=SimpleNamespace(device="cuda"),
+                                        distributed=SimpleNamespace(device="cpu"))) == "cpu"
+    shape = model_shape(str(tiny_model))
+    role = _train_role("policy", shape, ModelCfg(name_or_path=str(tiny_model)), OptimCfg(offload=True), False, "gpu")
+    assert role.optimizer_host == 16 * role.trainable_params > 0 and role.optimizer == 0
