@@ -308,3 +308,24 @@ def test_a_vllm_rollout_is_placed_where_the_installed_vllm_computes(monkeypatch,
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "rollout.dtype" in ln)
     assert chosen == choose_precision("auto", want).dtype
     assert ("GPUs this process cannot see" in line) == (want == "cuda"), line
+
+
+def test_run_records_name_the_gpus_they_see(monkeypatch):
+    """`host_summary` (hardware.json, the bench's `machine`) lists the CUDA devices by name,
+    capability and memory; a host without one has no `gpu` key. Only torch.cuda's queries are
+    faked."""
+    import types
+
+    from turborlhf.engine import hardware
+
+    if torch.cuda.is_available():
+        assert hardware.host_summary()["gpu"][0]["name"] == torch.cuda.get_device_name(0)
+        return
+    assert "gpu" not in hardware.host_summary() or hardware.host_summary()["gpu"] == [{"name": "mps"}]
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    gpus = hardware.host_summary()["gpu"]
+    assert len(gpus) == 2 and gpus[0] == {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 80.0,
+                                          "cuda": torch.version.cuda}

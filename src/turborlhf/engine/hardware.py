@@ -29,9 +29,9 @@ from typing import Optional
 from turborlhf.errors import UserError
 
 __all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
-           "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype", "choose_state_dtype",
-           "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict", "cached_probe",
-           "best_time"]
+           "gpu_summary", "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype",
+           "choose_state_dtype", "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict",
+           "cached_probe", "best_time"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -114,15 +114,35 @@ def cpu_model() -> str:
 
 def host_summary() -> dict:
     """What benchmarks and run records say about the host: CPU model, the features that matter
-    (``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``) as used by this process, cores, and the
-    limiting switches in force."""
+    (``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``) as used by this process, cores, the
+    limiting switches in force, and the GPUs this process sees (`gpu_summary`; none: no key)."""
     feats = cpu_features()
-    return {
+    out = {
         "cpu": cpu_model(),
         "cores": os.cpu_count() or 1,
         "isa": sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in feats),
         "limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)},
     }
+    gpus = gpu_summary()
+    if gpus:
+        out["gpu"] = gpus
+    return out
+
+
+def gpu_summary() -> list[dict]:
+    """The CUDA devices this process sees: name, compute capability, memory (GiB) and the CUDA
+    version torch was built with; ``[{"name": "mps"}]`` on Apple silicon; ``[]`` without either."""
+    import torch
+
+    if torch.cuda.is_available():
+        out = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            out.append({"name": p.name, "capability": f"{p.major}.{p.minor}",
+                        "memory_gib": round(p.total_memory / 2 ** 30, 1), "cuda": torch.version.cuda})
+        return out
+    mps = getattr(torch.backends, "mps", None)
+    return [{"name": "mps"}] if mps is not None and mps.is_available() else []
 
 
 # ----------------------------------------------------------------------------------------------
