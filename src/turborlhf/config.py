@@ -527,6 +527,11 @@ class PPOConfig(Cfg):
             # the gathered state would carry peft's names and unmerged adapters to the engines and the export
             raise ValueError(f"distributed.dp_strategy: fsdp does not shard LoRA models ({' and '.join(lora)} > 0); "
                              "use distributed.dp_strategy=ddp")
+        if self.distributed.dp_strategy == "fsdp" and self.optim.offload:
+            # CPUOffloadAdamW copies whole parameters, and FSDP's are DTensor shards (it failed on
+            # them at the first step); FSDP2's own CPUOffloadPolicy is not wired in
+            raise ValueError("optim.offload: not with distributed.dp_strategy=fsdp (the offloaded optimizer keeps "
+                             "whole-parameter copies); use dp_strategy=ddp, or fsdp without offload")
         from turborlhf.distributed.roles import check_colocation, check_fsdp_batches  # pure Python, no torch/Ray
         check_colocation(self.distributed, self.active_roles)
         check_fsdp_batches(self.distributed, self.algo, self.train.micro_batch_size)
