@@ -101,6 +101,18 @@ def test_ray_work_queue_balances_and_survives_a_hung_engine(ray_cluster):
     assert g2.run_alive("work", 5) == [(25, 0)]
     for h in hosts + hosts2:
         ray.kill(h)
+    # processes that hold other roles too (colocate_all_models): never stopped, the call raises
+    from turborlhf.distributed.group import RayGroup, WorkerTimeoutError
+
+    g3, hosts3 = _ray_group(ray, "rollout", 2, hang_rank=1)
+    g3 = RayGroup("rollout", hosts3, g3.infos, g3.timeout_s, shared_with=("actor",))
+    try:
+        with pytest.raises(WorkerTimeoutError, match=r"rollout worker rank 1 .*shared with actor.* not stopped"):
+            g3.map_dynamic("work", [(i,) for i in range(4)], timeout_s=2.0, retries=1)
+        assert not g3.dead                                          # nothing was stopped
+    finally:
+        for h in hosts3:
+            ray.kill(h)
 
 
 def test_ray_dead_worker_and_remote_failure_are_named(ray_cluster):

@@ -380,7 +380,8 @@ class RayGroup:
 
         Args:
             items: one argument tuple per item.
-            timeout_s: longest time one item may take; a rank exceeding it is killed and dropped.
+            timeout_s: longest time one item may take; a rank exceeding it is killed and dropped, or
+                where its processes hold other roles too (`shared_with`), the call raises instead.
             retries: how often an item may be retried on another rank after its rank died or
                 timed out (an exception raised by the work itself is never retried).
         Returns:
@@ -422,6 +423,14 @@ class RayGroup:
                     failed.append((rank, i, err))
             now = time.monotonic()
             for ref, (rank, i, t0) in list(inflight.items()):
+                if now - t0 > timeout_s and self.shared_with:
+                    # stopping the process would take the roles it shares (the actor's rank with
+                    # `colocate_all_models`): the run stops instead, its checkpoint intact
+                    raise WorkerTimeoutError(
+                        f"{self._where(rank)} did not finish a {method} item within {timeout_s:g} s "
+                        "(distributed.rollout_timeout_s, counted from submission, so it includes the process's "
+                        "other roles' calls); not stopped, since that would stop those roles too: raise the "
+                        "timeout or place the rollout workers in their own processes", self.role, rank, method)
                 if now - t0 > timeout_s:
                     del inflight[ref]
                     self.dead.add(rank)
