@@ -33,13 +33,15 @@ def runs(data: Path, sft: str, rm: str) -> dict[str, tuple[str, list[str]]]:
     prompts, long_prompts = data / "train_prompts.jsonl", data / "long_prompts.jsonl"
     out = {}
     for suffix, p, q in (("", pairs, prompts), ("_long", long_pairs, long_prompts)):
-        out["sft" + suffix] = ("sft", [f"--config={CFG / 'sft.yaml'}", f"data.train_file={p}", "data.test_file=null"])
+        # every run on the CPU: the measurement is the host's peak RSS, on a GPU host too
+        out["sft" + suffix] = ("sft", [f"--config={CFG / 'sft.yaml'}", f"data.train_file={p}", "data.test_file=null",
+                                       "model.device=cpu"])
         out["rm" + suffix] = ("rm", [f"--config={CFG / 'rm.yaml'}", f"model.name_or_path={sft}", f"data.train_file={p}",
-                                     "data.test_file=null", "train.eval_every=0"])
+                                     "data.test_file=null", "train.eval_every=0", "model.device=cpu"])
         out["dpo" + suffix] = ("dpo", [f"--config={CFG / 'dpo.yaml'}", f"data.train_file={p}", "data.test_file=null",
-                                       "data.max_samples=24", "train.save_every=0"])
+                                       "data.max_samples=24", "train.save_every=0", "model.device=cpu"])
         out["ppo" + suffix] = ("ppo", [f"--config={CFG / 'ppo.yaml'}", f"actor.name_or_path={sft}", f"reference={sft}",
-                                       f"reward_model={rm}", f"data.prompts_file={q}"]
+                                       f"reward_model={rm}", f"data.prompts_file={q}", "distributed.device=cpu"]
                                + (["rollout.min_new_tokens=48"] if suffix else []))
     return out
 

@@ -69,7 +69,7 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", wei
     if dev.type != "cpu":
         if kind == "fast":
             raise ValueError(f"rollout.engine=fast runs on the CPU only, not on {dev.type}; use rollout.engine "
-                             "hf or vllm there, or rollout.device=cpu")
+                             "hf or vllm there, or the CPU (rollout.device=cpu; --device cpu for generate)")
         kind = "hf"
     if kind == "hf":
         from .hf import HFEngine
