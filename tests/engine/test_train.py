@@ -183,3 +183,26 @@ def test_rng_state_carries_the_cuda_generators_where_the_device_count_matches(mo
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         train.set_rng_state(state)
         assert restored == want, count
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+def test_a_scheduler_sees_the_optimizer_step(state_dtype):
+    """clip_and_step steps the optimizer through `step` (BF16StateAdamW's clipping coefficient as
+    an argument), so torch's LR scheduler raises no "lr_scheduler.step() before optimizer.step()"
+    warning, and the schedule advances once per step."""
+    import warnings
+
+    from turborlhf.config import OptimCfg
+    from turborlhf.engine.train import make_optimizer, make_scheduler
+
+    model = _model()
+    opt = make_optimizer(model, OptimCfg(lr=1e-2, state_dtype=state_dtype, warmup_steps=2))
+    sched = make_scheduler(opt, OptimCfg(lr=1e-2, warmup_steps=2), 10)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            lrs.append(opt.param_groups[0]["lr"])                      # the rate this step uses
+            _backward(model, torch.randn(8, 4))
+            clip_and_step(model, opt, sched, 0.5)
+    assert lrs[0] < lrs[1] == lrs[2] == pytest.approx(1e-2)

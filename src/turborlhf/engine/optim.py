@@ -127,6 +127,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas: {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._use_kernel = use_kernel
+        self.last_nonfinite: Optional[int] = None      # `step`'s count of NaN/inf weights written (see there)
 
     def _state_for(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -137,12 +138,15 @@ class BF16StateAdamW(torch.optim.Optimizer):
         return st
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float = 1.0):
+        """AdamW's step on the gradients times `grad_scale` (`step_scaled`); what `step_scaled`
+        returns is left in ``last_nonfinite``. Through `step`, an LR scheduler sees the optimizer
+        step (it warns of a scheduler step "before optimizer.step()" otherwise)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.step_scaled(1.0)
+        self.last_nonfinite = self.step_scaled(grad_scale)
         return loss
 
     @torch.no_grad()

@@ -266,7 +266,8 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
         # torch's clip_grads_with_norm_ coefficient, applied inside the update (no pass writing the
         # gradients); the C kernel also counts the NaN/inf weights it writes
         scale = min(1.0, max_grad_norm / (norm + 1e-6)) if max_grad_norm > 0 else 1.0
-        bad = optimizer.step_scaled(scale)
+        optimizer.step(grad_scale=scale)
+        bad = optimizer.last_nonfinite
     else:
         if max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(norm) if total is None else total)
