@@ -423,7 +423,9 @@ class RayGroup:
                     failed.append((rank, i, err))
             now = time.monotonic()
             for ref, (rank, i, t0) in list(inflight.items()):
-                if now - t0 > timeout_s and self.shared_with:
+                if now - t0 <= timeout_s:
+                    continue
+                if self.shared_with:
                     # stopping the process would take the roles it shares (the actor's rank with
                     # `colocate_all_models`): the run stops instead, its checkpoint intact
                     raise WorkerTimeoutError(
@@ -431,16 +433,15 @@ class RayGroup:
                         "(distributed.rollout_timeout_s, counted from submission, so it includes the process's "
                         "other roles' calls); not stopped, since that would stop those roles too: raise the "
                         "timeout or place the rollout workers in their own processes", self.role, rank, method)
-                if now - t0 > timeout_s:
-                    del inflight[ref]
-                    self.dead.add(rank)
-                    try:
-                        ray.kill(self.hosts[rank], no_restart=True)
-                    except Exception:
-                        pass
-                    failed.append((rank, i, WorkerTimeoutError(
-                        f"{self._where(rank)} did not finish a {method} item within {timeout_s:g} s "
-                        "(distributed.rollout_timeout_s); it was stopped", self.role, rank, method)))
+                del inflight[ref]
+                self.dead.add(rank)
+                try:
+                    ray.kill(self.hosts[rank], no_restart=True)
+                except Exception:
+                    pass
+                failed.append((rank, i, WorkerTimeoutError(
+                    f"{self._where(rank)} did not finish a {method} item within {timeout_s:g} s "
+                    "(distributed.rollout_timeout_s); it was stopped", self.role, rank, method)))
             for rank, i, err in failed:
                 tries[i] += 1
                 if tries[i] > retries or not self.alive_ranks():
