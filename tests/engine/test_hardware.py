@@ -329,3 +329,21 @@ def test_run_records_name_the_gpus_they_see(monkeypatch):
     gpus = hardware.host_summary()["gpu"]
     assert len(gpus) == 2 and gpus[0] == {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 80.0,
                                           "cuda": torch.version.cuda}
+
+
+def test_ppo_model_device_must_agree_with_distributed_device():
+    """PPO's workers compute where ``distributed.device`` says: an explicit model device that says
+    otherwise was silently ignored; now it is a config error naming the field."""
+    from turborlhf.config import ConfigError, PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=a"]
+    with pytest.raises(ConfigError, match=r"actor\.device=cpu: ppo places every model by distributed\.device"):
+        resolve_hardware(load_config(PPOConfig, overrides=base + ["actor.device=cpu", "distributed.device=gpu"]),
+                         show=False)
+    if resolve_device().type == "cpu":       # auto follows actor.device; a CPU actor is a CPU run
+        r = resolve_hardware(load_config(PPOConfig, overrides=base + ["actor.device=cpu"]), show=False)
+        assert (r.distributed.device, r.actor.device) == ("cpu", "cpu")
+        with pytest.raises(ConfigError, match=r"critic\.device=mps"):
+            resolve_hardware(load_config(PPOConfig, overrides=base + ["critic.device=mps",
+                                                                      "distributed.device=cpu"]), show=False)

@@ -86,6 +86,10 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
             where = f"{path}{field}"
             if isinstance(value, ModelCfg):
                 dev = _device_of(value, cfg)
+                if dist is not None and value.device not in ("auto", dev):
+                    raise ConfigError(f"{where}.device={value.device}: ppo places every model by "
+                                      f"distributed.device, a CPU slot or one CUDA GPU (here {cfg.distributed.device}); leave "
+                                      f"{where}.device at auto, or set distributed.device")
                 upd = {}
                 if value.device == "auto":
                     upd["device"] = dev
