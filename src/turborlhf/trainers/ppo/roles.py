@@ -25,6 +25,7 @@ Imports: `experience` only among the PPO modules (never the driver, the actor or
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -48,7 +49,7 @@ from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_prompts
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
-           "worker_device", "has_model_rewards", "setup_worker", "in_chunks", "sampling_temperature", "add_stats",
+           "worker_device", "has_model_rewards", "setup_worker", "gpu_worker_threads", "in_chunks", "sampling_temperature", "add_stats",
            "role_models"]
 
 STATE_FILE = "worker_state.pt"
@@ -74,11 +75,35 @@ def has_model_rewards(cfg) -> bool:
 
 
 def setup_worker(cfg, threads: int) -> None:
-    """Allocator, console logging, torch threads and seed of a worker (a Ray worker is its own process)."""
+    """Allocator, console logging, torch threads and seed of a worker (a Ray worker is its own process).
+
+    Threads: `threads`, ``train.threads`` or $TURBORLHF_THREADS where set; otherwise every core
+    (roles take turns on a CPU cluster), except in a Ray worker holding a GPU, whose node's cores
+    are shared among the node's GPUs (`gpu_worker_threads`)."""
     keep_freed_memory()           # a Ray worker is its own process (in this process: already done)
     console_logging()             # the same: its messages on its console (Ray forwards them to the driver's)
-    set_threads(threads or cfg.train.threads)
+    set_threads(threads or cfg.train.threads or int(os.environ.get("TURBORLHF_THREADS", "0"))
+                or gpu_worker_threads())
     seed_everything(cfg.train.seed)
+
+
+def gpu_worker_threads() -> int:
+    """Cores of this node ÷ its GPUs for a Ray worker that holds a GPU; 0 (= every core) elsewhere.
+
+    GPU workers run at once (eight on an eight-GPU node), so each taking every core would
+    oversubscribe the CPU-side work (tokenising, `optim.offload`'s AdamW, host copies)."""
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        import ray
+
+        if not ray.is_initialized() or not ray.get_gpu_ids():       # the driver or a CPU slot
+            return 0
+        node = ray.get_runtime_context().get_node_id()
+        gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+    except Exception:          # no Ray, or an older API: every core, as before
+        return 0
+    return max(1, (os.cpu_count() or 1) // max(1, int(gpus)))
 
 
 def in_chunks(fn: Callable[[slice], torch.Tensor], B: int, chunk: int) -> torch.Tensor:
