@@ -115,3 +115,89 @@ def test_dp2_update_equals_dp1(strategy, freeze, tiny_model, tmp_path):
         for k in one[role]:
             assert two[role][k] == pytest.approx(one[role][k], rel=1e-4, abs=1e-6), (role, k)
 
+
+
+def _resume_rank(rank: int, world: int, port: int, cfg, exp, ckpt: str, out_file: str) -> None:
+    """Train the actor one mini-batch round, save (collective), build a resumed actor from that
+    checkpoint and gather its optimizer state back (rank 0 writes both)."""
+    os.environ["TURBORLHF_THREADS"] = "1"
+    import torch.distributed as dist
+
+    from turborlhf.engine.parallel import init_distributed
+    from turborlhf.trainers.ppo import minibatch_schedule
+    from turborlhf.trainers.ppo.actor import ActorWorker
+
+    init_distributed("gloo", "127.0.0.1", port, rank, world, timeout_s=120)
+    actor = ActorWorker(cfg, None, 8, threads=1)
+    actor.train(exp, minibatch_schedule(exp.mask_BR.shape[0], cfg.algo, torch.Generator().manual_seed(1)), 0.05)
+    os.makedirs(f"{ckpt}/actor", exist_ok=True)
+    actor.save(f"{ckpt}/actor")
+    dist.barrier()
+    resumed = ActorWorker(cfg, ckpt, 8, threads=1)
+    state = resumed._optim_state(resumed.opt)
+    if rank == 0:
+        torch.save(state, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_resume_broadcasts_the_optimizer_state_from_rank_0(tiny_model, tmp_path):
+    """Resuming under FSDP: rank 0 reads the saved full optimizer state and broadcasts it (the
+    other ranks only map the file); gathered back, it equals what was saved."""
+    import torch.multiprocessing as mp
+
+    from turborlhf.trainers.ppo.roles import STATE_FILE
+
+    cfg, exp = _cfg(tiny_model, "fsdp"), _experience(tiny_model)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "resumed_opt.pt"
+    mp.start_processes(_resume_rank, args=(2, _port(), cfg, exp, str(ckpt), str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    saved = torch.load(ckpt / "actor" / STATE_FILE, weights_only=False)["opt"]["state"]
+    got = torch.load(out, weights_only=False)["state"]
+    assert saved.keys() == got.keys() and len(saved) > 0
+    for name, st in saved.items():
+        assert st.keys() == got[name].keys(), name
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(got[name][k])), (name, k)
+    assert any(float(st["exp_avg"].abs().max()) > 0 for st in saved.values() if "exp_avg" in st)
+
+
+def _allreduce_rank(rank: int, world: int, port: int, out_file: str) -> None:
+    from turborlhf.engine.parallel import allreduce_gradients, init_distributed
+
+    init_distributed("gloo", "127.0.0.1", port, rank, world, timeout_s=120)
+    got = {}
+    for cap in (40, 1 << 20):                 # a bucket per few gradients / one bucket of all
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+        model[2].bias.requires_grad_(False)
+        for i, p in enumerate(q for q in model.parameters() if q.requires_grad):
+            if not (rank == 1 and i == 1):    # rank 1 has no gradient for the first bias
+                p.grad = torch.full_like(p, float(10 * rank + i + 1))
+        allreduce_gradients(model, bucket_bytes=cap)
+        got[cap] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        torch.save(got, out_file)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_bucketed_allreduce_sums_every_gradient(tmp_path):
+    import torch.multiprocessing as mp
+
+    from turborlhf.engine.parallel import _buckets
+
+    ps = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64 if i == 3 else torch.float32))
+          for i, n in enumerate((3, 3, 20, 2, 2))]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    assert [[int(p.numel()) for p in b] for b in _buckets(ps, 40)] == [[3, 3], [20], [2], [2]]
+    out = tmp_path / "sums.pt"
+    mp.start_processes(_allreduce_rank, args=(2, _port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out)
+    want = [1 + 11, 2 + 0, 3 + 13, 4 + 14, 5 + 15]      # rank 0: i + 1; rank 1: 10 + i + 1, none for i = 1
+    for cap, grads in got.items():
+        assert [float(g.flatten()[0]) for g in grads] == want, cap
+        assert all(bool((g == g.flatten()[0]).all()) for g in grads), cap

@@ -9,8 +9,9 @@ with SUM, never averaged, and the update does not depend on the DP size.
 Why not ``torch.nn.parallel.DistributedDataParallel``: our forward passes call the decoder stack
 and the LM head separately (`turborlhf.models.forward`, so the B×T×V logits are never built),
 which bypasses ``DDP.forward`` where the reducer prepares its bucketed hooks; and a rank may get no
-micro-batch of a small mini-batch. `allreduce_gradients` is the same algorithm (replicas, one
-flattened SUM all-reduce of the gradients before the optimizer step) without those constraints.
+micro-batch of a small mini-batch. `allreduce_gradients` is the same algorithm (replicas, SUM
+all-reduces of the gradients in DDP's 25 MB buckets before the optimizer step) without those
+constraints.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards each decoder layer and the root; its
 forward hooks fire per layer, so the split forward still works. Gradients are reduce-scattered
@@ -72,14 +73,19 @@ def init_distributed(backend: str, addr: str, port: int, rank: int, world_size: 
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def allreduce_gradients(model: nn.Module) -> None:
+BUCKET_BYTES = 25 << 20     # DDP's default bucket_cap_mb
+
+
+def allreduce_gradients(model: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> None:
     """SUM the gradients of `model`'s trainable parameters over the default group (no-op without
     one). FSDP-sharded models were already reduce-scattered as a mean by FSDP: scaled by the world
     size to the sum.
 
     Parameters without a gradient on this rank (no micro-batch, unused branch) contribute zeros,
-    so every rank takes part in the same collective. One flattened buffer per dtype/device.
-    """
+    so every rank takes part in the same collectives. Gradients go in buckets of about
+    `bucket_bytes` per dtype/device (DDP's bucketing): a bucket of one gradient is reduced in
+    place, several are flattened into one buffer; the next bucket is packed while the previous
+    one is on the wire, so at most two buffers exist at a time (not a copy of every gradient)."""
     import torch.distributed as dist
 
     rank, world = dp_rank_world()
@@ -98,17 +104,46 @@ def allreduce_gradients(model: nn.Module) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             params.append(p)
-    buckets: dict[tuple, list[nn.Parameter]] = {}
+
+    def finish(bucket, flat, work) -> None:
+        work.wait()
+        if flat is not None:
+            off = 0
+            for p in bucket:
+                n = p.grad.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n
+
+    pending = None
+    for bucket in _buckets(params, bucket_bytes):
+        single = len(bucket) == 1 and bucket[0].grad.is_contiguous()
+        flat = None if single else torch.cat([p.grad.reshape(-1) for p in bucket])
+        work = dist.all_reduce(bucket[0].grad if single else flat, op=dist.ReduceOp.SUM, async_op=True)
+        if pending is not None:
+            finish(*pending)
+        pending = (bucket, flat, work)
+    if pending is not None:
+        finish(*pending)
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """`params` in order, grouped by gradient dtype/device into runs of at most `bucket_bytes`
+    (a larger gradient is a bucket of its own). Every rank builds the same buckets."""
+    out: list[list[nn.Parameter]] = []
+    open_: dict[tuple, list] = {}             # (dtype, device) → [parameters, bytes] of the open bucket
     for p in params:
-        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in buckets.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        off = 0
-        for p in group:
-            n = p.grad.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p.grad))
-            off += n
+        key = (p.grad.dtype, p.grad.device)
+        size = p.grad.numel() * p.grad.element_size()
+        cur = open_.get(key)
+        if cur is not None and cur[1] + size > bucket_bytes:
+            out.append(cur[0])
+            cur = None
+        if cur is None:
+            cur = open_[key] = [[], 0]
+        cur[0].append(p)
+        cur[1] += size
+    out.extend(c[0] for c in open_.values() if c[0])
+    return out
 
 
 def is_fsdp(model: nn.Module) -> bool:

@@ -209,7 +209,7 @@ class ActorWorker(Trainable):
             self.ptx = PtxStream(encode_examples(self.tok, load_sft(cfg.data.ptx_file, self.tok, **cfg.data.loader_kwargs()), cfg.data.ptx_max_len),
                                  cfg.train.seed)
         if ckpt:
-            st = torch.load(Path(ckpt) / "actor" / STATE_FILE, map_location="cpu", weights_only=False)
+            st = self._read_state(ckpt, "actor")
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
             if self.ema is not None:

@@ -78,7 +78,7 @@ class CriticWorker(Trainable):
         self.opt = make_optimizer(self.model, cfg.optim, lr=cfg.algo.critic_lr)
         self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
         if ckpt:
-            st = torch.load(Path(ckpt) / "critic" / STATE_FILE, map_location="cpu", weights_only=False)
+            st = self._read_state(ckpt, "critic")
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
 

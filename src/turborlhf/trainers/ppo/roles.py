@@ -205,11 +205,13 @@ class Trainable:
     _kept: Optional[KeptForwards] = None
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` (loaded on the CPU) on the worker's device: moved whole, or under FSDP sharded
+        unit by unit (``fully_shard`` moves each unit to the device as it shards it, so a GPU never
+        holds more than one decoder layer's full weights beside the shards)."""
         _, world = dp_rank_world()
-        model.to(self.device)
         if world > 1 and self.cfg.distributed.dp_strategy == "fsdp":
-            model = shard_fsdp(model, self.device)
-        return model.train()
+            return shard_fsdp(model, self.device).train()
+        return model.to(self.device).train()
 
     def _step(self, opt, sched) -> float:
         """All-reduce the gradients over the data-parallel ranks, clip, step; returns the grad norm."""
@@ -229,11 +231,23 @@ class Trainable:
                                                                                       cpu_offload=True))
         return opt.state_dict()
 
+    def _read_state(self, ckpt: str, role: str) -> dict:
+        """The role's `STATE_FILE` in checkpoint `ckpt`. Under FSDP the ranks other than 0 map the
+        file instead of reading it and never touch its optimizer state (`_load_optim_state` takes
+        it from rank 0), so a node's host memory holds that state once, not once per rank."""
+        peer = is_fsdp(self.model) and dp_rank_world()[0] != 0
+        return torch.load(Path(ckpt) / role / STATE_FILE, map_location="cpu", weights_only=False, mmap=peer)
+
     def _load_optim_state(self, opt, st: dict) -> None:
+        """Restore `opt` from the full state `st` (`_optim_state`'s). FSDP: collective; rank 0's
+        `st` is broadcast tensor by tensor and each rank keeps its shard (torch's
+        ``broadcast_from_rank0``), the other ranks' `st` is ignored."""
         if is_fsdp(self.model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, opt, st, options=StateDictOptions(full_state_dict=True))
+            rank0 = dp_rank_world()[0] == 0
+            set_optimizer_state_dict(self.model, opt, st if rank0 else {},
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         else:
             opt.load_state_dict(st)
 
