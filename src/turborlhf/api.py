@@ -120,6 +120,12 @@ def _save_model(model, tokenizer, dest: Path, what: str) -> str:
     dest.mkdir(parents=True)
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+    on_device = {str(p.device) for p in model.parameters() if p.device.type not in ("cpu", "meta")}
+    if on_device:       # the trainer loads its own copy: this one would hold the device's memory twice over
+        gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        warnings.warn(f"{what}: the trainer loads its own copy from {dest}; the model passed in stays on "
+                      f"{', '.join(sorted(on_device))} ({gib:.2f} GiB): move it to the CPU or delete it to free "
+                      "that memory", stacklevel=3)
     return str(dest)
 
 

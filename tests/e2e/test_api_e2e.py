@@ -287,3 +287,26 @@ def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_d
     assert again.train(resume_from_checkpoint=True).global_step == 3
     assert max_weight_diff(weights(tmp_path / "full"), weights(tmp_path / "r")) < 1e-7
     assert [r["step"] for r in metrics(tmp_path / "r")] == [1, 2, 3]
+
+
+def test_an_in_memory_model_on_a_device_is_named_in_a_warning(tmp_path):
+    """The trainer trains its own copy of an in-memory model; one left on a GPU would hold that
+    memory twice over, so the user is told (a stand-in model: no GPU here)."""
+    import types
+
+    import torch
+
+    from turborlhf.api import _save_model
+
+    saved = []
+    param = types.SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: 2**28, element_size=lambda: 2)
+    model = types.SimpleNamespace(config=None, parameters=lambda: [param], save_pretrained=saved.append)
+    tok = types.SimpleNamespace(save_pretrained=saved.append)
+    with pytest.warns(UserWarning, match=r"model passed in stays on cuda:0 \(0\.50 GiB\)"):
+        _save_model(model, tok, tmp_path / "input_model", "model")
+    assert saved == [tmp_path / "input_model"] * 2
+    param.device = torch.device("cpu")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _save_model(model, tok, tmp_path / "input_model", "model")
