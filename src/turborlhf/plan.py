@@ -649,14 +649,14 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
         resolve = _resolver(model_config or cfg.model)      # later stages start from earlier outputs
         for stage, scfg in stage_configs(cfg, cfg.model).items():
             if stage in cfg.stages:
-                scfg = resolve_hardware(scfg, show=False)       # dtype/device auto → this host's choice
+                scfg = resolve_hardware(scfg, show=False, check_devices=False)   # auto → this host's choice
                 kind = _device_kind(scfg)
                 p = _assemble(stage, _trainer_phases(stage, SPECS[stage](scfg, resolve, kind), scfg), scfg,
                               device_memory, host)
                 p.stage = stage
                 out.append(p)
         return out
-    cfg = resolve_hardware(cfg, show=False)
+    cfg = resolve_hardware(cfg, show=False, check_devices=False)      # an explicit device: as given
     kind = _device_kind(cfg)
     data = None
     if from_data:

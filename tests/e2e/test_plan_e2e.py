@@ -277,3 +277,24 @@ def test_a_trainer_on_cuda_is_planned_on_the_gpu_and_offload_books_its_host_copi
     shape = model_shape(str(tiny_model))
     role = _train_role("policy", shape, ModelCfg(name_or_path=str(tiny_model)), OptimCfg(offload=True), False, "gpu")
     assert role.optimizer_host == 16 * role.trainable_params > 0 and role.optimizer == 0
+
+
+def test_plan_sizes_a_gpu_run_from_a_host_without_one(tiny_model, tiny_data, capsys, monkeypatch):
+    """`plan` is for the machine a run will get: an explicit ``model.device=cuda`` is taken as given
+    (it was refused where torch sees no CUDA), while the run itself still refuses it there."""
+    import torch
+
+    from turborlhf.cli import main
+    from turborlhf.config import SFTConfig, load_config
+    from turborlhf.engine.hardware import HardwareError
+    from turborlhf.engine.run import resolve_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg_file = REPO / "configs/tiny/sft.yaml"
+    args = ["plan", "--config", str(cfg_file), "--json", f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "model.device=cuda"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)[0]
+    assert [d["name"].split(" ")[0] for d in plan["devices"]] == ["gpu:local"]
+    with pytest.raises(HardwareError, match="device=cuda"):
+        resolve_hardware(load_config(SFTConfig, overrides=["data.train_file=x", "model.device=cuda"]), show=False)

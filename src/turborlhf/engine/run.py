@@ -36,17 +36,23 @@ def setup_run(cfg: Cfg, output_dir: str) -> Path:
     return out
 
 
-def _device_of(section: Cfg, top: Cfg) -> str:
-    """The device type a model/engine section computes on ('cpu', 'cuda', 'mps')."""
+def _device_type(name: str, check: bool) -> str:
+    """``resolve_device(name).type``; with `check` False an explicit name is taken as given (a
+    plan for a device this host lacks)."""
     from turborlhf.engine.hardware import resolve_device
 
+    return resolve_device(name).type if check or name in ("auto", None) else name
+
+
+def _device_of(section: Cfg, top: Cfg, check: bool = True) -> str:
+    """The device type a model/engine section computes on ('cpu', 'cuda', 'mps')."""
     dist = getattr(top, "distributed", None)
     if dist is not None and getattr(dist, "device", None) in ("cpu", "gpu"):      # ppo: roles by distributed.device
         return "cuda" if dist.device == "gpu" else "cpu"
-    return resolve_device(getattr(section, "device", "auto")).type
+    return _device_type(getattr(section, "device", "auto"), check)
 
 
-def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
+def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: bool = True) -> C:
     """`cfg` with every ``auto`` of device and precision replaced by this host's choice
     (`turborlhf.engine.hardware`): ``model.device``/``dtype`` of each model section,
     ``distributed.device`` (ppo), ``rollout.device`` (CUDA for vLLM, else where the policy trains),
@@ -56,16 +62,17 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
     Prints the choices once as a start-up table (`name` labels it; not with `show=False`);
     `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
-    a device this host lacks."""
+    a device this host lacks, unless `check_devices` is False (`turborlhf plan` sizing a run for
+    another machine: explicit devices are taken as given, precision as for that device)."""
     from turborlhf.config import SYNC_TOLERANCE, ConfigError, ModelCfg, OptimCfg, RolloutCfg
-    from turborlhf.engine.hardware import choose_precision, choose_state_dtype, resolve_device
+    from turborlhf.engine.hardware import choose_precision, choose_state_dtype
     from turborlhf.rollout.backends import choose_rollout_dtype, choose_weight_dtype
 
     choices: dict[str, dict] = {}
     dist = getattr(cfg, "distributed", None)
     if dist is not None and getattr(dist, "device", None) == "auto":
         actor = getattr(cfg, "actor", None)
-        dev = resolve_device(getattr(actor, "device", "auto")).type
+        dev = _device_type(getattr(actor, "device", "auto"), check_devices)
         kind = "gpu" if dev == "cuda" else "cpu"
         why = "a CUDA device is visible" if kind == "gpu" else f"roles run on a CPU slot (best device here: {dev})"
         if kind == "cpu" and dist.backend == "ray" and (dist.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -85,7 +92,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
             value = getattr(node, field)
             where = f"{path}{field}"
             if isinstance(value, ModelCfg):
-                dev = _device_of(value, cfg)
+                dev = _device_of(value, cfg, check_devices)
                 if dist is not None and value.device not in ("auto", dev):
                     raise ConfigError(f"{where}.device={value.device}: ppo places every model by "
                                       f"distributed.device, a CPU slot or one CUDA GPU (here {cfg.distributed.device}); leave "
@@ -110,12 +117,12 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True) -> C:
                     dev = vllm_device_type()
                 elif value.device == "auto":
                     policy = getattr(cfg, "model", None)        # the trainers with one model section
-                    dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg)
+                    dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg, check_devices)
                     upd["device"] = dev
                     choices[f"{where}.device"] = {"value": dev, "reason": "where the policy trains" + (
                         " (FastEngine is CPU-only: HFEngine there)" if dev != "cpu" and value.engine == "auto" else "")}
                 else:
-                    dev = resolve_device(value.device).type
+                    dev = _device_type(value.device, check_devices)
                 prec = choose_precision(value.dtype, dev)
                 rdt, rwhy = choose_rollout_dtype(prec.dtype, prec.reason, value.dtype, value.engine, dev,
                                                  value.weight_dtype)
