@@ -82,9 +82,12 @@ class Host:
         self.objs: dict[str, Any] = {}
 
     def info(self) -> dict:
-        """``{"pid", "host", "gpus"}``: gpus are the GPU ids Ray assigned to this worker (empty
-        on a CPU slot, and outside Ray)."""
+        """``{"pid", "host", "gpus", "bf16_cpu"}``: gpus are the GPU ids Ray assigned to this
+        worker (empty on a CPU slot, and outside Ray); bf16_cpu whether this host's CPU computes
+        bf16 natively (AVX-512-BF16 or AMX; the driver chose precisions on its own CPU)."""
         import socket
+
+        from turborlhf.engine.hardware import BF16_FEATURES, cpu_features
 
         try:
             import ray
@@ -92,7 +95,8 @@ class Host:
             gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
         except ImportError:
             gpus = []
-        return {"pid": os.getpid(), "host": socket.gethostname(), "gpus": gpus}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "gpus": gpus,
+                "bf16_cpu": bool(cpu_features() & BF16_FEATURES)}
 
     def free_port(self) -> tuple[str, int]:
         from turborlhf.engine.parallel import free_port

@@ -80,7 +80,7 @@ from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_sc
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, has_model_rewards, role_models
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
-__all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update",
+__all__ = ["phases", "train", "train_steps", "share_trunks", "warn_emulated_bf16", "make_experience", "score_and_advantages", "ppo_update",
            "merge_rank_stats", "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,35 @@ def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, re
     if A.needs_reference and not lora_reference(cfg):
         specs["reference"] = RoleSpec(ReferenceWorker, (cfg, threads))
     specs["rollout"] = RoleSpec(RolloutWorker, (cfg, c, threads), cpu_only=cfg.rollout.device == "cpu")
-    return launch(cfg.distributed, specs, threads=threads)
+    cluster = launch(cfg.distributed, specs, threads=threads)
+    warn_emulated_bf16(cfg, cluster)
+    return cluster
+
+
+def warn_emulated_bf16(cfg: PPOConfig, cluster) -> str:
+    """One warning when bf16 compute, chosen or set on the driver's host, runs on Ray CPU workers
+    whose hosts emulate it (no AVX-512-BF16 or AMX: 5-15× slower than fp32 there); returns it
+    ("" when there is none). A heterogeneous cluster's precision is decided once, where the
+    command runs, so every rank computes alike; the message names the hosts and the fields."""
+    if cluster.backend != "ray" or cfg.distributed.device != "cpu":
+        return ""
+    field_of = {"actor": cfg.actor.dtype, "reference": cfg.actor.dtype, "rollout": cfg.rollout.dtype,
+                "critic": cfg.critic.dtype if cfg.critic is not None else None,
+                "reward": cfg.actor.dtype if has_model_rewards(cfg) else None}
+    name_of = {"reference": "actor", "reward": "actor"}           # they compute in actor.dtype
+    fields, hosts = set(), set()
+    for role, group in cluster.groups.items():
+        slow = [i["host"] for i in getattr(group, "infos", []) if i.get("bf16_cpu") is False]
+        if slow and field_of.get(role) == "bf16":
+            fields.add(f"{name_of.get(role, role)}.dtype")
+            hosts.update(slow)
+    if not fields:
+        return ""
+    msg = (f"{', '.join(sorted(fields))}=bf16 runs on Ray workers whose CPUs emulate bf16 (no avx512_bf16 or "
+           f"amx_bf16; hosts {', '.join(sorted(hosts))}): 5-15x slower than fp32 there; the precision was "
+           f"decided on this host, so set {', '.join(f'{f}=fp32' for f in sorted(fields))}")
+    warnings.warn(msg, stacklevel=2)
+    return msg
 
 
 def _explained_variance(values_BR, returns_BR, mask_BR) -> float:
