@@ -1,6 +1,7 @@
 """HFEngine: the reference rollout engine, `transformers` `generate` on the engine's own copy of
 the model (any causal LM). Slow (dynamic cache, `torch.multinomial`), but simple and general: it
 is the fallback for architectures `FastEngine` does not support, and the oracle in its tests.
+It samples with its own `torch.Generator`, never torch's global ones (see `_Sampler`).
 
     eng = HFEngine("/path/to/hf_dir", dtype="bf16")
     out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, stop_token_ids=(2,)))
@@ -46,6 +47,10 @@ class HFEngine:
             model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=self.dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.config = self.model.config
+        # stop only at `SamplingParams.stop_token_ids`, as FastEngine does: `generate` would fill an
+        # empty list from the checkpoint's EOS (then pad the row with pad_id after it)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.eos_token_id = None
         self.max_batch_size = max_batch_size
         self.pad_id = 0
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -62,32 +67,36 @@ class HFEngine:
         greedy = params.temperature == 0
         raw = params.logprobs_mode == "raw_logprobs"   # transformers' `logits`: before the logits processors
         stop = list(params.stop_token_ids)
+        # generate itself is always greedy: sampling happens in `_Sampler`, the last processor
         gcfg = GenerationConfig(
-            max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
-            do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_k=None if greedy else params.top_k, top_p=None if greedy else params.top_p,
+            max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens, do_sample=False,
             eos_token_id=stop if stop else None, pad_token_id=self.pad_id, use_cache=True,
-            num_return_sequences=1, output_scores=params.return_logprobs and not raw,
+            num_return_sequences=1, output_scores=params.return_logprobs and not raw and greedy,
             output_logits=params.return_logprobs and raw,
             return_dict_in_generate=True, bos_token_id=None,
         )
+        gen = None if greedy else torch.Generator(device=self.device)    # the call's own stream
+        if gen is not None and params.seed is not None:
+            gen.manual_seed(params.seed)
+        elif gen is not None:
+            gen.seed()                                   # nondeterministic, from the OS
         reqs = [p for p in prompts for _ in range(params.n)]  # samples of a prompt consecutive
         resp, fin, lps, tms = [], [], [], []
-        # a seeded call leaves the global generators alone: the CPU's, and the GPU's it samples on
-        on_gpu = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=on_gpu), torch.inference_mode():
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+        with torch.inference_mode():
             for s in range(0, len(reqs), self.max_batch_size):
                 chunk = reqs[s: s + self.max_batch_size]
                 L = max(len(p) for p in chunk)
                 ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in chunk], device=self.device)
                 mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=self.device)
                 forcing = _ToolForcing(tool, L) if tool is not None else None
+                sampler = None if greedy else _Sampler(params, gen, record=params.return_logprobs and not raw)
+                procs = [x for x in (forcing, sampler) if x is not None]
                 out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg,
-                                          logits_processor=[forcing] if forcing is not None else None)
+                                          logits_processor=procs or None)
                 new = out.sequences[:, L:]
-                if params.return_logprobs:
+                if params.return_logprobs and sampler is not None and not raw:
+                    lp = torch.stack(sampler.logprobs[: new.shape[1]], 1).cpu()   # one-hot `out.scores`
+                elif params.return_logprobs:
                     # step by step: transformers already holds one B×V per step; a stacked fp32
                     # B×T×V and its log-softmax would add two more (GBs on a GPU)
                     steps = out.logits if raw else out.scores
@@ -145,6 +154,35 @@ class HFEngine:
                     lg = logits[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
                     out.append(lg.gather(-1, torch.tensor(list(r), device=self.device)[:, None]).squeeze(-1).tolist())
         return out
+
+
+class _Sampler:
+    """The last `transformers` logits processor of a sampled `generate` call, which itself runs
+    greedy: it applies temperature, top-k and top-p (transformers' own warpers, after the built-in
+    processors such as min_new_tokens' stop suppression, and after `_ToolForcing`), draws each
+    row's token from `generator`, and returns scores that are -inf except at that token, so the
+    greedy argmax picks it. Why not `do_sample=True`: its `torch.multinomial` draws from torch's
+    process-global generators, which the trainer shares (PPO may generate on a background thread,
+    `trainers.ppo.async_rollout`): seeding them there reseeds the trainer, and restoring them
+    (`fork_rng`) rewinds the trainer's draws made meanwhile. `logprobs` (when `record`): per step,
+    each row's log-prob of its token under the distribution it was drawn from."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator, record: bool):
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
+        self.warpers = ([TemperatureLogitsWarper(params.temperature)] if params.temperature != 1 else []) \
+            + ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []) \
+            + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1 else [])
+        self.generator = generator
+        self.logprobs: list[torch.Tensor] | None = [] if record else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        tok = torch.multinomial(scores.softmax(-1), 1, generator=self.generator)   # B×1
+        if self.logprobs is not None:
+            self.logprobs.append(scores.log_softmax(-1).gather(-1, tok).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, tok, 0.0)
 
 
 class _ToolForcing:
