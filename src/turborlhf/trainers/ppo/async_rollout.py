@@ -37,9 +37,9 @@ releases the GIL in its kernels, so generation and training overlap on spare cor
 waits on the rollout workers. The roles the background thread calls (rollout; reward with dynamic
 sampling) are serialised by a lock on the local backend, so no role object is entered by two
 threads at once. Generation is seeded per (step, work item, sampling round), so which thread or
-engine generates a batch changes nothing. (The HF engine seeds torch's process-wide generator
-inside ``torch.random.fork_rng``; the trainer draws nothing from that generator during a step, its
-shuffles use their own, and the checkpoint reads it only once no generation is pending.)
+engine generates a batch changes nothing. Seeded engines sample with generators of their own
+(FastEngine's, HFEngine's `_Sampler`), never reseeding or rewinding torch's process-wide ones,
+which the trainer's draws (dropout) use on the other thread.
 
 Not done: a pending generation is not interrupted by a weight push (verl's partial rollouts), and
 there is one pending batch at a time, so k > 1 adds staleness but no further overlap.
