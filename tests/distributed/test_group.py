@@ -3,6 +3,8 @@ queue (fast ranks take more, results in order, a hung engine is dropped and its 
 named errors for a dead worker and a failing remote call."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tests.distributed.toy_workers import Toy
@@ -168,7 +170,8 @@ def test_ppo_marks_the_roles_that_need_no_gpu(monkeypatch):
     from turborlhf.trainers.ppo import driver
 
     seen = {}
-    monkeypatch.setattr(driver, "launch", lambda dist, specs, threads: seen.update(specs))
+    monkeypatch.setattr(driver, "launch", lambda dist, specs, threads: seen.update(specs) or
+                        SimpleNamespace(backend="local", groups={}))
     cfg = load_config(PPOConfig, REPO / "configs/gsm8k_smollm2/grpo.yaml", ["rollout.device=cpu"])
     driver.build_roles(cfg, None)
     assert seen["reward"].cpu_only and seen["rollout"].cpu_only and not seen["actor"].cpu_only
