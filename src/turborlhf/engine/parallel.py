@@ -130,19 +130,16 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
     """`params` in order, grouped by gradient dtype/device into runs of at most `bucket_bytes`
     (a larger gradient is a bucket of its own). Every rank builds the same buckets."""
     out: list[list[nn.Parameter]] = []
-    open_: dict[tuple, list] = {}             # (dtype, device) → [parameters, bytes] of the open bucket
+    open_: dict[tuple, tuple[list[nn.Parameter], int]] = {}    # (dtype, device) → open bucket, its bytes
     for p in params:
-        key = (p.grad.dtype, p.grad.device)
-        size = p.grad.numel() * p.grad.element_size()
-        cur = open_.get(key)
-        if cur is not None and cur[1] + size > bucket_bytes:
-            out.append(cur[0])
-            cur = None
-        if cur is None:
-            cur = open_[key] = [[], 0]
-        cur[0].append(p)
-        cur[1] += size
-    out.extend(c[0] for c in open_.values() if c[0])
+        key, size = (p.grad.dtype, p.grad.device), p.grad.numel() * p.grad.element_size()
+        bucket, used = open_.get(key, ([], 0))
+        if bucket and used + size > bucket_bytes:
+            out.append(bucket)
+            bucket, used = [], 0
+        bucket.append(p)
+        open_[key] = (bucket, used + size)
+    out.extend(bucket for bucket, _ in open_.values())
     return out
 
 

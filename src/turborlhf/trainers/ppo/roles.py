@@ -49,8 +49,8 @@ from turborlhf.rollout.tools import make_tool
 from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_prompts
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
-           "worker_device", "has_model_rewards", "setup_worker", "gpu_worker_threads", "in_chunks", "sampling_temperature", "add_stats",
-           "role_models"]
+           "worker_device", "has_model_rewards", "setup_worker", "gpu_worker_threads", "in_chunks",
+           "sampling_temperature", "add_stats", "role_models"]
 
 STATE_FILE = "worker_state.pt"
 
