@@ -94,8 +94,8 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
             if isinstance(value, ModelCfg):
                 dev = _device_of(value, cfg, check_devices)
                 if dist is not None and value.device not in ("auto", dev):
-                    raise ConfigError(f"{where}.device={value.device}: ppo places every model by "
-                                      f"distributed.device, a CPU slot or one CUDA GPU (here {cfg.distributed.device}); leave "
+                    raise ConfigError(f"{where}.device={value.device}: ppo places every model by distributed.device, "
+                                      f"a CPU slot or one CUDA GPU (here {cfg.distributed.device}); leave "
                                       f"{where}.device at auto, or set distributed.device")
                 upd = {}
                 if value.device == "auto":

@@ -80,8 +80,9 @@ from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_sc
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, has_model_rewards, role_models
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
-__all__ = ["phases", "train", "train_steps", "share_trunks", "warn_emulated_bf16", "make_experience", "score_and_advantages", "ppo_update",
-           "merge_rank_stats", "sync_weights", "build_roles", "lora_reference", "ADVANTAGE_ESTIMATORS"]
+__all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", "score_and_advantages", "ppo_update",
+           "merge_rank_stats", "sync_weights", "build_roles", "warn_emulated_bf16", "lora_reference",
+           "ADVANTAGE_ESTIMATORS"]
 
 logger = logging.getLogger(__name__)
 
