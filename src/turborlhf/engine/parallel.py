@@ -84,8 +84,9 @@ def allreduce_gradients(model: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> N
     Parameters without a gradient on this rank (no micro-batch, unused branch) contribute zeros,
     so every rank takes part in the same collectives. Gradients go in buckets of about
     `bucket_bytes` per dtype/device (DDP's bucketing): a bucket of one gradient is reduced in
-    place, several are flattened into one buffer; the next bucket is packed while the previous
-    one is on the wire, so at most two buffers exist at a time (not a copy of every gradient)."""
+    place, several are flattened into one buffer; on a GPU the next bucket is packed while the
+    previous one is on the wire, so at most two buffers exist at a time (not a copy of every
+    gradient)."""
     import torch.distributed as dist
 
     rank, world = dp_rank_world()
@@ -106,7 +107,8 @@ def allreduce_gradients(model: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> N
             params.append(p)
 
     def finish(bucket, flat, work) -> None:
-        work.wait()
+        if work is not None:
+            work.wait()
         if flat is not None:
             off = 0
             for p in bucket:
@@ -118,7 +120,11 @@ def allreduce_gradients(model: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> N
     for bucket in _buckets(params, bucket_bytes):
         single = len(bucket) == 1 and bucket[0].grad.is_contiguous()
         flat = None if single else torch.cat([p.grad.reshape(-1) for p in bucket])
-        work = dist.all_reduce(bucket[0].grad if single else flat, op=dist.ReduceOp.SUM, async_op=True)
+        # async only on a GPU (NCCL on its own stream): gloo's CPU reduce takes the cores the
+        # packing would use, and its worker threads may outlive a waited work's tensors (an abort
+        # at exit, seen once in the tests)
+        work = dist.all_reduce(bucket[0].grad if single else flat, op=dist.ReduceOp.SUM,
+                               async_op=bucket[0].grad.is_cuda)
         if pending is not None:
             finish(*pending)
         pending = (bucket, flat, work)
