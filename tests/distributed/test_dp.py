@@ -74,10 +74,20 @@ def _rank(rank: int, world: int, port: int, cfg, exp, out_file: str) -> None:
 
     init_distributed("gloo", "127.0.0.1", port, rank, world, timeout_s=120)
     _train(cfg, exp, out_file)
+    _leave()
+
+
+def _leave() -> None:
+    """End a rank: a barrier (no rank tears its gloo pairs down while another still uses them),
+    the group destroyed, then exit without the interpreter's finalization: with torch's huge-page
+    allocations on (the commands set THP_MEM_ALLOC_ENABLE and the test process passes it on), a
+    rank sometimes aborted there after its work ("terminate called without an active exception",
+    no Python frame), failing a test whose results were already written."""
     import torch.distributed as dist
 
-    dist.barrier()    # no rank tears its gloo pairs down while another still uses them
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def _port() -> int:
@@ -137,8 +147,7 @@ def _resume_rank(rank: int, world: int, port: int, cfg, exp, ckpt: str, out_file
     state = resumed._optim_state(resumed.opt)
     if rank == 0:
         torch.save(state, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_fsdp_resume_broadcasts_the_optimizer_state_from_rank_0(tiny_model, tmp_path):
@@ -178,10 +187,7 @@ def _allreduce_rank(rank: int, world: int, port: int, out_file: str) -> None:
         got[cap] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     if rank == 0:
         torch.save(got, out_file)
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_bucketed_allreduce_sums_every_gradient(tmp_path):
