@@ -120,9 +120,8 @@ def allreduce_gradients(model: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> N
     for bucket in _buckets(params, bucket_bytes):
         single = len(bucket) == 1 and bucket[0].grad.is_contiguous()
         flat = None if single else torch.cat([p.grad.reshape(-1) for p in bucket])
-        # async only on a GPU (NCCL on its own stream): gloo's CPU reduce takes the cores the
-        # packing would use, and its worker threads may outlive a waited work's tensors (an abort
-        # at exit, seen once in the tests)
+        # async only on a GPU (NCCL on its own stream): on the CPU gloo's reduce takes the cores
+        # the packing would use
         work = dist.all_reduce(bucket[0].grad if single else flat, op=dist.ReduceOp.SUM,
                                async_op=bucket[0].grad.is_cuda)
         if pending is not None:
