@@ -340,15 +340,16 @@ def warn_emulated_bf16(cfg: PPOConfig, cluster) -> str:
     command runs, so every rank computes alike; the message names the hosts and the fields."""
     if cluster.backend != "ray" or cfg.distributed.device != "cpu":
         return ""
-    field_of = {"actor": cfg.actor.dtype, "reference": cfg.actor.dtype, "rollout": cfg.rollout.dtype,
-                "critic": cfg.critic.dtype if cfg.critic is not None else None,
-                "reward": cfg.actor.dtype if has_model_rewards(cfg) else None}
-    name_of = {"reference": "actor", "reward": "actor"}           # they compute in actor.dtype
+    # the config section whose dtype each role computes in (reference and reward models: the actor's)
+    section_of = {"actor": "actor", "reference": "actor", "rollout": "rollout",
+                  "critic": "critic" if cfg.critic is not None else None,
+                  "reward": "actor" if has_model_rewards(cfg) else None}
     fields, hosts = set(), set()
     for role, group in cluster.groups.items():
-        slow = [i["host"] for i in getattr(group, "infos", []) if i.get("bf16_cpu") is False]
-        if slow and field_of.get(role) == "bf16":
-            fields.add(f"{name_of.get(role, role)}.dtype")
+        section = section_of.get(role)
+        slow = [i["host"] for i in group.infos if i.get("bf16_cpu") is False]
+        if slow and section and getattr(cfg, section).dtype == "bf16":
+            fields.add(f"{section}.dtype")
             hosts.update(slow)
     if not fields:
         return ""
