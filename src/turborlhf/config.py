@@ -151,7 +151,9 @@ class OptimCfg(Cfg):
                             "there as fp32 AdamW), fp32 on a GPU and elsewhere")
     offload: bool = Field(False, description="keep AdamW states (and the fp32 update) in CPU memory, step on the "
                                              "CPU, copy the new weights back: frees 8 bytes/trainable parameter of "
-                                             "GPU memory; a no-op when the model is on the CPU already")
+                                             "GPU memory; a no-op when the model is on the CPU already. With "
+                                             "distributed.dp_strategy=fsdp: FSDP2's CPUOffloadPolicy (parameter, "
+                                             "gradient and optimizer shards in CPU memory)")
 
 
 class LogCfg(Cfg):
@@ -527,11 +529,6 @@ class PPOConfig(Cfg):
             # the gathered state would carry peft's names and unmerged adapters to the engines and the export
             raise ValueError(f"distributed.dp_strategy: fsdp does not shard LoRA models ({' and '.join(lora)} > 0); "
                              "use distributed.dp_strategy=ddp")
-        if self.distributed.dp_strategy == "fsdp" and self.optim.offload:
-            # CPUOffloadAdamW copies whole parameters, and FSDP's are DTensor shards (it failed on
-            # them at the first step); FSDP2's own CPUOffloadPolicy is not wired in
-            raise ValueError("optim.offload: not with distributed.dp_strategy=fsdp (the offloaded optimizer keeps "
-                             "whole-parameter copies); use dp_strategy=ddp, or fsdp without offload")
         from turborlhf.distributed.roles import check_colocation, check_fsdp_batches  # pure Python, no torch/Ray
         check_colocation(self.distributed, self.active_roles)
         check_fsdp_batches(self.distributed, self.algo, self.train.micro_batch_size)

@@ -526,6 +526,11 @@ def _assemble(command: str, spec: _Spec, cfg, device_memory: Optional[int], host
             role = spec.roles[r]
             role.offloaded = opts["offload"] and (r == "reference" or r.startswith("reward"))
             role.sleeps = opts["sleep"] and r == "rollout"
+            if opts["fsdp"] and r in trained and role.optimizer_host:
+                # optim.offload under FSDP (CPUOffloadPolicy): the weight and gradient shards live in
+                # host memory too, beside the moments; the device holds a gathered unit at a time
+                host_extra += (role.weights + role.optimizer_host - 4 * role.trainable_params) // shard
+                continue
             if not (role.offloaded or role.sleeps):
                 persistent += (role.weights + role.optimizer) // (shard if r in trained else 1)
             host_extra += role.optimizer_host // (shard if r in trained else 1)

@@ -13,7 +13,7 @@ from tests.e2e.helpers import REPO
 PPO_YAML = REPO / "configs/tiny/ppo.yaml"
 
 
-def _cfg(tiny_model, strategy: str, backend: str = "local", freeze: int = 0):
+def _cfg(tiny_model, strategy: str, backend: str = "local", freeze: int = 0, offload: bool = False):
     from turborlhf.config import PPOConfig, load_config
 
     return load_config(PPOConfig, PPO_YAML, [
@@ -21,7 +21,7 @@ def _cfg(tiny_model, strategy: str, backend: str = "local", freeze: int = 0):
         "data.prompts_file=unused", "train.micro_batch_size=2", "algo.num_mini_batches=2", "algo.ppo_epochs=2",
         "algo.entropy_coef=0.01", "algo.loss_reduction=seq_mean_token_mean", f"distributed.dp_strategy={strategy}",
         "distributed.device=cpu",       # gloo ranks on the CPU, also where a GPU is visible
-        f"actor.freeze_layers={freeze}", f"critic.freeze_layers={freeze}"])
+        f"actor.freeze_layers={freeze}", f"critic.freeze_layers={freeze}", f"optim.offload={offload}"])
 
 
 def _experience(tiny_model):
@@ -96,13 +96,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy,freeze", [("ddp", 0), ("fsdp", 0), ("fsdp", 1)])
-def test_dp2_update_equals_dp1(strategy, freeze, tiny_model, tmp_path):
+@pytest.mark.parametrize("strategy,freeze,offload", [("ddp", 0, False), ("fsdp", 0, False), ("fsdp", 1, False),
+                                                     ("fsdp", 0, True)])
+def test_dp2_update_equals_dp1(strategy, freeze, offload, tiny_model, tmp_path):
     """freeze = 1: `model.freeze_layers` (embeddings and layer 0 fixed) under FSDP2, whose root
-    unit then holds frozen (embeddings) and trained (final norm, head) parameters together."""
+    unit then holds frozen (embeddings) and trained (final norm, head) parameters together.
+    offload: ``optim.offload`` under FSDP2 is its CPUOffloadPolicy (on the CPU mesh it moves
+    nothing, but the policy's code path runs: the optimizer over its shards, the gather)."""
     import torch.multiprocessing as mp
 
-    cfg, exp = _cfg(tiny_model, strategy, freeze=freeze), _experience(tiny_model)
+    cfg, exp = _cfg(tiny_model, strategy, freeze=freeze, offload=offload), _experience(tiny_model)
     _train(cfg, exp, str(tmp_path / "dp1.pt"))                     # one process, all micro-batches
     mp.start_processes(_rank, args=(2, _port(), cfg, exp, str(tmp_path / "dp2.pt")), nprocs=2, join=True,
                        start_method="spawn")

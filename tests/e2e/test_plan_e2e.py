@@ -83,7 +83,7 @@ def test_placement_colocation_and_offload_from_a_distributed_section(tiny_model)
                                                      f"reward_model={tiny_model}", "data.prompts_file=x"])
     role = SimpleNamespace(world_size=2)
 
-    def plan(**opts):
+    def plan(cfg=cfg, **opts):
         dist = SimpleNamespace(backend="ray", device="gpu", actor=role, critic=role, reward=role, reference=role,
                                rollout=role, colocate_actor_ref=False, colocate_critic_reward=False,
                                colocate_all_models=False, ref_reward_offload=False, rollout_sleep=False,
@@ -110,6 +110,14 @@ def test_placement_colocation_and_offload_from_a_distributed_section(tiny_model)
     fsdp = {d.name.split(" ")[0]: d for d in plan(dp_strategy="fsdp").devices}
     ddp = {d.name.split(" ")[0]: d for d in alone.devices}
     assert fsdp["gpu:actor"].persistent < ddp["gpu:actor"].persistent   # sharded weights and states
+    # optim.offload under FSDP (CPUOffloadPolicy): weight, gradient and moment shards in host memory
+    offload_cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"offload": True})})
+    shards = plan(offload_cfg, dp_strategy="fsdp")
+    host = {d.name.split(" ")[0]: d for d in shards.devices}
+    actor = next(r for r in shards.roles if r.name == "actor")
+    n, t = actor.weights // 4, actor.trainable_params
+    assert host["host:actor"].persistent == (4 * n + 12 * t) // 2              # two workers
+    assert host["gpu:actor"].persistent == fsdp["gpu:actor"].persistent - (actor.weights + 8 * t) // 2
 
 
 def _measured_peak_rss(args, env_extra=None) -> int:

@@ -165,22 +165,32 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_fsdp(model: nn.Module, device: Optional[torch.device] = None) -> nn.Module:
+def shard_fsdp(model: nn.Module, device: Optional[torch.device] = None, offload: bool = False) -> nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the whole model (embeddings, final norm,
     LM/score head; tied embeddings stay in one unit). `root_forward` runs our split forward
-passes through the root's hooks; `allreduce_gradients` turns FSDP's mean gradient into the sum.
+    passes through the root's hooks; `allreduce_gradients` turns FSDP's mean gradient into the sum.
+
+    Args:
+        model: the model, on the CPU (each unit moves to `device` as it is sharded) or on `device`.
+        device: where the units compute; CUDA gives a CUDA mesh (NCCL), anything else the CPU's.
+        offload: ``optim.offload`` under FSDP: FSDP2's ``CPUOffloadPolicy`` keeps the parameter
+            and gradient shards in host memory (pinned on a GPU), gathers each unit onto the
+            device for its forward and backward and moves its gradient shard back; the optimizer
+            then steps on the CPU shards (DeepSpeed's ZeRO-3 offload, FSDP's ``cpu_offload``).
+            On a CPU mesh it changes nothing but is applied all the same (tests run it there).
 
     Returns the same module (now sharded in place). Must be called on every rank of the group.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     _, world = dp_rank_world()
     dev_type = "cuda" if (device is not None and device.type == "cuda") else "cpu"
     mesh = init_device_mesh(dev_type, (world,))
+    policy = CPUOffloadPolicy(pin_memory=dev_type == "cuda") if offload else OffloadPolicy()
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
     hf_forward = model.forward
 
     def forward(*args, _turborlhf_fn=None, **kwargs):

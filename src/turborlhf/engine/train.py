@@ -155,7 +155,11 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
     if force_offload or getattr(cfg, "offload", False):
         if force_offload or any(p.device.type != "cpu" for p in params):
             return CPUOffloadAdamW(groups, **kw)          # its fp32 copies are CPU tensors: fused works
-        logger.info("[optim] offload: the parameters are in CPU memory already, nothing to offload")
+        from turborlhf.engine.parallel import is_fsdp
+
+        logger.info("[optim] offload: " + ("FSDP keeps the parameter shards in CPU memory (CPUOffloadPolicy); "
+                                           "the optimizer steps there" if is_fsdp(model) else
+                                           "the parameters are in CPU memory already, nothing to offload"))
     from turborlhf.engine.hardware import state_dtype_for
 
     # auto: a config that did not go through resolve_hardware, resolved as it would be

@@ -207,10 +207,11 @@ class Trainable:
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` (loaded on the CPU) on the worker's device: moved whole, or under FSDP sharded
         unit by unit (``fully_shard`` moves each unit to the device as it shards it, so a GPU never
-        holds more than one decoder layer's full weights beside the shards)."""
+        holds more than one decoder layer's full weights beside the shards; with ``optim.offload``
+        the shards stay in host memory: `shard_fsdp`)."""
         _, world = dp_rank_world()
         if world > 1 and self.cfg.distributed.dp_strategy == "fsdp":
-            return shard_fsdp(model, self.device).train()
+            return shard_fsdp(model, self.device, offload=self.cfg.optim.offload).train()
         return model.to(self.device).train()
 
     def _step(self, opt, sched) -> float:
