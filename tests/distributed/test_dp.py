@@ -174,26 +174,30 @@ def test_fsdp_resume_broadcasts_the_optimizer_state_from_rank_0(tiny_model, tmp_
     assert any(float(st["exp_avg"].abs().max()) > 0 for st in saved.values() if "exp_avg" in st)
 
 
-def _allreduce_rank(rank: int, world: int, port: int, out_file: str) -> None:
+def _allreduce_rank(rank: int, world: int, port: int, out_file: str, device: str = "cpu") -> None:
     from turborlhf.engine.parallel import allreduce_gradients, init_distributed
 
     init_distributed("gloo", "127.0.0.1", port, rank, world, timeout_s=120)
     got = {}
     for cap in (40, 1 << 20):                 # a bucket per few gradients / one bucket of all
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)).to(device)
         model[2].bias.requires_grad_(False)
         for i, p in enumerate(q for q in model.parameters() if q.requires_grad):
             if not (rank == 1 and i == 1):    # rank 1 has no gradient for the first bias
                 p.grad = torch.full_like(p, float(10 * rank + i + 1))
         allreduce_gradients(model, bucket_bytes=cap)
-        got[cap] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        got[cap] = [p.grad.cpu() for p in model.parameters() if p.requires_grad]
     if rank == 0:
         torch.save(got, out_file)
     _leave()
 
 
-def test_bucketed_allreduce_sums_every_gradient(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_bucketed_allreduce_sums_every_gradient(device, tmp_path):
+    """cuda: the asynchronous path (the next bucket packed while the last is reduced), with gloo's
+    CUDA all-reduce so that two ranks can share one GPU (NCCL refuses that)."""
     import torch.multiprocessing as mp
 
     from turborlhf.engine.parallel import _buckets
@@ -204,7 +208,8 @@ def test_bucketed_allreduce_sums_every_gradient(tmp_path):
         p.grad = torch.zeros_like(p)
     assert [[int(p.numel()) for p in b] for b in _buckets(ps, 40)] == [[3, 3], [20], [2], [2]]
     out = tmp_path / "sums.pt"
-    mp.start_processes(_allreduce_rank, args=(2, _port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_allreduce_rank, args=(2, _port(), str(out), device), nprocs=2, join=True,
+                       start_method="spawn")
     got = torch.load(out)
     want = [1 + 11, 2 + 0, 3 + 13, 4 + 14, 5 + 15]      # rank 0: i + 1; rank 1: 10 + i + 1, none for i = 1
     for cap, grads in got.items():

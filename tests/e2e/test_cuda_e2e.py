@@ -149,11 +149,14 @@ def test_grpo_through_ray_on_one_gpu_matches_local(tiny_model, tiny_data, tiny_r
 
 
 def _fsdp_one_rank(rank: int, port: int, tiny_model: str, out_file: str) -> None:
+    from types import SimpleNamespace
+
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from turborlhf.engine.parallel import full_state_dict, init_distributed, is_fsdp, root_forward, shard_fsdp
     from turborlhf.models.forward import response_logprobs
+    from turborlhf.trainers.ppo.roles import Trainable
 
     init_distributed("nccl", "127.0.0.1", port, 0, 1, timeout_s=120)
     dev = torch.device("cuda", 0)
@@ -162,27 +165,44 @@ def _fsdp_one_rank(rank: int, port: int, tiny_model: str, out_file: str) -> None
     attn = torch.ones_like(ids)
     target = torch.cat([torch.zeros(4, 8), torch.ones(4, 16)], 1)
     out = {"backend": dist.get_backend()}
-    for sharded in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(dev).train()
-        if sharded:
-            shard_fsdp(model, dev)
-            out["is_fsdp"] = is_fsdp(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for mode in ("plain", "sharded", "offload"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()   # on the CPU
+        if mode == "plain":
+            model.to(dev)
+        else:       # as `Trainable._wrap`: sharded from the CPU, each unit moved as it is sharded
+            shard_fsdp(model, dev, offload=mode == "offload")
+            out[f"{mode}_is_fsdp"] = is_fsdp(model)
+            out[f"{mode}_param_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
+            out[f"{mode}_cuda_bytes_after_shard"] = torch.cuda.memory_allocated()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for _ in range(2):
             logp, _ = root_forward(model, response_logprobs, ids, attn, target)
             loss = -logp.sum() / target[:, 1:].sum()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out["sharded" if sharded else "plain"] = full_state_dict(model)
+        out[mode] = full_state_dict(model)
+        if mode != "plain":     # resume: the full optimizer state back into a fresh sharded model
+            holder = SimpleNamespace(model=model)
+            state = Trainable._optim_state(holder, opt)
+            fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+            shard_fsdp(fresh, dev, offload=mode == "offload")
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, fused=True)
+            Trainable._load_optim_state(SimpleNamespace(model=fresh), fresh_opt, state)
+            out[f"{mode}_saved_opt"] = state["state"]
+            out[f"{mode}_resumed_opt"] = Trainable._optim_state(SimpleNamespace(model=fresh), fresh_opt)["state"]
+        del model, opt
+        torch.cuda.empty_cache()
     torch.save(out, out_file)
     dist.destroy_process_group()
 
 
 def test_fsdp2_over_nccl_on_one_gpu_equals_plain_training(tiny_model, tmp_path):
-    """Our FSDP2 helpers over NCCL on the GPU (one rank: the machine has one GPU): `shard_fsdp`,
-    `root_forward` through the root unit's hooks, and `full_state_dict`'s gather give the weights
-    of the same two AdamW steps on the unsharded model."""
+    """Our FSDP2 helpers over NCCL on the GPU (one rank: the machine has one GPU): `shard_fsdp` of a
+    model on the CPU (as the trainers call it), with and without ``optim.offload``'s
+    CPUOffloadPolicy, `root_forward` through the root unit's hooks, and `full_state_dict`'s gather
+    give the weights of the same two AdamW steps on the unsharded model; the offloaded shards stay
+    in host memory; the optimizer state saved in full and broadcast back from rank 0 is the same."""
     import socket
 
     import torch.multiprocessing as mp
@@ -193,12 +213,19 @@ def test_fsdp2_over_nccl_on_one_gpu_equals_plain_training(tiny_model, tmp_path):
     out_file = str(tmp_path / "fsdp.pt")
     mp.start_processes(_fsdp_one_rank, args=(port, str(tiny_model), out_file), nprocs=1, join=True,
                        start_method="spawn")
-    got = torch.load(out_file)
-    assert got["backend"] == "nccl" and got["is_fsdp"]
-    plain, sharded = got["plain"], got["sharded"]
-    assert plain.keys() == sharded.keys()
+    got = torch.load(out_file, weights_only=False)
+    assert got["backend"] == "nccl" and got["sharded_is_fsdp"] and got["offload_is_fsdp"]
+    assert got["sharded_param_devices"] == ["cuda"] and got["offload_param_devices"] == ["cpu"]
+    assert got["offload_cuda_bytes_after_shard"] < got["sharded_cuda_bytes_after_shard"] / 10, got
+    plain = got["plain"]
     init = weights(tiny_model)
     assert max(float((plain[k] - init[k]).abs().max()) for k in init) > 1e-4     # it trained
-    diff = max(float((plain[k].float() - sharded[k].float()).abs().max()) for k in plain)
-    assert diff < 1e-5, diff
-
+    for mode in ("sharded", "offload"):
+        assert plain.keys() == got[mode].keys()
+        diff = max(float((plain[k].float() - got[mode][k].float()).abs().max()) for k in plain)
+        assert diff < 1e-5, (mode, diff)
+        saved, resumed = got[f"{mode}_saved_opt"], got[f"{mode}_resumed_opt"]
+        assert saved.keys() == resumed.keys() and len(saved) > 0
+        for name, st in saved.items():
+            for k, v in st.items():
+                assert torch.equal(torch.as_tensor(v).cpu(), torch.as_tensor(resumed[name][k]).cpu()), (mode, name, k)
