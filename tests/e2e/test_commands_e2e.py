@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import yaml
+import torch
 
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, run_cli, weights
 from turborlhf.cli import main
@@ -94,6 +95,15 @@ def test_chat_is_multi_turn_and_streams(tiny_model, monkeypatch, capsys):
     chat_loop(HFEngine(str(tiny_model), dtype="fp32"), tok, params, io.StringIO("hello\n"), streamed, stream=True)
     chat_loop(eng, tok, params, io.StringIO("hello\n"), whole)
     assert streamed.getvalue() == whole.getvalue() and whole.writes == 1 and streamed.writes > 2
+    # sampled with a seed: the same reply streamed or not, and torch's global generator untouched
+    hf = HFEngine(str(tiny_model), dtype="fp32")
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, stop_token_ids=(tok.eos_token_id,))
+    before = torch.get_rng_state()
+    streamed, whole = io.StringIO(), io.StringIO()
+    chat_loop(hf, tok, sampled, io.StringIO("hello\nagain\n"), streamed, stream=True)
+    chat_loop(hf, tok, sampled, io.StringIO("hello\nagain\n"), whole)
+    assert streamed.getvalue() == whole.getvalue() and len(whole.getvalue()) > 10
+    assert torch.equal(torch.get_rng_state(), before)
 
     # piped stdin through the command; the HF engine streams token by token, the same text as whole replies
     fast = _chat(tiny_model, monkeypatch, capsys, "hello\nagain\n")

@@ -130,26 +130,34 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _stream_hf(engine, tok, ids: list[int], params, out: TextIO) -> tuple[list[int], bool]:
-    """One reply from an HF engine's model, written to ``out`` as it is decoded."""
+    """One reply from an HF engine's model, written to ``out`` as it is decoded. Sampled as
+    `HFEngine.generate` samples (`_Sampler`, a generator of its own seeded from ``params.seed``),
+    so a seeded reply is the same streamed or not, and torch's global generators are left alone."""
     import torch
     from transformers import GenerationConfig, TextStreamer
+
+    from turborlhf.rollout.hf import _Sampler
 
     class _Out(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             out.write(text)
             out.flush()
 
-    greedy = params.temperature == 0
-    gcfg = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=not greedy,
-                            temperature=None if greedy else params.temperature,
-                            top_p=None if greedy else params.top_p, top_k=None if greedy else (params.top_k or None),
-                            eos_token_id=list(params.stop_token_ids) or None, pad_token_id=tok.pad_token_id)
-    if params.seed is not None:
-        torch.manual_seed(params.seed)
     dev = next(engine.model.parameters()).device
+    gcfg = GenerationConfig(max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
+                            do_sample=False, eos_token_id=list(params.stop_token_ids) or None,
+                            pad_token_id=tok.pad_token_id, bos_token_id=None)
+    procs = None
+    if params.temperature != 0:
+        gen = torch.Generator(device=dev)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        procs = [_Sampler(params, gen, record=False)]
     x = torch.tensor([ids], device=dev)
     with torch.no_grad():
-        y = engine.model.generate(x, attention_mask=torch.ones_like(x), generation_config=gcfg,
+        y = engine.model.generate(x, attention_mask=torch.ones_like(x), generation_config=gcfg, logits_processor=procs,
                                   streamer=_Out(tok, skip_prompt=True, skip_special_tokens=True))
     resp = y[0, len(ids):].tolist()
     finished = bool(resp) and resp[-1] in params.stop_token_ids
