@@ -87,15 +87,18 @@ __all__ = ["phases", "train", "train_steps", "share_trunks", "make_experience", 
 logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
-# Advantage estimators: one function per variant, (scores_B, kl_BR, values_BR, mask_BR, β, cfg)
-# → (advantages_BR, returns_BR). β is the KL-in-reward coefficient (0 when KL is a loss term).
+# Advantage estimators: one function per variant, (scores_B, kl_BR, values_BR, mask_BR, β, cfg,
+# sampled_BR) → (advantages_BR, returns_BR). β is the KL-in-reward coefficient (0 when KL is a loss
+# term); sampled_BR (None: mask_BR) the tokens the policy sampled, which whitening reads.
 # ----------------------------------------------------------------------------------------------
 
-def _gae_advantages(scores_B, kl_BR, values_BR, mask_BR, kl_coef: float, A: PPOAlgoCfg):
-    """PPO: token rewards (score at EOS − β·kl), GAE(γ, λ), returns = A + V, optional whitening."""
+def _gae_advantages(scores_B, kl_BR, values_BR, mask_BR, kl_coef: float, A: PPOAlgoCfg, sampled_BR=None):
+    """PPO: token rewards (score at EOS − β·kl), GAE(γ, λ), returns = A + V, optional whitening
+    (over `sampled_BR`, the tokens the policy sampled, when a rollout tool wrote others)."""
     rewards_BR = kl_penalized_rewards(scores_B, kl_BR, mask_BR, kl_coef)
     adv_BR, ret_BR = gae(values_BR, rewards_BR, mask_BR, A.gamma, A.lam)
-    return (masked_whiten(adv_BR, mask_BR) if A.whiten_advantages else adv_BR * mask_BR), ret_BR
+    return (masked_whiten(adv_BR, mask_BR if sampled_BR is None else sampled_BR) if A.whiten_advantages
+            else adv_BR * mask_BR), ret_BR
 
 
 def _critic_free(baseline_BG: Optional[Callable[[torch.Tensor], torch.Tensor]], whiten: bool):
@@ -103,12 +106,12 @@ def _critic_free(baseline_BG: Optional[Callable[[torch.Tensor], torch.Tensor]], 
     rewards (baselined score at EOS − β·kl), advantages = discounted reward-to-go, optional global
     whitening."""
 
-    def estimator(scores_B, kl_BR, values_BR, mask_BR, kl_coef: float, A: PPOAlgoCfg):
+    def estimator(scores_B, kl_BR, values_BR, mask_BR, kl_coef: float, A: PPOAlgoCfg, sampled_BR=None):
         if baseline_BG is not None:
             scores_B = baseline_BG(scores_B.view(-1, A.n_samples_per_prompt)).reshape(-1)   # (B/G, G) → B
         rewards_BR = kl_penalized_rewards(scores_B, kl_BR, mask_BR, kl_coef)
         ret_BR = discounted_returns(rewards_BR, mask_BR, A.gamma)
-        return (masked_whiten(ret_BR, mask_BR) if whiten else ret_BR), ret_BR
+        return (masked_whiten(ret_BR, mask_BR if sampled_BR is None else sampled_BR) if whiten else ret_BR), ret_BR
 
     return estimator
 
@@ -227,7 +230,12 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
                          reward_stats: Optional[RunningMoments], rollout_logp_BR=None, shaping_B=None,
                          tool_mask_BR=None) -> Experience:
     """Scores (normalised, + `shaping_B` (overlong penalty), EOS-penalised, clipped), per-token KL,
-    the advantage estimator's advantages and returns, and `rlvr.attach_rollout_fields`: pure tensor maths."""
+    the advantage estimator's advantages and returns, and `rlvr.attach_rollout_fields`: pure tensor maths.
+
+    Tokens a rollout tool wrote (`tool_mask_BR`) are not the policy's actions: they carry no KL
+    (neither the KL-in-reward penalty, nor the KL metrics and the adaptive controller) and are
+    left out of the advantage whitening, as they are out of the actor's loss. They remain steps of
+    the return/GAE recursions (reward 0 there; the critic values them), as verl treats them."""
     eos = torch.tensor(finished, dtype=torch.bool)
     scores = raw_scores_B.clone()
     if A.normalize_reward and reward_stats is not None:
@@ -237,12 +245,15 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
     if A.missing_eos_penalty is not None:
         scores = torch.where(eos, scores, scores - A.missing_eos_penalty)
     scores = scores.clamp(-A.reward_clip, A.reward_clip)
-    kl = (kl_estimate(old_logp_BR, ref_logp_BR, A.kl_estimator) * mask if ref_logp_BR is not None
-          else torch.zeros_like(mask))
+    sampled = None
+    if tool_mask_BR is not None and bool((tool_mask_BR & mask.bool()).any()):
+        sampled = mask * (~tool_mask_BR).to(mask.dtype)
+    kl = (kl_estimate(old_logp_BR, ref_logp_BR, A.kl_estimator) * (mask if sampled is None else sampled)
+          if ref_logp_BR is not None else torch.zeros_like(mask))
     exp = Experience(ids, attn, P, mask, eos, old_logp_BR * mask, ref_logp_BR, values_BR, raw_scores_B, scores, kl,
                      per_source)
     exp.adv_BR, exp.returns_BR = ADVANTAGE_ESTIMATORS[A.advantage_estimator](
-        scores, kl, values_BR, mask, _kl_reward_coef(ref_logp_BR is not None, A, kl_coef), A)
+        scores, kl, values_BR, mask, _kl_reward_coef(ref_logp_BR is not None, A, kl_coef), A, sampled)
     rlvr.attach_rollout_fields(exp, A, rollout_logp_BR, tool_mask_BR)
     return exp
 
@@ -375,7 +386,7 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
            M.ADV_MEAN: float(masked_mean(exp.adv_BR, exp.mask_BR))}
     if exp.ref_logp_BR is not None:
         out.update({M.KL: float(exp.kl_BR.sum(-1).mean()), M.KL_COEF: kl_coef,
-                    M.KL_PER_TOKEN: float(masked_mean(exp.kl_BR, exp.mask_BR))})
+                    M.KL_PER_TOKEN: float(masked_mean(exp.kl_BR, rlvr.sampled_mask(exp)))})
     if exp.values_BR is not None:
         out[M.EXPLAINED_VAR] = _explained_variance(exp.values_BR, exp.returns_BR, exp.mask_BR)
     if exp.source_scores and len(exp.source_scores) > 1:
