@@ -1,10 +1,14 @@
-"""Step 3 of a PPO/GRPO step against what the rollout wrote: tokens a rollout tool wrote carry
-no KL and stay out of whitening."""
+"""Step 3 of a PPO/GRPO step against what the rollout filtered and wrote: tokens a rollout tool
+wrote carry no KL and stay out of whitening; DAPO's group filter with normalised rewards."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from turborlhf.config import PPOAlgoCfg
+from turborlhf.rewards.normalize import RunningMoments
 from turborlhf.trainers.ppo.driver import score_and_advantages
+from turborlhf.trainers.ppo.rlvr import Rollouts, kept_groups
 
 
 def _tool_experience(est: str, ref_shift: float):
@@ -35,3 +39,26 @@ def test_tool_tokens_carry_no_kl_and_do_not_move_the_advantages(est):
     if est in ("gae", "reinforce_pp", "reinforce_pp_baseline"):            # whitened over the sampled tokens
         adv = exp.adv_BR[sampled.bool()]
         assert abs(float(adv.mean())) < 1e-6 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+
+
+def _ro(finished):
+    return Rollouts([0] * len(finished), [[1]] * len(finished), [[5, 6]] * len(finished), finished, None, [1])
+
+
+def test_group_filter_with_normalised_rewards_drops_only_groups_equal_for_every_sigma():
+    """raw [1, 0], the first response without EOS (penalty 1): raw + penalty reads [0, 0], and the
+    filter dropped the group, but the trainer scores (raw − μ)/σ − penalty, apart unless σ = 1."""
+    A = PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_reward=True, dynamic_sampling=True,
+                   missing_eos_penalty=1.0)
+    cfg = SimpleNamespace(algo=A, rollout=SimpleNamespace(max_new_tokens=8))
+    raw, ro = torch.tensor([1.0, 0.0]), _ro([False, True])
+    assert kept_groups(cfg, raw, ro) == [True]
+    exp = score_and_advantages(A, None, None, 0, torch.ones(2, 2), ro.finished, torch.zeros(2, 2), None, None, raw,
+                               {}, 0.0, RunningMoments(mean=1.0, var=4.0, count=10 ** 6))
+    assert abs(float(exp.scores_B[0] - exp.scores_B[1])) > 0.1            # the trainer sees signal
+    assert kept_groups(cfg, torch.tensor([1.0, 1.0]), _ro([True, True])) == [False]    # equal for every σ
+    assert kept_groups(cfg, torch.tensor([1.0, 1.0]), _ro([False, True])) == [True]    # the penalty differs
+    # without normalisation the filter compares the trainer's own score: raw + penalty
+    plain = SimpleNamespace(algo=A.model_copy(update={"normalize_reward": False}), rollout=cfg.rollout)
+    assert kept_groups(plain, raw, ro) == [False]
+    assert kept_groups(plain, torch.tensor([1.0, 1.0]), _ro([False, True])) == [True]

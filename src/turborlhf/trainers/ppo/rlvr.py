@@ -25,7 +25,7 @@ from turborlhf.algo import kept_groups_mask, overlong_penalty, rollout_is_weight
 from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.trainers.ppo.rollout import generate, score_rows
 
-__all__ = ["Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "score_shaping",
+__all__ = ["Rollouts", "collect_rollouts", "refill_prompts", "filter_scores", "kept_groups", "score_shaping",
            "pad_logprobs", "attach_rollout_fields", "rlvr_metrics", "mismatch_alarm", "mismatch_mask",
            "RolloutMismatchError", "RolloutMismatchWarning"]
 
@@ -84,24 +84,42 @@ def refill_prompts(n_prompts: int, n: int, seed: int, step: int, attempt: int) -
     return rng.sample(range(n_prompts), n) if n <= n_prompts else rng.choices(range(n_prompts), k=n)
 
 
-def filter_scores(cfg, raw_B: torch.Tensor, ro: Rollouts) -> torch.Tensor:
-    """The score the group filter compares: raw score + overlong penalty − missing-EOS penalty,
-    clipped (the score step 3 computes, before the optional running normalisation)."""
+def _score_terms(cfg, ro: Rollouts) -> torch.Tensor:
+    """Per row, what step 3 adds to the (normalised) score: overlong penalty − missing-EOS penalty."""
     A = cfg.algo
-    s = raw_B.clone()
-    lengths = torch.tensor([len(r) for r in ro.responses])
-    shaping = score_shaping(cfg, lengths)
+    s = torch.zeros(len(ro.responses))
+    shaping = score_shaping(cfg, torch.tensor([len(r) for r in ro.responses]))
     if shaping is not None:
         s = s + shaping
     if A.missing_eos_penalty is not None:
         s = s - A.missing_eos_penalty * (~torch.tensor(ro.finished, dtype=torch.bool)).float()
-    return s.clamp(-A.reward_clip, A.reward_clip)
+    return s
+
+
+def filter_scores(cfg, raw_B: torch.Tensor, ro: Rollouts) -> torch.Tensor:
+    """The score the group filter compares: raw score + overlong penalty − missing-EOS penalty,
+    clipped (the score step 3 computes without ``algo.normalize_reward``)."""
+    return (raw_B + _score_terms(cfg, ro)).clamp(-cfg.algo.reward_clip, cfg.algo.reward_clip)
+
+
+def kept_groups(cfg, raw_B: torch.Tensor, ro: Rollouts) -> list[bool]:
+    """Per group of ``n_samples_per_prompt`` rows: whether its scores differ (DAPO's filter).
+    Without ``normalize_reward`` that is `filter_scores` not all equal, the trainer's own score.
+    With it the trainer scores ``(raw − μ)/σ + penalties``, σ from running statistics this batch
+    updates, so no score computed here equals it; a group is dropped when its raw scores and its
+    penalties are each all equal (then the trainer's are equal for every σ), and kept otherwise
+    (raw = [2, 0] with the first response lacking EOS reads [1, 0] raw + penalty, but ties at
+    σ = 2: kept, as it is signal for any other σ)."""
+    G = cfg.algo.n_samples_per_prompt
+    if not cfg.algo.normalize_reward:
+        return kept_groups_mask(filter_scores(cfg, raw_B, ro), G).tolist()
+    return (kept_groups_mask(raw_B.float(), G) | kept_groups_mask(_score_terms(cfg, ro), G)).tolist()
 
 
 def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int,
                      columns: Optional[list[dict]] = None) -> Rollouts:
     """Step 1: responses for the step's prompts `index`. With ``algo.dynamic_sampling`` (DAPO
-    2503.14476 §3.2), each round's rows are scored, groups whose `filter_scores` are all equal
+    2503.14476 §3.2), each round's rows are scored, groups whose scores are all equal (`kept_groups`)
     (`turborlhf.algo.kept_groups_mask`) are dropped, and further rounds of ``len(index)`` prompts
     (`refill_prompts`) are sampled until that many groups are kept or
     ``dynamic_sampling_max_tries`` rounds are done; a batch still short is filled with the last
@@ -122,7 +140,7 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
         ids, attn, _, _ = assemble_prompt_response(ro.prompts, ro.responses, tok.pad_token_id)
         ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
                                [columns[i] for i in ro.prompt_index] if columns else None)()
-        keep = kept_groups_mask(filter_scores(cfg, ro.scores[0], ro), G).tolist()
+        keep = kept_groups(cfg, ro.scores[0], ro)
         rounds += 1
         for g, k in enumerate(keep):
             group = ro.rows(list(range(g * G, (g + 1) * G)))
