@@ -52,6 +52,14 @@ _CHILD = textwrap.dedent("""
             (Path(path) / "trainer_state.pt").unlink()
             pause()
         C.shutil.rmtree = rmtree
+    if phase == "resave":           # step 1 saved again: killed with the old copy renamed aside
+        real_replace = C.os.replace
+        def replace(src, dst):
+            real_replace(src, dst)
+            if ".old-" in str(dst):
+                pause()
+        C.os.replace = replace
+        C.save_checkpoint(out, 1, {"actor": writer("one again")}, None, {"step": 1})
     C.save_checkpoint(out, 2, {"actor": writer("two", stop=phase == "write")}, None, {"step": 2})
     print("SAVED", flush=True)
 """)
@@ -95,8 +103,10 @@ def _age(path: Path, seconds: float) -> None:
     os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
-# killed while `latest` is written, step 2 is in place but the save did not finish: `latest` (step 1) rules
-@pytest.mark.parametrize("phase, survivor", [("write", (1, "one")), ("latest", (1, "one")), ("delete", (2, "two"))])
+# killed while `latest` is written, step 2 is in place but the save did not finish: `latest` (step 1) rules;
+# resave: the only checkpoint was renamed aside for its replacement, which never arrived: it is put back
+@pytest.mark.parametrize("phase, survivor", [("write", (1, "one")), ("latest", (1, "one")), ("delete", (2, "two")),
+                                            ("resave", (1, "one"))])
 def test_sigkill_mid_save_keeps_a_complete_checkpoint_and_the_leftovers_go(tmp_path, phase, survivor):
     _kill_when_told([sys.executable, "-c", _CHILD, str(tmp_path), phase])
     root = tmp_path / "checkpoints"
@@ -106,7 +116,7 @@ def test_sigkill_mid_save_keeps_a_complete_checkpoint_and_the_leftovers_go(tmp_p
         _age(p, 120)                    # a crash's temp file, not a live writer's
     ckpt = latest_checkpoint(tmp_path)  # what --resume does first
     assert _contents(ckpt) == survivor
-    assert not [p for p in root.iterdir() if ".old-" in p.name or p.name.startswith(".latest.")]
+    assert not [p for p in root.iterdir() if ".old-" in p.name or ".del-" in p.name or p.name.startswith(".latest.")]
     assert all((p / "trainer_state.pt").exists() for p in root.glob("step-*"))
     save_checkpoint(tmp_path, 3, {"actor": _writer("three")}, None, {"step": 3})
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003"]
@@ -162,6 +172,42 @@ def test_keep_prunes_oldest(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-000003", "step-000004"]
     assert load_trainer_state(latest_checkpoint(tmp_path))["step"] == 4
+
+
+def test_keep_counts_by_step_number_and_never_prunes_the_checkpoint_just_written(tmp_path):
+    """A checkpoint of a higher step than the one being written (an earlier run's, in the same
+    directory) was kept instead of the new one, by name order; a 7-digit step sorted before a
+    6-digit one."""
+    save_checkpoint(tmp_path, 8, {"actor": _writer("old run")}, None, {"step": 8})
+    save_checkpoint(tmp_path, 4, {"actor": _writer("new run")}, None, {"step": 4})
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-000004"]
+    assert _contents(latest_checkpoint(tmp_path)) == (4, "new run")
+    for step in (999_999, 1_000_000, 1_000_001):
+        save_checkpoint(tmp_path / "long", step, {"actor": _writer(str(step))}, None, {"step": step}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "long" / "checkpoints").glob("step-*")) == ["step-1000000",
+                                                                                        "step-1000001"]
+    (tmp_path / "long" / "checkpoints" / "latest").unlink()                 # the fallback orders by step too
+    assert latest_checkpoint(tmp_path / "long").name == "step-1000001"
+
+
+def test_a_fresh_run_in_a_used_directory_drops_the_earlier_checkpoints(tiny_model, tiny_data, tmp_path, capfd):
+    """Run A (4 steps) then run B (2 steps, no --resume) in one directory: B's checkpoint used to
+    be rotated away in favour of A's step 4, and B's --resume continued A."""
+    from tests.e2e.helpers import max_weight_diff, run_cli, weights
+
+    def args(steps):
+        return ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"model.name_or_path={tiny_model}",
+                f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16",
+                f"output_dir={tmp_path / 'run'}", "train.save_every=2", f"train.max_steps={steps}",
+                "log.tensorboard=false", "log.progress=false"]
+
+    run_cli(*args(4))
+    capfd.readouterr()
+    run_cli(*args(2))
+    assert "removed 1 checkpoint(s) of an earlier run" in capfd.readouterr().err
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt.name == "step-000002" and [p.name for p in ckpt.parent.glob("step-*")] == ["step-000002"]
+    assert max_weight_diff(weights(ckpt / "policy"), weights(tmp_path / "run")) < 1e-6
 
 
 # a real SFT run killed while it writes the checkpoint of step 3 (model files written, no

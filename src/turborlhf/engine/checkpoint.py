@@ -33,7 +33,7 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "atomic_write_text",
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "atomic_write_text",
            "trainer_state", "restore"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
@@ -80,8 +80,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def _remove_dir(path: Path) -> None:
     """Delete a directory so that a kill mid-way leaves no partial `path`: rename it to a hidden
-    ``.<name>.old-<pid>`` sibling first (atomic), then delete that."""
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    ``.<name>.del-<pid>`` sibling first (atomic), then delete that."""
+    old = path.with_name(f".{path.name}.del-{os.getpid()}")
     if old.exists():
         shutil.rmtree(old)
     os.replace(path, old)
@@ -90,7 +90,8 @@ def _remove_dir(path: Path) -> None:
 
 def _replace_dir(staged: Path, final: Path) -> None:
     """fsync `staged`, move it to `final` and fsync the parent; an existing `final` is renamed
-    aside first and removed after."""
+    aside first (``.<name>.old-<pid>``, complete until `final` is in place: a kill between the two
+    renames leaves it for `_remove_dead_leftovers` to put back) and removed after."""
     _fsync_tree(staged)
     old = None
     if final.exists():
@@ -164,13 +165,33 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
         shutil.rmtree(staged, ignore_errors=True)
         raise
     atomic_write_text(root / "latest", name)
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
-                  and (p / "trainer_state.pt").exists())
-    for old in done[:-keep]:
+    # the `keep` newest by step number, the one just written always among them
+    others = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name != name
+                     and (p / "trainer_state.pt").exists()), key=_step_number)
+    for old in others[:max(0, len(others) - (keep - 1))]:
         _remove_dir(old)
     _remove_stale_staging(root)
     _remove_dead_leftovers(root, keep=root / name, min_age_s=0.0)
     return root / name
+
+
+def _step_number(p: Path) -> int:
+    """The step of a ``step-N`` checkpoint directory (-1 for a name without one)."""
+    tail = p.name.removeprefix("step-")
+    return int(tail) if tail.isdigit() else -1
+
+
+def clear_checkpoints(output_dir: str | Path) -> int:
+    """Remove every checkpoint under ``<output_dir>/checkpoints`` (a fresh run in a directory an
+    earlier run used: its checkpoints would outrank the new run's in rotation and be what a later
+    ``--resume`` continues). Returns how many complete checkpoints were removed."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return 0
+    n = sum(1 for p in root.glob("step-*") if (p / "trainer_state.pt").exists())
+    if any(root.iterdir()):
+        _remove_dir(root)
+    return n
 
 
 def _remove_stale_staging(root: Path) -> None:
@@ -184,13 +205,23 @@ def _remove_stale_staging(root: Path) -> None:
 
 
 def _remove_dead_leftovers(root: Path, keep: Optional[Path], min_age_s: float) -> None:
-    """Remove what only a killed process leaves and no live writer uses: ``.step-*.old-*``
-    directories (a deletion cut short), ``step-*`` directories without ``trainer_state.pt``
-    (one caught mid-deletion by an older version, which deleted in place), and ``.latest.*`` temp
-    files older than `min_age_s` seconds. `keep` is never touched."""
+    """Remove what only a killed process leaves and no live writer uses: ``.step-*.del-*``
+    directories (a deletion cut short), ``.step-*.old-*`` ones (a replaced checkpoint, see
+    `_replace_dir`), ``step-*`` directories without ``trainer_state.pt`` (one caught mid-deletion
+    by an older version, which deleted in place), and ``.latest.*`` temp files older than
+    `min_age_s` seconds. `keep` is never touched. A replaced checkpoint whose replacement never
+    arrived (a kill between `_replace_dir`'s two renames: ``step-N`` missing, ``latest`` naming it)
+    is put back instead: it is the run's last checkpoint."""
     import time
 
+    marker = root / "latest"
+    latest = marker.read_text().strip() if marker.is_file() else None
     for p in root.glob(".step-*.old-*"):
+        name = p.name[1:].rsplit(".old-", 1)[0]
+        if p.is_dir() and name == latest and not (root / name).exists() and (p / "trainer_state.pt").exists():
+            os.replace(p, root / name)
+            logger.warning(f"[checkpoint] {root / name}: restored (its re-save was cut short)")
+    for p in [*root.glob(".step-*.old-*"), *root.glob(".step-*.del-*")]:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("step-*"):
@@ -219,7 +250,8 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
         p = root / marker.read_text().strip()
         if (p / "trainer_state.pt").exists():
             return p
-    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.pt").exists()) if root.exists() else []
+    done = sorted((p for p in root.glob("step-*") if (p / "trainer_state.pt").exists()),
+                  key=_step_number) if root.exists() else []
     return done[-1] if done else None
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import latest_checkpoint
+from turborlhf.engine.checkpoint import clear_checkpoints, latest_checkpoint
 from turborlhf.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -139,8 +139,11 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
 
     With `resume`: the newest complete checkpoint; none there is said in one line on stderr and the
     run starts from step 0; a config that differs from the saved one raises `ConfigChanged` (a
-    `UserError`) naming the fields, unless `allow_config_change` is active. The resolved config is
-    written to ``config.yaml`` only after these checks.
+    `UserError`) naming the fields, unless `allow_config_change` is active. Without `resume`,
+    checkpoints an earlier run left in the directory are removed, with a warning: they would
+    outrank the new run's in rotation and be what a later ``--resume`` continues (as ``config.yaml``
+    and the outputs, they belong to the run now starting there). The resolved config is written to
+    ``config.yaml`` only after these checks.
     """
     from turborlhf.engine.run import setup_run
     from turborlhf.metrics import console_logging
@@ -152,6 +155,11 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
         logger.warning(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
     if ckpt is not None:
         _check_resume_config(cfg, out, ckpt, tag)
+    if not resume:
+        n = clear_checkpoints(out)
+        if n:
+            logger.warning(f"[{tag}] a fresh run in {out}: removed {n} checkpoint(s) of an earlier run there "
+                           "(--resume continues a run instead)")
     return setup_run(cfg, str(out)), ckpt
 
 
