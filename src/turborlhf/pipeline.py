@@ -96,6 +96,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
             logger.info(f"[pipeline] {stage}: done before, skipped")
             continue
         logger.info(f"\n[pipeline] ===== {stage} =====")
+        done.unlink(missing_ok=True)      # a stage run again is not done until it finishes again
         t0 = time.perf_counter()
         if stage == "prepare":
             _prepare(cfg, model, data)
