@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["MetricsLogger", "M", "format_duration", "tracker_kwargs", "TrainerCallback", "use_callbacks",
+__all__ = ["MetricsLogger", "M", "trim_jsonl", "format_duration", "tracker_kwargs", "TrainerCallback", "use_callbacks",
            "console_logging"]
 
 logger = logging.getLogger(__name__)
@@ -210,6 +210,17 @@ def _read_rows(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep only the rows of JSON-lines file `path` whose ``step`` is at most `last_step` (a run
+    resumed from that step's checkpoint writes the later ones again); atomic; no file, no-op."""
+    if not path.exists():
+        return
+    keep = [l for l, row in _read_rows(path) if row.get("step", 0) <= last_step]
+    tmp = path.with_name(f".{path.name}.resume-tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and the console log
     (one progress line per logged step, `console_logging`).
@@ -236,16 +247,14 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name, self.total, self.show, self.progress = name, total_steps, show, progress
         path = self.dir / "metrics.jsonl"
-        if resume and path.exists():  # drop rows past the checkpoint we resume from
-            keep = [l for l, row in _read_rows(path) if row.get("step", 0) <= start_step]
-            tmp = path.with_name(f".{path.name}.resume-tmp")
-            tmp.write_text("".join(l + "\n" for l in keep))
-            os.replace(tmp, path)
+        if resume:  # drop rows past the checkpoint we resume from
+            trim_jsonl(path, start_step)
         names = list(report_to) if report_to is not None else (["tensorboard"] if tensorboard else [])
         self._trackers = []
         if "tensorboard" in names:
-            try:
-                self._trackers += make_trackers(["tensorboard"], self.dir)
+            try:   # resumed: TensorBoard drops its events past the checkpoint too
+                self._trackers += make_trackers(["tensorboard"], self.dir,
+                                                purge_step=start_step + 1 if resume else None)
             except Exception as e:  # tensorboard missing or broken: keep going with JSONL
                 logger.warning(f"[{name}] TensorBoard disabled: {e}")
         self._trackers += make_trackers([n for n in names if n != "tensorboard"], self.dir, project, run_name, config)

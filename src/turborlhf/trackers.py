@@ -68,11 +68,11 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class TensorBoardTracker(Tracker):
-    def __init__(self, out: Path, **_):
+    def __init__(self, out: Path, purge_step: Optional[int] = None, **_):
         _need("tensorboard", "tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.w = SummaryWriter(str(out / "tb"))
+        self.w = SummaryWriter(str(out / "tb"), purge_step=purge_step)   # resumed: drop events from there on
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
@@ -140,8 +140,9 @@ _CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": 
 
 
 def make_trackers(names: Sequence[str], out: Path, project: str = "turborlhf", run_name: Optional[str] = None,
-                  config: Optional[dict] = None) -> list[Tracker]:
+                  config: Optional[dict] = None, purge_step: Optional[int] = None) -> list[Tracker]:
     """One ``Tracker`` per name of ``TRACKERS`` (``run_name`` defaults to the output directory's name).
+    `purge_step` (a resumed run's first step): TensorBoard discards its events from that step on.
 
     Raises ``ValueError`` for an unknown name, ``ImportError`` for a missing package; a tracker
     that fails to start closes those already started.
@@ -152,8 +153,9 @@ def make_trackers(names: Sequence[str], out: Path, project: str = "turborlhf", r
     started: list[Tracker] = []
     try:
         for n in dict.fromkeys(names):
+            extra = {"purge_step": purge_step} if n == "tensorboard" else {}
             started.append(_CLASSES[n](out, project=project, run_name=run_name or out.resolve().name,
-                                       config=config or {}))
+                                       config=config or {}, **extra))
     except BaseException:
         for t in started:
             t.close()

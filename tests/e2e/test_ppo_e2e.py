@@ -1,3 +1,4 @@
+import json
 import math
 import re
 
@@ -36,6 +37,8 @@ def test_ppo_end_to_end_metrics_checkpoint_resume(tiny_model, tiny_rm, tiny_data
     rewind_to(out, 2)
     _ppo(tiny_model, tiny_rm, tiny_data, out, "--resume")
     assert max_weight_diff(final, weights(out)) < 1e-5
+    # the samples of step 3 were written again, not appended to the first run's
+    assert [json.loads(l)["step"] for l in (out / "samples.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_ppo_options_adaptive_kl_samples_entropy(tiny_model, tiny_rm, tiny_data, tmp_path):

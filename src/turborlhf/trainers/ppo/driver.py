@@ -66,7 +66,7 @@ from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, s
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, set_threads
-from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
+from turborlhf.metrics import M, MetricsLogger, tracker_kwargs, trim_jsonl
 from turborlhf.models.load import load_tokenizer
 from turborlhf.models.reference import same_model
 from turborlhf.models.trunk import clear_trunk_caches, share_frozen_trunk
@@ -490,6 +490,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     canary = start_sync_check(cluster, cfg, prompt_ids)       # every engine vs the actor as built
     log = MetricsLogger(out, "ppo", len(plan), show=(M.REWARD_MEAN, M.KL, M.RESPONSE_LEN, M.CLIPFRAC, M.VALUE_LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+    if ckpt:
+        trim_jsonl(out / "samples.jsonl", start)       # the steps after the checkpoint come again
     samples_f = open(out / "samples.jsonl", "a" if ckpt else "w")
     # the step's rollouts: generated now, or (rollout.max_staleness > 0) while earlier steps train
     pipe = rollout_pipeline(cfg, cluster, tok, prompt_ids, plan, columns, start, st)
