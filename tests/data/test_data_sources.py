@@ -150,3 +150,18 @@ def test_open_rows_units(tmp_path):
     datasets.Dataset.from_list([{"a": 1, "b": None}, {"a": 2, "b": "x"}]).to_parquet(str(tmp_path / "a.parquet"))
     unit, rows = open_rows(tmp_path / "a.parquet")
     assert unit == "row" and list(rows) == [(1, {"a": 1}), (2, {"a": 2, "b": "x"})]
+
+
+def test_a_split_of_a_json_file_is_an_error_and_one_chat_record_is_not_a_wrapper(tok, tmp_path):
+    """``pairs.jsonl:test`` read the whole file (the training rows, as the test set); a JSON file
+    holding one ``{"messages": [...]}`` record was unwrapped into its turns."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PAIRS[:1]))
+    with pytest.raises(DataError) as e:
+        load_pairs(f"{path}:test", tok)
+    assert _one_line(e) == f"{path}:test: {path} is one JSON file, it has no split 'test' (use a file per split)"
+    with pytest.raises(DataFileError):
+        load_pairs(f"{tmp_path / 'none.jsonl'}:test", tok)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"messages": USER + [{"role": "assistant", "content": "Hello"}]}))
+    assert list(load_sft(one, tok)) == [{"prompt": RENDERED, "response": "Hello"}]

@@ -91,6 +91,9 @@ def open_rows(spec: "str | os.PathLike | Rows") -> tuple[str, Iterator[tuple[int
         if not p.exists():
             raise DataFileError(f"{text}: no such file")
         return "row", _dataset_rows(_load_file(p, split, text), text)
+    if split is not None and p.is_file():
+        # a JSON file has no splits: reading it whole would evaluate on the training rows, unseen
+        raise DataError(f"{text}: {base} is one JSON file, it has no split {split!r} (use a file per split)")
     if any(name.endswith(s) for s in _JSON_SUFFIXES):
         if not p.exists():
             raise DataFileError(f"{text}: no such file")
@@ -118,6 +121,8 @@ def _json_document(p: Path) -> list | None:
         (only,) = doc.values() if len(doc) == 1 else (None,)
         if not (isinstance(only, list) and all(isinstance(r, dict) for r in only)):
             return None
+        if only and all(set(r) <= {"role", "content", "name", "tool_calls"} and "role" in r for r in only):
+            return None       # one record {"messages": [chat turns]}, not a wrapper of records
         doc = only
     if not isinstance(doc, list):
         return None
