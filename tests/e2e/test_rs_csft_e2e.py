@@ -197,6 +197,24 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
     assert max_weight_diff(final, weights(out)) < 1e-5
 
 
+def test_conditional_sft_resume_keeps_the_configured_chat_template(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A resumed run reads its scored examples back instead of loading the data, which was where
+    ``data.chat_template`` reached the tokenizer: the exported tokenizer lost it."""
+    from turborlhf.data.chat import CHAT_TEMPLATES
+    from turborlhf.models.load import load_tokenizer
+
+    out = tmp_path / "csft"
+    args = ["conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml", f"model.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}",
+            "data.chat_template=plain", "log.tensorboard=false"]
+    run_cli(*args)
+    assert load_tokenizer(str(out)).chat_template == CHAT_TEMPLATES["plain"]
+    shutil.rmtree(out / "checkpoints" / "step-000003")
+    (out / "checkpoints" / "latest").write_text("step-000002")
+    run_cli(*args, "--resume")
+    assert load_tokenizer(str(out)).chat_template == CHAT_TEMPLATES["plain"]
+
+
 def test_conditional_sft_policy_samples_only(tiny_model, tiny_rm, tiny_data, tmp_path):
     """`data.dataset_responses=false`: the pair file only supplies prompts; every example is a
     policy sample; without policy samples the config is refused, naming the field."""

@@ -35,6 +35,7 @@ import torch
 from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.conditioning import TAG_FILE, chat_anchors, condition_prompt, load_tag_info
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
+from turborlhf.data.chat import set_chat_template
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
 from turborlhf.data.tokenize import encode_examples, encode_prompt
@@ -234,6 +235,7 @@ def train(cfg: ConditionalSFTConfig, resume: bool = False) -> Path:
 
     # 2. tokenizer; the policy, loaded when first needed (after the data was read and checked)
     tok = load_tokenizer(cfg.model.name_or_path)
+    set_chat_template(tok, cfg.data.chat_template)   # also on resume, where the data is not loaded again
     policy = functools.cache(lambda: load_trainable("causal", cfg.model, tok,
                                                     ckpt_dir=ckpt / "policy" if ckpt else None))
 
