@@ -216,6 +216,7 @@ class ActorWorker(Trainable):
                 self.ema.load_state_dict(st["ema"])
             if self.ptx is not None:
                 self.ptx.pos = st["ptx_pos"]
+            self._restore_rng(st)
 
     def info(self) -> dict:
         return {"ptx_examples": len(self.ptx.examples) if self.ptx else 0, "lr": self.sched.get_last_lr()[0]}
@@ -317,13 +318,13 @@ class ActorWorker(Trainable):
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
-        model, opt_state = self._savable(), self._optim_state(self.opt)
+        model, opt_state, rngs = self._savable(), self._optim_state(self.opt), self._rank_rngs()
         if dp_rank_world()[0] != 0:
             return
         _write_hf(model, self.tok, Path(out_dir), merge=False)     # LoRA: the adapter directory
         torch.save({"opt": opt_state, "sched": self.sched.state_dict(),
-                    "ema": self.ema.state_dict() if self.ema else None, "ptx_pos": self.ptx.pos if self.ptx else 0},
-                   Path(out_dir) / STATE_FILE)
+                    "ema": self.ema.state_dict() if self.ema else None, "ptx_pos": self.ptx.pos if self.ptx else 0,
+                    "rng": rngs}, Path(out_dir) / STATE_FILE)
 
     def export(self, out_dir: str) -> None:
         """The final actor (and its EMA under ``<out_dir>/ema``) as HF directories (rank 0)."""

@@ -81,6 +81,7 @@ class CriticWorker(Trainable):
             st = self._read_state(ckpt, "critic")
             self._load_optim_state(self.opt, st["opt"])
             self.sched.load_state_dict(st["sched"])
+            self._restore_rng(st)
 
     def values(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, P: int, R: int,
                keep_as: Optional[str] = None) -> torch.Tensor:
@@ -110,8 +111,8 @@ class CriticWorker(Trainable):
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""
-        model, opt_state = self._savable(), self._optim_state(self.opt)
+        model, opt_state, rngs = self._savable(), self._optim_state(self.opt), self._rank_rngs()
         if dp_rank_world()[0] != 0:
             return
         _write_hf(model, self.tok, Path(out_dir), merge=False)     # LoRA: the adapter directory
-        torch.save({"opt": opt_state, "sched": self.sched.state_dict()}, Path(out_dir) / STATE_FILE)
+        torch.save({"opt": opt_state, "sched": self.sched.state_dict(), "rng": rngs}, Path(out_dir) / STATE_FILE)

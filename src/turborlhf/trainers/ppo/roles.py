@@ -35,7 +35,7 @@ import torch
 from turborlhf.config import PPOConfig
 from turborlhf.engine.malloc import keep_freed_memory
 from turborlhf.engine.parallel import allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, shard_fsdp
-from turborlhf.engine.train import autocast, clip_and_step, seed_everything, set_threads
+from turborlhf.engine.train import autocast, clip_and_step, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import console_logging
 from turborlhf.models.attention import attention_for_compute_device
 from turborlhf.models.forward import response_logprobs
@@ -231,6 +231,28 @@ class Trainable:
             return get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True,
                                                                                       cpu_offload=True))
         return opt.state_dict()
+
+    def _rank_rngs(self) -> list[dict]:
+        """Every data-parallel rank's random states, in rank order (collective; rank 0 saves them
+        in `STATE_FILE`): a Ray worker is a process of its own, whose draws (LoRA or model dropout
+        in the training forwards) the driver's saved states do not cover."""
+        _, world = dp_rank_world()
+        if world == 1:
+            return [rng_state()]
+        import torch.distributed as dist
+
+        states: list = [None] * world
+        dist.all_gather_object(states, rng_state())
+        return states
+
+    def _restore_rng(self, st: dict) -> None:
+        """This rank's random states from a `STATE_FILE` written by as many ranks (`_rank_rngs`;
+        else the seeding of `setup_worker` stands). In the driver's own process (the local
+        backend) the driver restores its states after building the workers, which is the same."""
+        states = st.get("rng")
+        rank, world = dp_rank_world()
+        if states and len(states) == world:
+            set_rng_state(states[rank])
 
     def _read_state(self, ckpt: str, role: str) -> dict:
         """The role's `STATE_FILE` in checkpoint `ckpt`. Under FSDP the ranks other than 0 map the
