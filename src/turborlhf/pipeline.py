@@ -75,12 +75,13 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     ``<run_dir>/summary.json``). The training stages are spawned processes: a script that calls
     this needs Python's ``if __name__ == "__main__":`` guard, as for any `multiprocessing` use.
     Raises the first stage's error (`ConfigError` for a bad stage section before any stage runs)."""
+    from turborlhf.engine.checkpoint import atomic_write_text
     from turborlhf.engine.malloc import release_freed_memory
     from turborlhf.models.zoo import resolve_model_path
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "pipeline.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    atomic_write_text(run_dir / "pipeline.json", json.dumps(config_to_dict(cfg), indent=2))
     data = run_dir / "data"
     model = resolve_model_path(cfg.model)
     stage_dirs = {"prepare": data, "sft": run_dir / "sft", "rm": run_dir / "rm", "ppo": run_dir / "ppo",
@@ -109,14 +110,14 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         timings[stage] = round(time.perf_counter() - t0, 1)
         release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)
-        done.write_text(json.dumps({"seconds": timings[stage]}))
+        atomic_write_text(done, json.dumps({"seconds": timings[stage]}))
         logger.info(f"[pipeline] {stage} took {format_duration(timings[stage])}")
     total = time.perf_counter() - t_all
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.setdefault("stage_seconds", {}).update(timings)
     summary["total_seconds"] = round(total, 1)
-    summary_path.write_text(json.dumps(summary, indent=2))
+    atomic_write_text(summary_path, json.dumps(summary, indent=2))
     from turborlhf.report import print_summary
 
     print_summary(summary)

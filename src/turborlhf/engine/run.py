@@ -26,13 +26,15 @@ def setup_run(cfg: Cfg, output_dir: str) -> Path:
     """Create the run directory and write the resolved config as ``config.yaml``, and the host and
     the device/precision choices of `resolve_hardware` (with their reasons) as ``hardware.json``
     (trainers call `turborlhf.engine.lifecycle.start_run`, which checks a resumed run's config first)."""
+    from turborlhf.engine.checkpoint import atomic_write_text
     from turborlhf.engine.hardware import host_summary
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # atomic: a kill mid-write must not leave a torn config.yaml for the next --resume to check against
+    atomic_write_text(out / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     record = {"host": host_summary(), "choices": cfg._hardware}
-    (out / "hardware.json").write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_text(out / "hardware.json", json.dumps(record, indent=2) + "\n")
     return out
 
 
