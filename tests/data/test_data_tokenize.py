@@ -93,3 +93,32 @@ def test_length_grouped_batches():
     b = length_grouped_batches([3, 1, 2, 5, 4], 2, seed=0, shuffle=False)
     assert b == [[3, 4], [0, 2], [1]]
     assert length_grouped_batches([3, 1, 2, 5, 4], 2, seed=0, shuffle=False, drop_last=True) == [[3, 4], [0, 2]]
+
+
+def test_a_tokenizer_that_adds_bos_gets_it_on_every_prompt_through_truncation():
+    """Llama-style tokenizers put BOS before what they encode; prompts are encoded without added
+    special tokens (for an exact prompt/response boundary), so plain-text prompts lost it."""
+    from tokenizers import processors
+
+    from turborlhf.data.tokenize import encode_pair
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.bos_token = "<|im_start|>"
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                   special_tokens=[("<|im_start|>", bos)])
+    plain = tok("Question: what is two and two?", add_special_tokens=False)["input_ids"]
+    assert tok("Question: what is two and two?")["input_ids"] == [bos] + plain
+    assert encode_prompt(tok, "Question: what is two and two?", 64) == [bos] + plain
+    assert encode_prompt(tok, "Question: what is two and two?", 4) == [bos] + plain[-3:]    # BOS kept
+    e = encode_prompt_response(tok, "Question: what is two and two?", " four", 64)
+    assert e["input_ids"][:1] == [bos] and e["prompt_len"] == len(plain) + 1
+    cut = encode_prompt_response(tok, "Question: what is two and two?", " four", 6, min_response_tokens=2)
+    assert cut["input_ids"][:1] == [bos] and cut["prompt_truncated"] and len(cut["input_ids"]) == 6
+    assert encode_prompt(tok, "<|im_start|>user", 64).count(bos) == 1                          # not twice
+    pair = encode_pair(tok, "Question: what is two and two?", " four", " five and a longer answer", 10)
+    assert pair["chosen"]["input_ids"][:1] == pair["rejected"]["input_ids"][:1] == [bos]
+    assert pair["chosen"]["prompt_len"] == pair["rejected"]["prompt_len"]
+    # a tokenizer that adds none (the tiny one, SmolLM2) is unchanged
+    assert encode_prompt(make_tiny_tokenizer(), "Question: what is two and two?", 64) == plain

@@ -20,7 +20,10 @@ L - m first, then the completion) without its waste: TRL cuts the prompt to L - 
 less would do.
 
 Prompt and response are tokenized separately with ``add_special_tokens=False`` so the boundary
-(``prompt_len``) is exact; rendered prompts already carry their template's special tokens.
+(``prompt_len``) is exact; rendered prompts already carry their template's special tokens. A
+tokenizer that adds BOS to what it encodes (Llama, Gemma, Mistral; not SmolLM2 or Qwen) gets its
+BOS at the start of every prompt that lacks one, kept through the prompt's left truncation, as
+TRL's trainers give it (plain-text prompts and the ``plain`` template render none).
 """
 
 from __future__ import annotations
@@ -31,6 +34,33 @@ from collections.abc import Sequence
 
 def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _bos(tokenizer) -> int | None:
+    """The BOS id where `tokenizer` puts one before what it encodes by default, else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return bos if ids and ids[0] == bos and _ids(tokenizer, "a")[:1] != [bos] else None
+
+
+def _prompt_ids(tokenizer, text: str) -> tuple[list[int], int | None]:
+    """Prompt ids with the tokenizer's BOS first where it adds one (`_bos`), and that BOS (None:
+    no BOS to keep through truncation)."""
+    ids, bos = _ids(tokenizer, text), _bos(tokenizer)
+    if bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids, bos
+
+
+def _keep_last(ids: list[int], k: int, bos: int | None) -> list[int]:
+    """The last `k` of prompt `ids`, its BOS kept first when it has one and is cut."""
+    if k >= len(ids):
+        return ids
+    if bos is not None and k >= 2 and ids[:1] == [bos]:
+        return [bos] + ids[len(ids) - k + 1:]
+    return ids[len(ids) - k:]
 
 
 def encode_prompt_response(
@@ -49,7 +79,7 @@ def encode_prompt_response(
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
-    p_ids = _ids(tokenizer, prompt)
+    p_ids, bos = _prompt_ids(tokenizer, prompt)
     r_ids = _ids(tokenizer, response)
     if add_eos:
         if tokenizer.eos_token_id is None:
@@ -58,7 +88,7 @@ def encode_prompt_response(
     min_r = max_len // 2 if min_response_tokens is None else min(max(min_response_tokens, 0), max_len)
     r_keep = min(len(r_ids), max(min_r, max_len - len(p_ids)))
     p_keep = min(len(p_ids), max_len - r_keep)
-    p_cut = p_ids[len(p_ids) - p_keep :]
+    p_cut = _keep_last(p_ids, p_keep, bos) if p_keep else []
     r_cut = r_ids[:r_keep]
     return {
         "input_ids": p_cut + r_cut,
@@ -69,11 +99,14 @@ def encode_prompt_response(
     }
 
 
-def _cut_prompt(enc: dict, k: int) -> dict:
-    """Drop the first `k` prompt tokens of an `encode_prompt_response` record."""
+def _cut_prompt(enc: dict, k: int, bos: int | None = None) -> dict:
+    """Drop `k` prompt tokens of an `encode_prompt_response` record from the left (after its
+    BOS, which stays, when `bos` is given and leads)."""
     if k <= 0:
         return enc
-    return {**enc, "input_ids": enc["input_ids"][k:], "loss_mask": enc["loss_mask"][k:],
+    ids, mask = enc["input_ids"], enc["loss_mask"]
+    lead = 1 if bos is not None and ids[:1] == [bos] and enc["prompt_len"] - k >= 1 else 0
+    return {**enc, "input_ids": ids[:lead] + ids[lead + k:], "loss_mask": mask[:lead] + mask[lead + k:],
             "prompt_len": enc["prompt_len"] - k, "prompt_truncated": True}
 
 
@@ -86,16 +119,17 @@ def encode_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_len: int
     """
     c = encode_prompt_response(tokenizer, prompt, chosen, max_len)
     r = encode_prompt_response(tokenizer, prompt, rejected, max_len)
-    p = min(c["prompt_len"], r["prompt_len"])
-    return {"chosen": _cut_prompt(c, c["prompt_len"] - p), "rejected": _cut_prompt(r, r["prompt_len"] - p)}
+    p, bos = min(c["prompt_len"], r["prompt_len"]), _bos(tokenizer)
+    return {"chosen": _cut_prompt(c, c["prompt_len"] - p, bos), "rejected": _cut_prompt(r, r["prompt_len"] - p, bos)}
 
 
 def encode_prompt(tokenizer, prompt: str, max_prompt_len: int) -> list[int]:
-    """Token ids of ``prompt`` (no added special tokens), keeping its last ``max_prompt_len``."""
+    """Token ids of ``prompt`` (the tokenizer's BOS first where it adds one, no other added
+    special tokens), keeping its last ``max_prompt_len`` (and the BOS)."""
     if max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
-    ids = _ids(tokenizer, prompt)
-    return ids[-max_prompt_len:]
+    ids, bos = _prompt_ids(tokenizer, prompt)
+    return _keep_last(ids, max_prompt_len, bos)
 
 
 def _pad(seqs: Sequence[Sequence[int]], value: int, side: str, pad_to_multiple_of: int | None):
