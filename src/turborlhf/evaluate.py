@@ -82,6 +82,7 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     Raises UserError when the longest prompt plus `max_new_tokens` exceeds the policy's context."""
     from transformers import AutoConfig
 
+    from turborlhf.data.chat import stop_ids
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.errors import UserError
     from turborlhf.rollout import make_engine
@@ -96,7 +97,7 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
                         f"policy's context ({ctx} positions): lower the new-token limit")
     eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=(tok.eos_token_id,), seed=seed, return_logprobs=raw_logprobs,
+                            stop_token_ids=stop_ids(tok), seed=seed, return_logprobs=raw_logprobs,
                             logprobs_mode="raw_logprobs")
     t0 = time.perf_counter()
     logger.info(f"[generate] {len(ids)} prompts, batches of {batch_size}...")

@@ -122,3 +122,27 @@ def test_a_tokenizer_that_adds_bos_gets_it_on_every_prompt_through_truncation():
     assert pair["chosen"]["prompt_len"] == pair["rejected"]["prompt_len"]
     # a tokenizer that adds none (the tiny one, SmolLM2) is unchanged
     assert encode_prompt(make_tiny_tokenizer(), "Question: what is two and two?", 64) == plain
+
+
+def test_a_templated_response_ends_with_the_templates_end_of_turn_token():
+    """A base model with ChatML (data.chat_template: chatml) whose EOS is <|endoftext|>: a
+    response after a rendered prompt ended with EOS, a token its prompts never show after an
+    assistant turn; TRL's conversational data ends it with the template's <|im_end|>. Rollouts
+    stop at either."""
+    from turborlhf.data.chat import stop_ids, turn_end
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.data.sources import Rows
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end(tok) == (None, "<|im_start|>assistant\n") and stop_ids(tok) == (im_end,)   # EOS is it
+    base = make_tiny_tokenizer()
+    base.eos_token, base.chat_template = "<|endoftext|>", None
+    rows = load_sft(Rows([{"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "hello"}]}]), base, chat_template="chatml")
+    enc = encode_prompt_response(base, rows[0]["prompt"], rows[0]["response"], 64)
+    assert enc["input_ids"][-1] == im_end and base.eos_token_id not in enc["input_ids"]
+    assert stop_ids(base) == (base.eos_token_id, im_end)
+    plain = encode_prompt_response(base, "Question: hi\nAnswer:", " hello", 64)     # not rendered: EOS
+    assert plain["input_ids"][-1] == base.eos_token_id

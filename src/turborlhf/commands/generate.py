@@ -49,11 +49,11 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_token
                    help="chat template for message lists: chatml, plain or a Jinja string (default: the model's)")
 
 
-def _params(a, n: int = 1, eos: Optional[int] = None):
+def _params(a, n: int = 1, stop: tuple[int, ...] = ()):
     from turborlhf.rollout.base import SamplingParams
 
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                          n=n, seed=a.seed, stop_token_ids=(eos,) if eos is not None else ())
+                          n=n, seed=a.seed, stop_token_ids=tuple(stop))
 
 
 def _decode(tok, ids: list[int], finished: bool) -> str:
@@ -71,6 +71,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     """
     from dataclasses import replace
 
+    from turborlhf.data.chat import stop_ids
     from turborlhf.data.jsonl import write_jsonl
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt
@@ -83,8 +84,8 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     prompts = load_prompts(prompts_file, tok, keys=keys, chat_template=chat_template)
     prompts = prompts[:limit] if limit else list(prompts)
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
-    if not params.stop_token_ids and tok.eos_token_id is not None:
-        params = replace(params, stop_token_ids=(tok.eos_token_id,))
+    if not params.stop_token_ids:
+        params = replace(params, stop_token_ids=stop_ids(tok))
     eng = make_engine(engine, path, dtype=dtype, device=device, max_batch_size=batch_size)
     t0 = time.perf_counter()
     out = eng.generate(ids, params)
@@ -221,7 +222,7 @@ def chat_main(argv: list[str]) -> int:
     p.add_argument("--system", default=None, help="system message that starts every conversation")
     p.add_argument("--no-stream", action="store_true", help="print replies whole even with the HF engine")
     a = p.parse_args(argv)
-    from turborlhf.data.chat import set_chat_template
+    from turborlhf.data.chat import set_chat_template, stop_ids
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rollout import make_engine
@@ -240,7 +241,7 @@ def chat_main(argv: list[str]) -> int:
         if tty:
             print(f"[chat] {path} ({type(engine).__name__}{', streaming' if stream else ''}); "
                   "/reset = new conversation, /exit = quit", flush=True)
-        chat_loop(engine, tok, _params(a, eos=tok.eos_token_id), sys.stdin, sys.stdout, a.system, a.max_prompt_len,
+        chat_loop(engine, tok, _params(a, stop=stop_ids(tok)), sys.stdin, sys.stdout, a.system, a.max_prompt_len,
                   stream, prompt_marker="> " if tty else "")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,7 +3,9 @@
 A *message list* is ``[{"role": "user"|"assistant"|"system"|..., "content": str}, ...]``.
 A *rendered prompt* is the template applied with ``add_generation_prompt=True`` (it ends with the
 assistant header, e.g. ``"<|im_start|>assistant\\n"`` for ChatML); the response text that follows
-it carries no end-of-turn token (trainers append EOS themselves).
+it carries no end-of-turn token: trainers append it themselves (`turn_end`: the template's own
+end-of-turn token after a rendered prompt, as TRL's conversational data gets it, else EOS), and
+rollouts stop at either (`stop_ids`).
 """
 
 from __future__ import annotations
@@ -106,3 +108,46 @@ def require_chat_template(tokenizer) -> None:
             f"tokenizer {name!r} has no chat template; use an instruct/chat tokenizer or set "
             "data.chat_template (chatml, plain or a Jinja string)"
         )
+
+
+_SENTINEL = "TURBORLHF_RESPONSE_SENTINEL"
+_TURN_END: dict[tuple, tuple] = {}
+
+
+def turn_end(tokenizer) -> tuple[int | None, str | None]:
+    """``(end_of_turn_id, generation_header)`` of the tokenizer's chat template.
+
+    end_of_turn_id: the special token the template writes right after an assistant message
+    (``<end_of_turn>`` for Gemma, ``<|im_end|>`` for ChatML on a base model whose EOS is
+    ``<|endoftext|>``), or None where it is EOS itself (SmolLM2-Instruct, Llama-3.1-Instruct),
+    writes no special token there (``plain``), or there is no template. generation_header: what
+    ``add_generation_prompt`` appends (``"<|im_start|>assistant\\n"``); a prompt ending with it was
+    rendered by the template. Cached per template and tokenizer."""
+    key = (getattr(tokenizer, "chat_template", None), getattr(tokenizer, "eos_token_id", None),
+           getattr(tokenizer, "name_or_path", ""), len(tokenizer))
+    if key not in _TURN_END:
+        _TURN_END[key] = _find_turn_end(tokenizer)
+    return _TURN_END[key]
+
+
+def _find_turn_end(tokenizer) -> tuple[int | None, str | None]:
+    if not has_chat_template(tokenizer):
+        return None, None
+    user = [{"role": "user", "content": "x"}]
+    try:
+        prompt, bare = render_prompt(tokenizer, user), render_conversation(tokenizer, user)
+        whole = render_conversation(tokenizer, user + [{"role": "assistant", "content": _SENTINEL}])
+    except Exception:            # a template that refuses this conversation (roles it requires)
+        return None, None
+    header = prompt[len(bare):] if prompt.startswith(bare) and len(prompt) > len(bare) else None
+    at = whole.rfind(_SENTINEL)
+    tail = tokenizer(whole[at + len(_SENTINEL):], add_special_tokens=False)["input_ids"] if at >= 0 else []
+    eot = tail[0] if tail and tail[0] in set(tokenizer.all_special_ids) else None
+    return (None if eot == tokenizer.eos_token_id else eot), header
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens a rollout of this tokenizer's model stops at: EOS and, where the chat template
+    ends a turn with another special token, that one (`turn_end`)."""
+    eot, _ = turn_end(tokenizer)
+    return tuple(t for t in (tokenizer.eos_token_id, eot) if t is not None)

@@ -72,6 +72,8 @@ def encode_prompt_response(
     min_response_tokens: int | None = None,
 ) -> dict:
     """Encode ``prompt + response (+ EOS)`` truncated to ``max_len`` (policy in module docstring).
+    The closing token is `response_end_id`'s: EOS, or the chat template's end-of-turn token after
+    a prompt the template rendered.
 
     Returns ``{"input_ids": list[int] (L <= max_len), "loss_mask": list[int] (L; 1 on response
     tokens incl. EOS), "prompt_len": int, "prompt_truncated": bool, "response_truncated": bool}``.
@@ -82,9 +84,7 @@ def encode_prompt_response(
     p_ids, bos = _prompt_ids(tokenizer, prompt)
     r_ids = _ids(tokenizer, response)
     if add_eos:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
-        r_ids.append(tokenizer.eos_token_id)
+        r_ids.append(response_end_id(tokenizer, prompt))
     min_r = max_len // 2 if min_response_tokens is None else min(max(min_response_tokens, 0), max_len)
     r_keep = min(len(r_ids), max(min_r, max_len - len(p_ids)))
     p_keep = min(len(p_ids), max_len - r_keep)
@@ -97,6 +97,20 @@ def encode_prompt_response(
         "prompt_truncated": p_keep < len(p_ids),
         "response_truncated": r_keep < len(r_ids),
     }
+
+
+def response_end_id(tokenizer, prompt: str) -> int:
+    """The token that closes a response to `prompt`: the chat template's end-of-turn token where
+    `prompt` was rendered by that template and the template ends turns with a special token other
+    than EOS (`turborlhf.data.chat.turn_end`), else EOS. Raises ValueError without an EOS."""
+    from turborlhf.data.chat import turn_end
+
+    eot, header = turn_end(tokenizer)
+    if eot is not None and header and prompt.endswith(header):
+        return eot
+    if tokenizer.eos_token_id is None:
+        raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
+    return tokenizer.eos_token_id
 
 
 def _cut_prompt(enc: dict, k: int, bos: int | None = None) -> dict:

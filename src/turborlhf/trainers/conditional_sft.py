@@ -35,7 +35,7 @@ import torch
 from turborlhf.config import ConditionalSFTConfig
 from turborlhf.data.conditioning import TAG_FILE, chat_anchors, condition_prompt, load_tag_info
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
-from turborlhf.data.chat import set_chat_template
+from turborlhf.data.chat import set_chat_template, stop_ids
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
 from turborlhf.data.tokenize import encode_examples, encode_prompt
@@ -152,7 +152,7 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
                          max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
-                            stop_token_ids=(tok.eos_token_id,), n=n, seed=cfg.train.seed)
+                            stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
     outs = engine.generate([encode_prompt(tok, p, roll.max_prompt_len) for p in prompts], params)
     return [{"prompt": prompts[i // n], "response": tok.decode(r, skip_special_tokens=True), "source": "policy",
              "finished": f} for i, (r, f) in enumerate(zip(outs.response_ids, outs.finished))]

@@ -38,9 +38,10 @@ from typing import Callable, Optional
 import torch
 
 from turborlhf.config import RejectionSamplingConfig
+from turborlhf.data.chat import stop_ids
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
-from turborlhf.data.tokenize import encode_examples, encode_prompt
+from turborlhf.data.tokenize import encode_examples, encode_prompt, response_end_id
 from turborlhf.engine.checkpoint import atomic_write_text, load_trainer_state, save_checkpoint
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -174,7 +175,7 @@ def _sampling(cfg: RejectionSamplingConfig, tok, seed: int) -> SamplingParams:
     roll = cfg.rollout
     return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                           temperature=roll.temperature,
-                          top_p=roll.top_p, top_k=roll.top_k, stop_token_ids=(tok.eos_token_id,),
+                          top_p=roll.top_p, top_k=roll.top_k, stop_token_ids=stop_ids(tok),
                           n=cfg.algo.n_samples_per_prompt, seed=seed)
 
 
@@ -186,8 +187,8 @@ def _score(rm, rm_tok, same_vocab: bool, prompts: list[str], p_ids: list[list[in
     A = cfg.algo
     eos_for = [f or A.score_truncated_with_eos for f in finished]          # ends with EOS when scored
     if same_vocab:
-        seqs = [p + r + ([rm_tok.eos_token_id] if e and not f else [])
-                for p, r, f, e in zip(p_ids, r_ids, finished, eos_for)]
+        seqs = [p + r + ([response_end_id(rm_tok, text)] if e and not f else [])
+                for p, r, f, e, text in zip(p_ids, r_ids, finished, eos_for, prompts)]
     else:
         rows = [{"prompt": p, "response": t, "finished": e} for p, t, e in zip(prompts, texts, eos_for)]
         seqs = [x["input_ids"] for x in encode_examples(rm_tok, rows, 4096)]

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from turborlhf.config import PPOConfig
+from turborlhf.data.chat import stop_ids
 from turborlhf.rollout.base import SamplingParams
 from turborlhf.trainers.ppo.experience import logprobs_mode, row_shards
 
@@ -20,7 +21,7 @@ def _sampling(cfg: PPOConfig, tok, seed: int) -> SamplingParams:
     roll = cfg.rollout
     return SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                           temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
-                          stop_token_ids=(tok.eos_token_id,), n=cfg.algo.n_samples_per_prompt, seed=seed,
+                          stop_token_ids=stop_ids(tok), n=cfg.algo.n_samples_per_prompt, seed=seed,
                           return_logprobs=True, logprobs_mode=logprobs_mode(cfg))
 
 
