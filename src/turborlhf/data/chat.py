@@ -123,26 +123,26 @@ def turn_end(tokenizer) -> tuple[int | None, str | None]:
     writes no special token there (``plain``), or there is no template. generation_header: what
     ``add_generation_prompt`` appends (``"<|im_start|>assistant\\n"``); a prompt ending with it was
     rendered by the template. Cached per template and tokenizer."""
-    key = (getattr(tokenizer, "chat_template", None), getattr(tokenizer, "eos_token_id", None),
-           getattr(tokenizer, "name_or_path", ""), len(tokenizer))
+    if not has_chat_template(tokenizer):
+        return None, None
+    key = (tokenizer.chat_template, getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token", None),
+           getattr(tokenizer, "name_or_path", ""))
     if key not in _TURN_END:
         _TURN_END[key] = _find_turn_end(tokenizer)
     return _TURN_END[key]
 
 
 def _find_turn_end(tokenizer) -> tuple[int | None, str | None]:
-    if not has_chat_template(tokenizer):
-        return None, None
     user = [{"role": "user", "content": "x"}]
     try:
         prompt, bare = render_prompt(tokenizer, user), render_conversation(tokenizer, user)
         whole = render_conversation(tokenizer, user + [{"role": "assistant", "content": _SENTINEL}])
+        at = whole.rfind(_SENTINEL)
+        tail = tokenizer(whole[at + len(_SENTINEL):], add_special_tokens=False)["input_ids"] if at >= 0 else []
+        eot = tail[0] if tail and tail[0] in set(tokenizer.all_special_ids) else None
     except Exception:            # a template that refuses this conversation (roles it requires)
         return None, None
     header = prompt[len(bare):] if prompt.startswith(bare) and len(prompt) > len(bare) else None
-    at = whole.rfind(_SENTINEL)
-    tail = tokenizer(whole[at + len(_SENTINEL):], add_special_tokens=False)["input_ids"] if at >= 0 else []
-    eot = tail[0] if tail and tail[0] in set(tokenizer.all_special_ids) else None
     return (None if eot == tokenizer.eos_token_id else eot), header
 
 

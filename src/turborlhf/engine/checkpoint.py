@@ -33,8 +33,8 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "atomic_write_text",
-           "trainer_state", "restore"]
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
+           "atomic_write_text", "trainer_state", "restore"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
 # younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run
@@ -185,6 +185,8 @@ def clear_checkpoints(output_dir: str | Path) -> int:
     """Remove every checkpoint under ``<output_dir>/checkpoints`` (a fresh run in a directory an
     earlier run used: its checkpoints would outrank the new run's in rotation and be what a later
     ``--resume`` continues). Returns how many complete checkpoints were removed."""
+    for left in Path(output_dir).glob(".checkpoints.del-*"):       # a clearing cut short by a kill
+        shutil.rmtree(left, ignore_errors=True)
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return 0
