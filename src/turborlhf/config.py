@@ -237,6 +237,12 @@ class SFTDataCfg(DataFormatCfg):
     max_len: int = _max_len()
     max_samples: int = _at_most("training examples")
     max_test_samples: int = _at_most("test examples (the file's first)", verb="evaluate on")
+    multiturn: bool = Field(False, description="message-list data: train on every assistant turn of a conversation "
+                                               "(OpenRLHF --multiturn, TRL assistant_only_loss); false = its last "
+                                               "turn only, the earlier ones are context")
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        return {**super().loader_kwargs(), "multiturn": self.multiturn}
 
 
 class SFTTrainCfg(EvalLoopCfg):

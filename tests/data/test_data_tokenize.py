@@ -146,3 +146,63 @@ def test_a_templated_response_ends_with_the_templates_end_of_turn_token():
     assert stop_ids(base) == (base.eos_token_id, im_end)
     plain = encode_prompt_response(base, "Question: hi\nAnswer:", " hello", 64)     # not rendered: EOS
     assert plain["input_ids"][-1] == base.eos_token_id
+
+
+CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "what is two and two"},
+        {"role": "assistant", "content": "four"}]
+
+
+def _trained(tok, enc):
+    return tok.decode([t for t, m in zip(enc["input_ids"], enc["loss_mask"]) if m])
+
+
+def test_multiturn_sft_trains_every_assistant_turn(tok):
+    """data.multiturn (OpenRLHF --multiturn, TRL assistant_only_loss): every assistant turn of a
+    conversation is trained, each closed by its end-of-turn token; the sequence is the rendered
+    conversation either way, and without it only the last turn is trained."""
+    from turborlhf.data.chat import render_conversation
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.data.sources import Rows
+    from turborlhf.data.tokenize import encode_examples
+
+    last, every = (load_sft(Rows([{"messages": CONV}]), tok, multiturn=m) for m in (False, True))
+    assert "turns" not in last[0] and len(every[0]["turns"]) == 2
+    assert (every[0]["prompt"], every[0]["response"]) == (last[0]["prompt"], last[0]["response"])
+    e_last, e_every = encode_examples(tok, last, 512)[0], encode_examples(tok, every, 512)[0]
+    assert e_every["input_ids"] == e_last["input_ids"] == ids(tok, render_conversation(tok, CONV).rstrip("\n"))
+    assert _trained(tok, e_last) == "four<|im_end|>"
+    assert _trained(tok, e_every) == "hello friend<|im_end|>four<|im_end|>"
+    assert e_every["prompt_len"] == e_last["prompt_len"]
+    # truncation: the last response is kept, the earliest tokens go first
+    short = encode_examples(tok, every, 12)[0]
+    assert short["input_ids"] == e_every["input_ids"][-12:] and short["prompt_truncated"]
+    assert short["loss_mask"] == e_every["loss_mask"][-12:]
+    # a conversation with one assistant turn is the single-turn record
+    one = load_sft(Rows([{"messages": CONV[:3]}]), tok, multiturn=True)
+    assert "turns" not in one[0]
+
+
+def test_multiturn_sft_refuses_a_template_that_rewrites_earlier_turns():
+    """A template that renders earlier assistant turns differently once later ones follow (as
+    reasoning templates drop earlier thinking) cannot give per-turn masks: a one-line data error
+    naming the record, not a silently misaligned mask."""
+    from turborlhf.data.errors import DataError
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.data.sources import Rows
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()          # its template is replaced below
+    drop = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n"
+            "...<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert load_sft(Rows([{"messages": CONV}]), tok, chat_template=drop)            # the last turn alone is fine
+    with pytest.raises(DataError, match="multiturn_template.*message 5"):
+        load_sft(Rows([{"messages": CONV}]), tok, chat_template=drop, multiturn=True)
+
+
+def test_sft_config_passes_multiturn_to_the_loader():
+    from turborlhf.config import SFTConfig
+
+    cfg = SFTConfig.model_validate({"data": {"train_file": "x.jsonl", "multiturn": True}})
+    assert cfg.data.loader_kwargs()["multiturn"] is True

@@ -33,7 +33,8 @@ prompts (``load_prompts``; ``load_prompt_records`` keeps the other keys as colum
   ``{"messages"|"chosen": messages}`` (a final assistant message is dropped), raw HH (prompt of
   chosen; an empty chosen response is fine here).
 SFT (``load_sft``): ``{"prompt", "response"|"completion"}``, ``{"messages": messages}``
-  (last message is the assistant's response), any pair format (chosen), raw HH (chosen).
+  (last message is the assistant's response; with ``multiturn`` every assistant message is
+  trained), any pair format (chosen), raw HH (chosen).
 KTO (``load_kto``): ``{"prompt", "completion", "label": bool|0|1}``, or any pair format
   (-> two rows: chosen desirable, rejected undesirable).
 """
@@ -45,11 +46,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from turborlhf.data.chat import has_chat_template, is_messages, render_prompt, response_text, set_chat_template
+from turborlhf.data.chat import (has_chat_template, is_messages, render_conversation, render_prompt,
+                                 response_text, set_chat_template)
 from turborlhf.data.errors import DataError, Problem, format_problems
 from turborlhf.data.hh_rlhf import convert_pair, prompt_messages_of, split_prompt_response
 from turborlhf.data.jsonl import JsonLineError
 from turborlhf.data.sources import open_rows
+from turborlhf.data.tokenize import response_end_id
 
 CANONICAL_KEYS = ("prompt", "chosen", "rejected", "response")
 
@@ -200,6 +203,30 @@ def _conversation(messages: list[dict], tokenizer) -> tuple[str, str]:
     return _render(tokenizer, messages[:-1], "a conversation (message list)"), messages[-1]["content"]
 
 
+def _assistant_turns(messages: list[dict], tokenizer) -> list[tuple[str, str]]:
+    """Message list ending in an assistant message -> ``[(context, response)]``, one per assistant
+    turn after the first message: ``context`` is the text the chat template renders between the
+    previous response's end (its end-of-turn token) and this response, the first one the whole
+    rendered prompt; concatenated, the pairs (each response closed by its end-of-turn token)
+    are the rendered conversation. Raises ``_Bad("multiturn_template")`` where the template renders
+    earlier turns differently once later ones follow (one that drops earlier reasoning, say)."""
+    prompt, last = _conversation(messages, tokenizer)
+    turns, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        ctx = prompt if i == len(messages) - 1 else _render(tokenizer, messages[:i], "a conversation (message list)")
+        whole = render_conversation(tokenizer, messages[:i + 1])
+        if not ctx.startswith(done) or not whole.startswith(ctx + m["content"]):
+            raise _Bad("multiturn_template", f"the chat template renders the turns before message {i + 1} differently "
+                                             "once later ones follow; data.multiturn needs one that only appends")
+        turns.append((ctx[len(done):], m["content"]))
+        end = tokenizer.decode([response_end_id(tokenizer, ctx)])
+        rest = whole[len(ctx) + len(m["content"]):]
+        done = ctx + m["content"] + (end if rest.startswith(end) else "")
+    return turns
+
+
 def _pair(obj: dict, tokenizer) -> tuple[str, str, str]:
     """Any pair format -> (rendered prompt, chosen, rejected)."""
     chosen, rejected = obj.get("chosen"), obj.get("rejected")
@@ -296,8 +323,14 @@ def load_prompts(path: str | os.PathLike, tokenizer, strict: bool = False, *, ke
 
 
 def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: Mapping[str, str] | None = None,
-             chat_template: str | None = None) -> Records:
-    """SFT examples -> ``[{"prompt": rendered str, "response": str}]`` (response without EOS)."""
+             chat_template: str | None = None, multiturn: bool = False) -> Records:
+    """SFT examples -> ``[{"prompt": rendered str, "response": str}]`` (response without EOS).
+
+    ``multiturn``: a ``messages`` conversation with several assistant turns also gets
+    ``"turns": [(context, response), ...]`` (`_assistant_turns`), so that every assistant turn is
+    trained (OpenRLHF's ``--multiturn``, TRL's ``assistant_only_loss``); otherwise only its last
+    turn is, the earlier ones being context. ``prompt``/``response`` stay the last turn's.
+    """
 
     def parse(obj: dict) -> list[dict]:
         if "prompt" in obj and ("response" in obj or "completion" in obj):
@@ -305,6 +338,9 @@ def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: 
             prompt, response = _prompt(obj["prompt"], tokenizer), _response(obj, key)
         elif is_messages(obj.get("messages")):
             prompt, response = _conversation(obj["messages"], tokenizer)
+            turns = _assistant_turns(obj["messages"], tokenizer) if multiturn else []
+            if len(turns) > 1:
+                return [{"prompt": prompt, "response": response, "turns": turns}]
         elif "prompt" in obj and "chosen" in obj:
             prompt, response = _prompt(obj["prompt"], tokenizer), _response(obj, "chosen")
         elif is_messages(obj.get("chosen")):

@@ -79,20 +79,61 @@ def encode_prompt_response(
     tokens incl. EOS), "prompt_len": int, "prompt_truncated": bool, "response_truncated": bool}``.
     Raises ``ValueError`` if ``max_len < 1``, or ``add_eos`` and the tokenizer has no EOS token.
     """
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
     p_ids, bos = _prompt_ids(tokenizer, prompt)
     r_ids = _ids(tokenizer, response)
     if add_eos:
         r_ids.append(response_end_id(tokenizer, prompt))
+    return _fit(p_ids, [0] * len(p_ids), r_ids, bos, max_len, min_response_tokens)
+
+
+def encode_conversation(tokenizer, turns: Sequence[tuple[str, str]], max_len: int, add_eos: bool = True,
+                        min_response_tokens: int | None = None) -> dict:
+    """Encode a multi-turn conversation, every assistant response trained: ``turns`` is
+    ``[(context, response), ...]`` as `turborlhf.data.loaders.load_sft` gives them with
+    ``multiturn`` (each context the template's text since the previous response's end). Each
+    response is closed by `response_end_id` (the last one only when ``add_eos``); the loss mask
+    is 1 on every response token and closing token, 0 on the contexts (OpenRLHF's ``--multiturn``,
+    TRL's ``assistant_only_loss``).
+
+    Truncation is `encode_prompt_response`'s with everything before the last response as the
+    prompt: the last response keeps at least ``min_response_tokens`` (default ``max_len // 2``),
+    the earliest tokens go first (the BOS stays). Returns `encode_prompt_response`'s dict
+    (``prompt_len``: tokens before the last response). Raises ``ValueError`` for no turns or
+    ``max_len < 1``.
+    """
+    if not turns:
+        raise ValueError("a conversation needs at least one (context, response) turn")
+    p_ids, p_mask = [], []
+    for ctx, resp in turns[:-1]:
+        c_ids, r_ids = _ids(tokenizer, ctx), _ids(tokenizer, resp) + [response_end_id(tokenizer, ctx)]
+        p_ids += c_ids + r_ids
+        p_mask += [0] * len(c_ids) + [1] * len(r_ids)
+    ctx, resp = turns[-1]
+    c_ids = _ids(tokenizer, ctx)
+    p_ids, p_mask = p_ids + c_ids, p_mask + [0] * len(c_ids)
+    bos = _bos(tokenizer)
+    if bos is not None and p_ids[:1] != [bos]:
+        p_ids, p_mask = [bos] + p_ids, [0] + p_mask
+    r_ids = _ids(tokenizer, resp) + ([response_end_id(tokenizer, ctx)] if add_eos else [])
+    return _fit(p_ids, p_mask, r_ids, bos, max_len, min_response_tokens)
+
+
+def _fit(p_ids: list[int], p_mask: list[int], r_ids: list[int], bos: int | None, max_len: int,
+         min_response_tokens: int | None) -> dict:
+    """The truncation policy of the module docstring applied to prompt ids (with their loss mask)
+    and response ids (all trained)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
     min_r = max_len // 2 if min_response_tokens is None else min(max(min_response_tokens, 0), max_len)
     r_keep = min(len(r_ids), max(min_r, max_len - len(p_ids)))
     p_keep = min(len(p_ids), max_len - r_keep)
-    p_cut = _keep_last(p_ids, p_keep, bos) if p_keep else []
+    # the positions kept (position 0 stands for the BOS where the prompt starts with it)
+    kept = _keep_last(list(range(len(p_ids))), p_keep, 0 if bos is not None and p_ids[:1] == [bos] else None)
+    p_cut, m_cut = [p_ids[i] for i in kept], [p_mask[i] for i in kept]
     r_cut = r_ids[:r_keep]
     return {
         "input_ids": p_cut + r_cut,
-        "loss_mask": [0] * len(p_cut) + [1] * len(r_cut),
+        "loss_mask": m_cut + [1] * len(r_cut),
         "prompt_len": len(p_cut),
         "prompt_truncated": p_keep < len(p_ids),
         "response_truncated": r_keep < len(r_ids),
@@ -219,10 +260,12 @@ def assemble_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequen
 
 def encode_examples(tokenizer, rows: Sequence[dict], max_len: int) -> list[dict]:
     """`encode_prompt_response` of every ``{prompt, response}`` row (SFT data, best-of-n winners,
-    tagged conditional-SFT examples) with budget `max_len`. A row with ``finished: False`` (a
+    tagged conditional-SFT examples) with budget `max_len`; `encode_conversation` of a row with
+    ``turns`` (multi-turn SFT). A row with ``finished: False`` (a
     sampled response cut at max_new_tokens) gets no appended EOS: the policy must not learn to
     stop where the text was merely truncated."""
-    return [encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
+    return [encode_conversation(tokenizer, r["turns"], max_len, add_eos=r.get("finished", True)) if r.get("turns")
+            else encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
             for r in rows]
 
 
