@@ -206,3 +206,23 @@ def test_a_scheduler_sees_the_optimizer_step(state_dtype):
             _backward(model, torch.randn(8, 4))
             clip_and_step(model, opt, sched, 0.5)
     assert lrs[0] < lrs[1] == lrs[2] == pytest.approx(1e-2)
+
+
+def test_plan_steps_leaves_out_a_random_remainder_not_the_longest_examples():
+    """Each length-sorted chunk's short last batch was dropped: with fewer than 50 steps of data
+    the same longest examples were never trained, in every epoch."""
+    import random
+
+    from turborlhf.engine.run import plan_steps
+
+    rng = random.Random(0)
+    lengths = [rng.randrange(10, 500) for _ in range(100)]
+    plan = plan_steps(lengths, per_step=8, epochs=10, max_steps=0, seed=0)
+    assert len(plan) == 120 and all(len(b) == 8 for b in plan)
+    seen = [i for b in plan for i in b]
+    assert set(seen) == set(range(100))                        # every example, over the epochs
+    for e in range(10):                                        # each epoch: 96 distinct examples
+        assert len(set(i for b in plan[12 * e:12 * (e + 1)] for i in b)) == 96
+    longest = sorted(range(100), key=lambda i: -lengths[i])[:4]
+    assert all(i in seen for i in longest)
+    assert plan_steps([5, 3, 4], per_step=8, epochs=1, max_steps=0, seed=0) == [[1, 2, 0]]   # one short step

@@ -177,9 +177,11 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
 def plan_steps(lengths: list[int], per_step: int, epochs: float, max_steps: int, seed: int) -> list[list[int]]:
     """Deterministic list of optimizer steps, each a list of example indices.
 
-    Within an epoch, examples are shuffled (seed + epoch), then grouped into mega-batches of
-    ``50 · per_step`` sorted by length, so each step holds similar lengths and padding is small;
-    step order is shuffled again. Epochs may be fractional; ``max_steps > 0`` caps the plan (and
+    Within an epoch, examples are shuffled (seed + epoch) and the last ``n mod per_step`` of that
+    order left out (a random remainder, as a shuffled loader's ``drop_last``; a different one each
+    epoch), then grouped into mega-batches of ``50 · per_step`` sorted by length, so each step
+    holds similar lengths and padding is small; step order is shuffled again. Fewer examples than
+    ``per_step`` make one short step. Epochs may be fractional; ``max_steps > 0`` caps the plan (and
     extends it with further epochs when the data is short). The plan depends only on its inputs,
     so a resumed run replays exactly the same batches.
     """
@@ -196,12 +198,13 @@ def plan_steps(lengths: list[int], per_step: int, epochs: float, max_steps: int,
         rng = random.Random(seed + epoch)
         idx = list(range(n))
         rng.shuffle(idx)
+        if n >= per_step:        # never the remainder of a length-sorted chunk: its longest examples
+            idx = idx[:n - n % per_step]
         mega = 50 * per_step
         batches = []
-        for s in range(0, n, mega):
+        for s in range(0, len(idx), mega):
             chunk = sorted(idx[s:s + mega], key=lambda i: lengths[i])
             batches += [chunk[b:b + per_step] for b in range(0, len(chunk), per_step)]
-        batches = [b for b in batches if len(b) == per_step] or batches
         rng.shuffle(batches)
         plan += batches
         epoch += 1
