@@ -97,3 +97,24 @@ def test_ppo_critic_section_without_a_model_starts_from_the_reward_model():
     sources = dict(base, reward_model=None, rewards=[{"kind": "function", "path": "f.py:g"},
                                                      {"kind": "model", "path": "rm2"}])
     assert PPOConfig(**sources, critic={"freeze_layers": 1}).critic_init == "rm2"
+
+
+def test_loaded_models_have_no_dropout_even_where_modules_copied_the_rate(tmp_path):
+    """Llama attention copies config.attention_dropout when built and applies it functionally:
+    zeroing the config after loading left the policy's log-probs noisy in training mode."""
+    from turborlhf.data.tokenize import encode_prompt_response
+    from turborlhf.models.forward import summed_logps
+    from turborlhf.models.load import load_causal_lm
+
+    d = save_tiny_causal_lm(tmp_path / "m", attention_dropout=0.3)
+    tok = load_tokenizer(str(d))
+    model = load_causal_lm(str(d), tok)
+    assert model.model.layers[0].self_attn.attention_dropout == 0.0
+    seq = encode_prompt_response(tok, "hello there how are you", "fine thanks", 64)
+    model.train()
+    with torch.no_grad():
+        a, b = (float(summed_logps(model, tok.pad_token_id, [seq], "fp32")[0]) for _ in range(2))
+    model.eval()
+    with torch.no_grad():
+        c = float(summed_logps(model, tok.pad_token_id, [seq], "fp32")[0])
+    assert a == b == pytest.approx(c, abs=1e-5)

@@ -241,10 +241,17 @@ def _unfreeze_padding_row(model: nn.Module) -> None:
 
 
 def _disable_dropout(model: nn.Module) -> None:
-    """RLHF convention (TRL `disable_dropout`, OpenRLHF): dropout off so log-probs are deterministic."""
+    """RLHF convention (TRL `disable_dropout`, OpenRLHF): dropout off so log-probs are deterministic.
+
+    Besides ``nn.Dropout`` modules, the rates modules copied from the config when they were built
+    and apply functionally (Llama/Qwen2/Mistral attention's ``attention_dropout``, OPT's
+    ``dropout``): zeroing the config afterwards does not reach those."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        for k, v in vars(m).items():
+            if "dropout" in k and isinstance(v, float):
+                setattr(m, k, 0.0)
     for k in ("attention_dropout", "hidden_dropout", "dropout"):
         if hasattr(model.config, k) and isinstance(getattr(model.config, k), float):
             setattr(model.config, k, 0.0)
