@@ -206,3 +206,20 @@ def test_sft_config_passes_multiturn_to_the_loader():
 
     cfg = SFTConfig.model_validate({"data": {"train_file": "x.jsonl", "multiturn": True}})
     assert cfg.data.loader_kwargs()["multiturn"] is True
+
+
+def test_the_first_token_is_never_in_the_loss_mask(tok):
+    """A conversation cut from the left (or a response given the whole budget) can start with a
+    trained token; no position predicts it, so counting it inflated the loss's token count."""
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.data.sources import Rows
+    from turborlhf.data.tokenize import encode_examples
+
+    rows = load_sft(Rows([{"messages": CONV}]), tok, multiturn=True)
+    full = encode_examples(tok, rows, 512)[0]
+    start = full["loss_mask"].index(1)                       # the first response's first token
+    cut = encode_examples(tok, rows, len(full["input_ids"]) - start)[0]
+    assert cut["input_ids"] == full["input_ids"][start:]
+    assert cut["loss_mask"] == [0] + full["loss_mask"][start + 1:]
+    whole = encode_prompt_response(tok, PROMPT, RESP, max_len=4, min_response_tokens=4)
+    assert whole["prompt_len"] == 0 and whole["loss_mask"] == [0, 1, 1, 1]

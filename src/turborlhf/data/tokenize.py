@@ -131,9 +131,11 @@ def _fit(p_ids: list[int], p_mask: list[int], r_ids: list[int], bos: int | None,
     kept = _keep_last(list(range(len(p_ids))), p_keep, 0 if bos is not None and p_ids[:1] == [bos] else None)
     p_cut, m_cut = [p_ids[i] for i in kept], [p_mask[i] for i in kept]
     r_cut = r_ids[:r_keep]
+    mask = m_cut + [1] * len(r_cut)
+    mask[:1] = [0]               # nothing predicts the first token: it is never scored, nor counted
     return {
         "input_ids": p_cut + r_cut,
-        "loss_mask": m_cut + [1] * len(r_cut),
+        "loss_mask": mask,
         "prompt_len": len(p_cut),
         "prompt_truncated": p_keep < len(p_ids),
         "response_truncated": r_keep < len(r_ids),
@@ -161,7 +163,9 @@ def _cut_prompt(enc: dict, k: int, bos: int | None = None) -> dict:
         return enc
     ids, mask = enc["input_ids"], enc["loss_mask"]
     lead = 1 if bos is not None and ids[:1] == [bos] and enc["prompt_len"] - k >= 1 else 0
-    return {**enc, "input_ids": ids[:lead] + ids[lead + k:], "loss_mask": mask[:lead] + mask[lead + k:],
+    mask = mask[:lead] + mask[lead + k:]
+    mask[:1] = [0]
+    return {**enc, "input_ids": ids[:lead] + ids[lead + k:], "loss_mask": mask,
             "prompt_len": enc["prompt_len"] - k, "prompt_truncated": True}
 
 
