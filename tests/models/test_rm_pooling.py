@@ -210,3 +210,24 @@ def test_encode_pairs_cuts_one_shared_prompt_and_the_rm_plan_groups_packed_lengt
     plan = plan_pair_steps(encoded, SimpleNamespace(pairs_per_step=4, epochs=1.0, max_steps=0, seed=3))
     assert sorted(i for step in plan for i in step) == list(range(24))
     assert all([lens[i] for i in step] == sorted(lens[i] for i in step) for step in plan)
+
+
+def test_a_bf16_score_head_scores_in_fp32():
+    """A frozen reward model loaded in bf16 (rejection sampling, conditional SFT, eval-policy)
+    computed its head in bf16: every score was rounded to 8 significant bits, so best-of-n ties
+    and quantile bins collapsed."""
+    from torch import nn
+
+    from turborlhf.models.forward import apply_score_head
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.score = nn.Linear(64, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.score.weight.mul_(20)
+    hidden = torch.randn(32, 64).to(torch.bfloat16)
+    scores = apply_score_head(model, hidden)
+    want = hidden.double() @ model.score.weight.double().t()
+    assert scores.dtype == torch.float32
+    assert torch.allclose(scores.double(), want.squeeze(-1), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(scores, scores.to(torch.bfloat16).float())

@@ -470,8 +470,9 @@ def token_values(model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT
 
 
 def apply_score_head(model: nn.Module, hidden_XH: torch.Tensor) -> torch.Tensor:
-    """The scalar head ``score`` on hidden states ``X×H`` → ``X`` fp32, computed in the head's own
-    dtype (fp32 master weights: fp32) with autocast off.
+    """The scalar head ``score`` on hidden states ``X×H`` → ``X`` fp32, computed in fp32 with
+    autocast off (a plain head with bf16 weights, as a frozen reward model loaded in bf16 has, is
+    cast up; a peft-wrapped head computes in its weights' dtype, fp32 master weights in training).
 
     Under bf16 autocast the head's output would be rounded to bf16: 8 significant bits, steps of
     2⁻⁶ ≈ 0.016 for scores in [2, 4). Close chosen/rejected scores then tie exactly (a tie counts
@@ -482,6 +483,9 @@ def apply_score_head(model: nn.Module, hidden_XH: torch.Tensor) -> torch.Tensor:
     head = base.score
     w_dtype = next(head.parameters()).dtype
     with torch.autocast(hidden_XH.device.type, enabled=False):
+        if w_dtype != torch.float32 and isinstance(head, nn.Linear):
+            bias = None if head.bias is None else head.bias.float()
+            return nn.functional.linear(hidden_XH.float(), head.weight.float(), bias).squeeze(-1)
         return head(hidden_XH.to(w_dtype)).squeeze(-1).float()
 
 
