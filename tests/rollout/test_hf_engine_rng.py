@@ -148,17 +148,56 @@ class _EveryTokenTool:
         return list(self.FORCED)
 
 
-def test_sampling_with_tool_forcing(model, prompts):
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_sampling_with_tool_forcing(model, prompts, mode):
+    """A tool's tokens get log-prob 0 in either mode (raw gave them the model's where a stop token
+    made `generate` process the logits before the tool's processor saw them)."""
     eng = HFEngine(model, dtype="fp32")
     T = 0.8
-    out = eng.generate(prompts, SamplingParams(max_new_tokens=9, temperature=T, seed=1, return_logprobs=True),
-                       tool=_EveryTokenTool())
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=9, temperature=T, seed=1, return_logprobs=True,
+                                               logprobs_mode=mode, stop_token_ids=(1,)), tool=_EveryTokenTool())
     for p, r, m, lp in zip(prompts, out.response_ids, out.tool_mask, out.logprobs):
         assert m == [False, True, True, True] * 2 + [False]
         assert [t for t, f in zip(r, m) if f] == _EveryTokenTool.FORCED * 2
-        ref = _gather((_forward_logits(eng, p, r) / T).log_softmax(-1), r)
+        ref = _gather((_forward_logits(eng, p, r) / (T if mode == "processed_logprobs" else 1)).log_softmax(-1), r)
         for x, y, f in zip(lp, ref.tolist(), m):
             assert x == 0.0 if f else abs(x - y) < 1e-4
+
+
+def test_the_checkpoints_generation_config_does_not_reach_sampling(model, prompts):
+    """`generate` fills what its config leaves unset from the model's generation_config: a
+    checkpoint's repetition penalty, n-gram ban or suppressed tokens changed what HFEngine
+    sampled and the log-probs it returned (Qwen2.5-Instruct ships a repetition penalty)."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    shipped = copy.deepcopy(model)
+    shipped.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, repetition_penalty=1.5,
+                                                 no_repeat_ngram_size=1, suppress_tokens=list(range(10, 300)))
+    plain, eng = HFEngine(model, dtype="fp32"), HFEngine(shipped, dtype="fp32")
+    for T in (0.0, 1.0):
+        sp = SamplingParams(max_new_tokens=10, temperature=T, seed=4, return_logprobs=True)
+        got, want = eng.generate(prompts, sp), plain.generate(prompts, sp)
+        assert got.response_ids == want.response_ids
+        for p, r, lp in zip(prompts, got.response_ids, got.logprobs):
+            ref = _gather(_forward_logits(plain, p, r).log_softmax(-1), r)
+            assert torch.allclose(torch.tensor(lp), ref, atol=1e-4)
+    assert shipped.generation_config.repetition_penalty == 1.5     # the caller's model is left alone
+
+
+@pytest.mark.parametrize("seed", [5, None])
+def test_fast_engine_leaves_the_global_generator_alone(model, prompts, seed):
+    """An unseeded FastEngine call seeded its stream from torch's global generator, shifting the
+    draws of a trainer on another thread (HFEngine never did)."""
+    from turborlhf.rollout.fast import FastEngine
+
+    eng = FastEngine(model, dtype="fp32")
+    before = torch.get_rng_state()
+    a = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed))
+    b = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert (a.response_ids == b.response_ids) == (seed is not None)
 
 
 def test_no_stop_tokens_means_no_stop(model, prompts):

@@ -432,10 +432,11 @@ class FastEngine(FastEngineWeights):
         prompts = check_prompts(prompts, self.vocab_size)
         t0 = time.perf_counter()
         reqs = [p for p in prompts for _ in range(params.n)]
-        if params.seed is not None:
-            gen = torch.Generator().manual_seed(params.seed)
+        gen = torch.Generator()              # the call's own stream: torch's global one, shared with a
+        if params.seed is not None:          # trainer that may run on another thread, is never drawn from
+            gen.manual_seed(params.seed)
         else:
-            gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+            gen.seed()                       # nondeterministic, from the OS
         resp: list[list[int]] = []
         fin: list[bool] = []
         lps: list[list[float]] = []

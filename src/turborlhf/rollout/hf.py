@@ -47,10 +47,14 @@ class HFEngine:
             model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=self.dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.config = self.model.config
-        # stop only at `SamplingParams.stop_token_ids`, as FastEngine does: `generate` would fill an
-        # empty list from the checkpoint's EOS (then pad the row with pad_id after it)
+        # sample from the policy as `SamplingParams` say, as FastEngine does: `generate` fills every
+        # field its config leaves unset from the checkpoint's generation_config (a repetition
+        # penalty, no_repeat_ngram_size, suppressed or banned tokens; an EOS to stop at, padding
+        # the row after it), so the model's own is replaced by a neutral one
         if getattr(self.model, "generation_config", None) is not None:
-            self.model.generation_config.eos_token_id = None
+            from transformers import GenerationConfig
+
+            self.model.generation_config = GenerationConfig()
         self.max_batch_size = max_batch_size
         self.pad_id = 0
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -107,10 +111,12 @@ class HFEngine:
                     toks, done = cut_at_stop(new[i].tolist(), set(stop), params.min_new_tokens)
                     resp.append(toks)
                     fin.append(done)
+                    forced = [(i, t) in forcing.forced for t in range(len(toks))] if forcing is not None else None
                     if params.return_logprobs:
-                        lps.append(lp[i, : len(toks)].tolist())
-                    if forcing is not None:
-                        tms.append([(i, t) in forcing.forced for t in range(len(toks))])
+                        row = lp[i, : len(toks)].tolist()     # a tool's token: log-prob 0, in either mode
+                        lps.append([0.0 if f else x for f, x in zip(forced, row)] if forced else row)
+                    if forced is not None:
+                        tms.append(forced)
         return RolloutOutput(resp, fin, lps if params.return_logprobs else None,
                              timings={"generate_s": time.perf_counter() - t0},
                              tool_mask=tms if tool is not None else None)
