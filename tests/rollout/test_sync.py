@@ -151,6 +151,21 @@ def test_wrong_length_scores_fail(model):
         verify_sync(Liar(), model, Canary(((1, 2),), ((3, 4),)), 0.05)
 
 
+@pytest.mark.parametrize("rows", [0, 1])
+def test_missing_canary_rows_fail(model, rows):
+    """An engine answering for fewer rows than asked passed on those it returned (none: a
+    ZeroDivisionError)."""
+    eng = FastEngine(model, dtype="fp32")
+
+    class Short:
+        def score_logprobs(self, prompts, responses):
+            return eng.score_logprobs(prompts, responses)[:rows]
+    canary = Canary(((1, 2), (5, 6), (7,)), ((3, 4), (8,), (9, 10)))
+    assert verify_sync(eng, model, canary, 1e-4).verified
+    with pytest.raises(WeightSyncError, match=f"Short.* {rows} canary rows of 3"):
+        verify_sync(Short(), model, canary, 1e-4)
+
+
 def test_start_sync_check(prompts, capsys):
     from turborlhf.metrics import console_logging
 

@@ -350,6 +350,9 @@ def check_engine(engine, ref: list[list[float]], canary: Canary, tol: Optional[f
     t0 = time.perf_counter()
     got = engine.score_logprobs([list(p) for p in canary.prompts], [list(r) for r in canary.responses])
     rep.verify_s = time.perf_counter() - t0
+    if len(got) != len(canary.responses):
+        raise WeightSyncError(f"{rep.engine}: weight-sync check returned log-probs for {len(got)} canary rows "
+                              f"of {len(canary.responses)}")
     worst, worst_i, tok, diffs = -1.0, 0, 0.0, []
     for i, (a, b, r) in enumerate(zip(got, ref, canary.responses)):
         if len(a) != len(r):
