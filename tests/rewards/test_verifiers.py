@@ -37,6 +37,16 @@ def test_last_number_fallback():
     assert extract_last_number("no digits") is None
 
 
+@pytest.mark.parametrize("text, want", [
+    ("So the answer is:\n- 18", "18"),          # a list item's dash is not a minus
+    ("so she keeps 20 - 5", "5"),
+    ("it drops to -7", "-7"), ("costs -$5", "-$5"), ("costs $-5", "$-5"), ("costs $ 5", "$ 5"),
+])
+def test_a_dash_before_a_space_is_not_a_sign(text, want):
+    """lm-evaluation-harness's flexible-extract reads 18 and 5 there; we read -18 and -5."""
+    assert extract_last_number(text) == want
+
+
 def test_gsm8k_accuracy_strict_and_flexible():
     completions = ["step... 24 + 48\n#### 72", "the total is 72 clips.", "#### 71", "#### 1,080", "nothing", "#### -7"]
     answers = ["72", "72", "72", "1080", "5", "#### -7"]          # a whole solution works as reference too
@@ -88,6 +98,8 @@ def test_think_answer_format():
     ("#### 72", "the answer is $72$", 1.0),        # a GSM8K solution as reference
     ("\\frac{1}{3}", "$\\boxed{0.5}$", 0.0),
     ("72", "I think 72, no: 5", 0.0),
+    ("\\$18.90", "so \\boxed{18.90}", 1.0),        # MATH's escaped dollar sign is not a delimiter
+    ("\\$32,\\!348", "$\\boxed{32348}$", 1.0),
 ])
 def test_math_accuracy_equivalences(gold, completion, ok):
     pytest.importorskip("math_verify")
@@ -118,6 +130,26 @@ def test_reasoning_gym_score_uses_the_tasks_scorer(tmp_path):
     assert reasoning_gym_score([""] * 4, [r["answer"] for r in rows], **cols) == [0.0] * 4   # no answer tags
     with pytest.raises(ValueError, match="unknown reasoning-gym task 'nope'"):
         prepare_reasoning_gym("nope", 1, 0, tmp_path)
+
+
+def test_reasoning_gym_arc_grids_and_tasks_without_reference_answers(tmp_path):
+    """ARC tasks compare the parsed grid with the metadata's tuples, which JSON had made lists: a
+    right answer scored 0.05. Tasks without a reference answer (graph_color) wrote SFT targets
+    "<answer>None</answer>"."""
+    pytest.importorskip("reasoning_gym")
+    from turborlhf.data.jsonl import read_jsonl
+    from turborlhf.data.reasoning_gym import prepare_reasoning_gym
+    from turborlhf.rewards.verifiers import reasoning_gym_score
+
+    for task in ("arc_agi", "rearc"):
+        prepare_reasoning_gym(task, 2, 7, tmp_path)
+        rows = [r for _, r in read_jsonl(tmp_path / f"{task}_prompts.jsonl")]
+        cols = {k: [r[k] for r in rows] for k in ("answer", "metadata", "question")}
+        assert reasoning_gym_score([""] * 2, [f"<answer>{r['answer']}</answer>" for r in rows], **cols) == [1.0, 1.0]
+    report = prepare_reasoning_gym("graph_color", 2, 7, tmp_path)
+    assert [r["answer"] for _, r in read_jsonl(tmp_path / "graph_color_prompts.jsonl")] == [None, None]
+    assert not list(read_jsonl(tmp_path / "graph_color_sft.jsonl"))
+    assert (report["sft_written"], report["sft_without_answer"]) == (0, 2)
 
 
 def test_builtins_are_nameable_without_a_file():

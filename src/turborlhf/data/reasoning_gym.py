@@ -10,7 +10,8 @@ scores an answer with ``score_answer(answer, entry)``. This writes ``<task>_prom
 
 ``<task>_sft.jsonl`` (the same prompts with ``"response": "<answer>" + answer + "</answer>"``,
 for a short cold-start SFT that teaches the answer format: the untrained SmolLM2-135M never wrote
-the tag in 192 samples) and ``<task>_report.json``; the ``reasoning_gym_score`` reward
+the tag in 192 samples; entries without a reference answer, whose scorer checks an answer against
+the metadata, are left out and counted as ``sft_without_answer``; their ``answer`` is null) and ``<task>_report.json``; the ``reasoning_gym_score`` reward
 (`turborlhf.rewards.verifiers`) reads ``answer``/``metadata``/``question`` and scores the ``<answer>…</answer>`` of a response.
 The same (task, n, seed) always writes the same problems. Metadata goes through JSON (tuples
 become lists); an entry whose metadata is not JSON-serialisable raises ``ValueError``.
@@ -55,13 +56,17 @@ def prepare_reasoning_gym(task: str, n: int, seed: int, output_dir: str | Path) 
         meta.setdefault("source_dataset", task)
         rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
                                 {"role": "user", "content": entry["question"]}],
-                     "answer": str(entry["answer"]), "metadata": meta, "question": entry["question"]})
+                     "answer": None if entry["answer"] is None else str(entry["answer"]), "metadata": meta,
+                     "question": entry["question"]})
     out = Path(output_dir)
     written = write_jsonl(out / f"{task}_prompts.jsonl", rows)
-    write_jsonl(out / f"{task}_sft.jsonl", [{"prompt": r["prompt"], "response": f"<answer>{r['answer']}</answer>"}
-                                           for r in rows])
+    # tasks whose entries have no reference answer (graph_color, rush_hour...: the scorer checks
+    # an answer against the metadata) give no SFT target, rather than "<answer>None</answer>"
+    sft = write_jsonl(out / f"{task}_sft.jsonl", [{"prompt": r["prompt"], "response": f"<answer>{r['answer']}</answer>"}
+                                                  for r in rows if r["answer"] is not None])
     report = {"dataset": "reasoning-gym", "source": f"reasoning_gym.create_dataset({task!r}, size={n}, seed={seed})",
               "output_dir": str(out), "task": task, "seed": seed, "lines_read": n, "prompts_written": written,
+              "sft_written": sft, "sft_without_answer": written - sft,
               "problems_total": 0, "problems": {k: {"count": 0, "lines": []} for k in PROBLEM_KINDS},
               "files": [f"{task}_prompts.jsonl", f"{task}_sft.jsonl", f"{task}_report.json"]}
     write_report(out, task, report)

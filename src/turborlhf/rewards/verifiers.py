@@ -43,7 +43,8 @@ __all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "num
            "answer_tag_format", "reasoning_gym_score"]
 
 # a number as people write it: optional sign and $, thousands separators or plain digits, decimals
-_NUM = r"-?\$?\s?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
+# ("- 18", a list item or "20 - 5", is 18 or 5: a sign is only a sign right before the digits or a $)
+_NUM = r"(?:-?\$\s?-?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
 _HASH_RE = re.compile(rf"####\s*\**\s*({_NUM})")
 _NUM_RE = re.compile(_NUM)
 _FORMAT_LINE_RE = re.compile(rf"^\s*####\s*\**\s*(?:{_NUM})\s*\**\s*\.?\s*$")
@@ -201,7 +202,7 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: Optional[S
         hashed = extract_hash_answer(ref)
         if hashed is not None:
             ref = hashed
-        if "$" not in ref and "\\boxed" not in ref and "\\(" not in ref:
+        if not re.search(r"(?<!\\)\$", ref) and "\\boxed" not in ref and "\\(" not in ref:   # \$: a dollar sign
             ref = f"${ref}$"
         gold = mv.parse(ref, parsing_timeout=timeout)
         if not gold:
@@ -224,6 +225,14 @@ def _rg_scorer(task: str) -> Callable[[Optional[str], dict], float]:
     except ImportError as e:
         raise ImportError("reasoning_gym_score needs reasoning-gym: pip install 'turborlhf[reasoning-gym]'") from e
     return reasoning_gym.get_score_answer_fn(task)
+
+
+# tasks whose scorer compares the parsed answer with tuples of the metadata (ARC grids)
+_RG_TUPLES = {"arc_agi": ("input", "output"), "rearc": ("input", "output")}
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def _extract_answer_tag(text: str) -> Optional[str]:
@@ -254,6 +263,9 @@ def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Opti
         task = meta.get("source_dataset")
         if not task:
             raise ValueError(f"reasoning_gym_score: metadata of row {i} has no 'source_dataset'")
+        for k in _RG_TUPLES.get(task, ()):           # JSON made the task's tuples lists
+            if k in meta:
+                meta[k] = _tuples(meta[k])
         entry = {"question": question[i] if question is not None else "", "answer": a, "metadata": meta}
         out.append(float(_rg_scorer(task)(_extract_answer_tag(c), entry)))
     return out
