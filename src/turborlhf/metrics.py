@@ -86,7 +86,7 @@ class M:
     KL_COEF = "policy/kl_coef"
     KL_PER_TOKEN = "policy/kl_per_token"
     KL_LOSS = "policy/kl_loss"
-    ENTROPY = "policy/entropy"
+    ENTROPY = "policy/entropy"              # mean per response token (nats), whatever algo.loss_reduction
     CLIPFRAC = "policy/clipfrac"
     APPROX_KL = "policy/approx_kl"
     POLICY_LOSS = "policy/loss"

@@ -113,7 +113,10 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
         loss = loss + kl_coef * kl_term
         stats[M.KL_LOSS] = float(kl_term.detach())
     loss.backward()
-    stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: float(ent_term.detach()),
+    # the metric is the mean entropy per response token whatever the loss's reduction (Dr. GRPO's
+    # constant normaliser would scale it by mean length / max_new_tokens)
+    ent_mean = float((ent.detach() * mask).sum()) / counts["num_tokens"]
+    stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: ent_mean,
                   M.CLIPFRAC: float(pg_stats["clipfrac"]) * w, M.APPROX_KL: float(pg_stats["approx_kl"]) * w})
     return stats
 

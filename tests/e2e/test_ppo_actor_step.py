@@ -1,0 +1,58 @@
+"""The actor's micro-step on a hand-built experience: micro-batches accumulate to the mini-batch's
+gradient under every loss reduction, and the logged entropy is a per-token mean whatever the
+reduction."""
+import copy
+
+import pytest
+import torch
+
+from turborlhf.config import PPOConfig
+from turborlhf.trainers.ppo.actor import actor_micro_step
+from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches
+
+B, P, R = 8, 3, 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    lens = torch.tensor([6, 1, 3, 2, 5, 1, 4, 2])
+    mask = (torch.arange(R)[None] < lens[:, None]).float()
+    ids = torch.randint(1, 50, (B, P + R))
+    attn = torch.cat([torch.ones(B, P), mask], 1).long()
+    old = -torch.rand(B, R) * 3 * mask
+    adv = torch.randn(B, 1).expand(B, R) * mask
+    exp = Experience(ids, attn, P, mask, torch.ones(B, dtype=torch.bool), old, old.clone(), None, torch.zeros(B),
+                     torch.zeros(B), torch.zeros(B, R), adv_BR=adv, returns_BR=adv)
+    return model, exp
+
+
+def _step(model, exp, micro, **algo):
+    cfg = PPOConfig(actor={"name_or_path": "x", "dtype": "fp32"}, reward_model="rm", data={"prompts_file": "f"},
+                    algo={"advantage_estimator": "grpo", "n_samples_per_prompt": 2, **algo},
+                    rollout={"max_new_tokens": R})
+    m = copy.deepcopy(model)
+    mini = torch.arange(B)
+    counts, stats = minibatch_counts(exp.mask_BR[mini], cfg), {}
+    for sub in rank_micro_batches(exp, mini, micro):
+        for k, v in actor_micro_step(m, cfg, sub, counts, 0.05).items():
+            stats[k] = stats.get(k, 0.0) + v
+    return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]), stats
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+def test_micro_batches_accumulate_to_the_mini_batch_and_entropy_is_a_token_mean(setup, reduction):
+    """Dr. GRPO's constant normaliser (token_sum_norm) logged policy/entropy scaled by mean length
+    / max_new_tokens (half the token mean here)."""
+    model, exp = setup
+    whole, stats = _step(model, exp, 8, loss_reduction=reduction)
+    for micro in (2, 3):
+        g, s = _step(model, exp, micro, loss_reduction=reduction)
+        assert torch.allclose(g, whole, atol=1e-6, rtol=1e-5)
+        assert s["policy/entropy"] == pytest.approx(stats["policy/entropy"], rel=1e-5)
+    _, ref = _step(model, exp, 8, loss_reduction="token_mean")
+    assert stats["policy/entropy"] == pytest.approx(ref["policy/entropy"], rel=1e-6)
