@@ -30,7 +30,8 @@ class RLVRAlgoFields(BaseModel):
                               "batch is filled with dropped groups (logged as rollout/groups_filled)")
     dynamic_sampling_fill: bool = Field(
         True, description="after dynamic_sampling_max_tries rounds, fill a short batch with dropped groups (every step "
-                          "trains on prompts_per_step groups; the fillers have zero advantage, so they add only the KL "
+                          "trains on prompts_per_step groups; the fillers have zero advantage (reinforce_pp_baseline: the "
+                          "whitening's shift), so they add only the KL "
                           "term and, with token_mean, shrink the policy gradient); false trains on the kept groups "
                           "alone (fewer rows, DAPO's batch of only informative groups), filling only when none is kept")
     overlong_buffer_len: int = Field(
