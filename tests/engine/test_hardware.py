@@ -347,3 +347,16 @@ def test_ppo_model_device_must_agree_with_distributed_device():
         with pytest.raises(ConfigError, match=r"critic\.device=mps"):
             resolve_hardware(load_config(PPOConfig, overrides=base + ["critic.device=mps",
                                                                       "distributed.device=cpu"]), show=False)
+
+
+@pytest.mark.parametrize("engine, want", [("fast", "cpu"), ("auto", "cuda")])
+def test_an_explicit_fast_engine_rolls_out_on_the_cpu_beside_a_gpu_policy(engine, want):
+    """rollout.device auto followed the policy onto the GPU, where FastEngine then refused to run
+    (after the models were loaded); `auto` takes HFEngine there."""
+    from turborlhf.config import RejectionSamplingConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    cfg = load_config(RejectionSamplingConfig, overrides=["data.prompts_file=p.jsonl", "reward_model=rm",
+                                                          "model.device=cuda", f"rollout.engine={engine}"])
+    r = resolve_hardware(cfg, show=False, check_devices=False)
+    assert r.rollout.device == want and r.model.device == "cuda"

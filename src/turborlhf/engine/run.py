@@ -117,6 +117,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
                 if value.engine == "vllm":         # vLLM places itself: its GPU build, or its CPU one
                     from turborlhf.rollout.backends import vllm_device_type
                     dev = vllm_device_type()
+                elif value.device == "auto" and value.engine == "fast":
+                    dev = upd["device"] = "cpu"
+                    choices[f"{where}.device"] = {"value": dev, "reason": "rollout.engine=fast runs on the CPU"}
                 elif value.device == "auto":
                     policy = getattr(cfg, "model", None)        # the trainers with one model section
                     dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg, check_devices)
