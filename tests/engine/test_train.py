@@ -1,6 +1,8 @@
 """clip_and_step stops the run at the step that made a NaN/inf: a non-finite loss, gradient or
 parameter raises NonFiniteError naming the role and the tensor, and nothing of that step is saved."""
 import math
+import types
+import warnings
 
 import pytest
 import torch
@@ -226,3 +228,38 @@ def test_plan_steps_leaves_out_a_random_remainder_not_the_longest_examples():
     longest = sorted(range(100), key=lambda i: -lengths[i])[:4]
     assert all(i in seen for i in longest)
     assert plan_steps([5, 3, 4], per_step=8, epochs=1, max_steps=0, seed=0) == [[1, 2, 0]]   # one short step
+
+
+def test_compute_device_is_where_an_offloading_fsdp_model_computes(monkeypatch):
+    """Under FSDP's CPU offload the parameters seen outside a forward are host-memory shards:
+    autocast and the forwards' input placement took the CPU for a model computing on the GPU (its
+    bf16 autocast off, the canary's indices on the wrong device). `shard_fsdp` records the device."""
+    from torch import nn
+
+    from turborlhf.engine import hardware
+    from turborlhf.engine.train import autocast, compute_device
+
+    model = nn.Linear(4, 4)
+    assert compute_device(model) == torch.device("cpu")
+    model._turborlhf_compute_device = torch.device("cuda", 0)
+    assert compute_device(model) == torch.device("cuda", 0)
+    monkeypatch.setattr(hardware, "compute_dtype", lambda dtype, device_type: "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # torch: CUDA autocast without CUDA is disabled
+        with autocast("bf16", model):
+            assert not torch.is_autocast_enabled("cpu")
+        with autocast("bf16", nn.Linear(4, 4)):
+            assert torch.is_autocast_enabled("cpu")
+
+
+def test_fsdp_roles_load_on_the_cpu_and_shard_onto_the_device(monkeypatch):
+    """PPO's actor and critic loaded whole onto the GPU before FSDP sharded them: every rank held
+    the full fp32 model first, out of memory where FSDP (and its offload) should make it fit."""
+    from turborlhf.config import ModelCfg
+    from turborlhf.trainers.ppo import roles
+
+    role = roles.Trainable.__new__(roles.Trainable)
+    for strategy, world, want in [("fsdp", 2, "cpu"), ("fsdp", 1, "cuda"), ("ddp", 2, "cuda")]:
+        role.cfg = types.SimpleNamespace(distributed=types.SimpleNamespace(dp_strategy=strategy))
+        monkeypatch.setattr(roles, "dp_rank_world", lambda w=world: (0, w))
+        assert role._load_cfg(ModelCfg(name_or_path="x", device="cuda")).device == want

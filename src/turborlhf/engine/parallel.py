@@ -191,6 +191,9 @@ def shard_fsdp(model: nn.Module, device: Optional[torch.device] = None, offload:
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
+    # under the offload policy the parameters seen outside a forward are host-memory shards:
+    # `compute_device` (autocast, the forwards' input placement) reads where the units compute
+    model._turborlhf_compute_device = torch.device(device) if dev_type == "cuda" else torch.device("cpu")
     hf_forward = model.forward
 
     def forward(*args, _turborlhf_fn=None, **kwargs):

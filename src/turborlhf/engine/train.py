@@ -20,23 +20,31 @@ from turborlhf.errors import RunError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["autocast", "seed_everything", "set_threads", "make_optimizer", "CPUOffloadAdamW", "make_scheduler",
+__all__ = ["autocast", "compute_device", "seed_everything", "set_threads", "make_optimizer", "CPUOffloadAdamW", "make_scheduler",
            "clip_and_step", "NonFiniteError", "trainable_parameters", "rng_state", "set_rng_state",
            "count_parameters"]
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: its parameters' device, except for a model `shard_fsdp` sharded with
+    CPU offload, whose parameters (the shards) stay in host memory while each unit is gathered onto
+    the device for its forward and backward: the device it recorded."""
+    dev = getattr(model, "_turborlhf_compute_device", None)
+    return dev if dev is not None else next(model.parameters()).device
 
 
 def autocast(dtype: str, device: torch.device | str | nn.Module | None = None):
     """Context manager for the configured compute dtype (``auto``, ``bf16`` or ``fp32``).
 
-    bf16 autocast is entered for `device`'s type (the model's device: pass the model, or
-    ``next(model.parameters()).device``); with no `device`, for the CPU and, where torch sees
+    bf16 autocast is entered for `device`'s type (the model's device: pass the model, whose
+    `compute_device` is taken); with no `device`, for the CPU and, where torch sees
     CUDA, for CUDA too, so a model on either runs as configured (and a CPU that emulates bf16
     warns about it, though the model may be on the GPU: pass the model). ``auto`` is resolved per device
     type by `turborlhf.engine.hardware.compute_dtype` (bf16 only where it is native and fast)."""
     from turborlhf.engine.hardware import compute_dtype
 
     if isinstance(device, nn.Module):
-        device = next(device.parameters()).device
+        device = compute_device(device)
     types = [torch.device(device).type] if device is not None else \
         ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     stack = contextlib.ExitStack()

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from turborlhf.algo.losses import entropy_from_logits
 from turborlhf.data.tokenize import pad_batch, pad_masks
-from turborlhf.engine.train import autocast
+from turborlhf.engine.train import autocast, compute_device
 from turborlhf.models.head_logprobs import fusable_head, head_logprobs, keeps_logits
 from turborlhf.models.load import backbone_of
 from turborlhf.models.trunk import trunk_hidden_states
@@ -57,7 +57,7 @@ def _on_model_device(fn):
     @functools.wraps(fn)
     def wrapper(model, *args, **kwargs):
         home = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        dev = next(model.parameters()).device
+        dev = compute_device(model)
         if home is None or home == dev:
             return fn(model, *args, **kwargs)
         out = fn(model, *(moved(a, dev) for a in args), **{k: moved(v, dev) for k, v in kwargs.items()})
@@ -580,7 +580,7 @@ def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> tuple[to
     `last_token_scores` reads in each sequence (`SharedPrefixBatch.score_positions`). Equal to
     `last_token_scores` on the two sequences separately. Computed on the model's device; the
     scores come back to the batch's."""
-    dev = next(model.parameters()).device
+    dev = compute_device(model)
     hidden = hidden_states(model, batch.ids_BL.to(dev), batch.mask_B1LL.to(dev), batch.pos_BL.to(dev))
     rows = torch.arange(hidden.shape[0], device=dev)
     a_idx, b_idx = batch.score_positions(pooling_pad_id(model))

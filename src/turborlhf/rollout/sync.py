@@ -199,14 +199,16 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
     policy in fp32."""
     from ._util import resolve_dtype
 
+    from turborlhf.engine.train import compute_device
+
     model = _unwrap(model)
+    dev = compute_device(model)       # an FSDP model offloading its shards computes off their device
     dt = resolve_dtype(compute_dtype) if compute_dtype is not None else None
     rounded = canary.bf16_weights and dt != torch.bfloat16
     if rounded and hasattr(model, "merge_and_unload"):  # peft: round the merged matrices, as pushed
         from turborlhf.models.load import merge_lora_for_save
         model = merge_lora_for_save(model)
     was_training = model.training
-    dev = next(model.parameters()).device
     out: list[list[float]] = []
     try:
         model.eval()

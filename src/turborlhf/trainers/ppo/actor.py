@@ -200,7 +200,7 @@ class ActorWorker(Trainable):
         self.cfg, self.device = cfg, worker_device(cfg)
         self.tok = load_tokenizer(cfg.actor.name_or_path)
         # LoRA / QLoRA / gradient checkpointing as cfg.actor says; resumes from the checkpoint's actor
-        self.model = self._wrap(load_trainable("causal", cfg.actor, self.tok,
+        self.model = self._wrap(load_trainable("causal", self._load_cfg(cfg.actor), self.tok,
                                                ckpt_dir=Path(ckpt) / "actor" if ckpt else None))
         if A.ema_beta is not None and is_fsdp(self.model):
             raise ValueError("algo.ema_beta with distributed.dp_strategy=fsdp is not supported; use ddp")

@@ -35,7 +35,7 @@ __all__ = ["CriticWorker", "critic_forward", "critic_micro_step"]
 def critic_forward(critic: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, P: int, R: int):
     """The critic's forward: (values ``B×R``, None); column j is the value of the state in which
     response token j is chosen (the critic output at column P+j-1)."""
-    with autocast(cfg.actor.dtype, critic):
+    with autocast((cfg.critic or cfg.actor).dtype, critic):      # a critic section's own precision
         return root_forward(critic, token_values, ids_BS, attn_BS)[:, P - 1:P - 1 + R], None
 
 
@@ -73,7 +73,7 @@ class CriticWorker(Trainable):
         # without a critic section: full fine-tuning of the critic_init model on the worker's device, no
         # gradient checkpointing
         critic_cfg = cfg.critic or ModelCfg(name_or_path=cfg.critic_init, device=self.device.type)
-        self.model = self._wrap(load_trainable("scalar", critic_cfg, self.tok, init=cfg.critic_init,
+        self.model = self._wrap(load_trainable("scalar", self._load_cfg(critic_cfg), self.tok, init=cfg.critic_init,
                                                ckpt_dir=Path(ckpt) / "critic" if ckpt else None))
         self.opt = make_optimizer(self.model, cfg.optim, lr=cfg.algo.critic_lr)
         self.sched = make_scheduler(self.opt, cfg.optim, total_updates)

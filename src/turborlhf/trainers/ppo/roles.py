@@ -204,14 +204,24 @@ class Trainable:
     # optimizer (why: `KeptForward`).
     _kept: Optional[KeptForwards] = None
 
+    def _shards(self) -> bool:
+        """True where the role's model is FSDP-sharded over the data-parallel ranks."""
+        return dp_rank_world()[1] > 1 and self.cfg.distributed.dp_strategy == "fsdp"
+
+    def _load_cfg(self, model_cfg):
+        """`model_cfg` as the role loads its model: on the CPU where FSDP shards it (`_wrap`), else
+        as it says (the worker's device)."""
+        return model_cfg.model_copy(update={"device": "cpu"}) if self._shards() else model_cfg
+
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` (loaded on the CPU) on the worker's device: moved whole, or under FSDP sharded
-        unit by unit (``fully_shard`` moves each unit to the device as it shards it, so a GPU never
-        holds more than one decoder layer's full weights beside the shards; with ``optim.offload``
-        the shards stay in host memory: `shard_fsdp`)."""
-        _, world = dp_rank_world()
-        if world > 1 and self.cfg.distributed.dp_strategy == "fsdp":
-            return shard_fsdp(model, self.device, offload=self.cfg.optim.offload).train()
+        """`model` (loaded per `_load_cfg`) on the worker's device: moved whole, or under FSDP
+        sharded from the CPU unit by unit (``fully_shard`` moves each unit to the device as it
+        shards it, so a GPU never holds more than one decoder layer's full weights beside the
+        shards; with ``optim.offload`` the shards stay in host memory: `shard_fsdp`), its attention
+        then chosen for the device it computes on."""
+        if self._shards():
+            model = shard_fsdp(model, self.device, offload=self.cfg.optim.offload)
+            return attention_for_compute_device(model, self.device).train()
         return model.to(self.device).train()
 
     def _step(self, opt, sched) -> float:
