@@ -169,8 +169,10 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
                                                     engine, dtype=gen_dtype, device=device, raw_logprobs=engine_logps)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     keep = kl_wanted and r_logps is None
-    if keep:
-        policy = policy.to(device)
+    if keep:        # loaded on the CPU for vLLM: the attention for where it computes now
+        from turborlhf.models.attention import attention_for_compute_device
+
+        policy = attention_for_compute_device(policy.to(device), device)
     return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, r_ids, fin, r_logps, texts, tag,
                          time.perf_counter() - t0, policy if keep else None)
 
@@ -185,9 +187,11 @@ def _reward_sequences(rm_tok, s: PolicySamples) -> list[list[int]]:
             for p, t, f in zip(s.prompts, s.texts, s.finished)]
 
 
-def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device, frozen) -> dict:
+def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device) -> dict:
     """k1 KL Σ_t (log π − log π_ref) per sampled response, averaged (π: the engine's log-probs or a
-    policy forward, ``kl_policy_logprobs`` says which)."""
+    policy forward, ``kl_policy_logprobs`` says which). The reference has fp32 weights, as the
+    policy: bf16 weights would add their rounding to the KL (~0.2 nats per sequence between equal
+    models)."""
     import torch
 
     from turborlhf.data.tokenize import assemble_prompt_response, encode_prompt
@@ -196,7 +200,7 @@ def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device, f
     from turborlhf.models.load import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(s.policy_dir)
-    ref = load_causal_lm(reference_dir, tok, dtype=frozen, device=device)
+    ref = load_causal_lm(reference_dir, tok, device=device)
     ref_p_ids = s.prompt_ids if s.tag is None else [encode_prompt(tok, p, 256) for p in s.prompts]
     kls = []
     with torch.no_grad(), autocast(dtype, device):
@@ -259,7 +263,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     from turborlhf.rewards.model import score_token_ids
 
     t0 = time.perf_counter()
-    load_rm, rm_tok, dtype, dev, frozen = _scoring_setup(reward_model_dir, dtype, device)
+    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
     s = sample_policy(policy_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine, dtype, dev,
                       kl_wanted=bool(reference_dir), tag_bin=tag_bin, use_tag=use_tag)
     rm = load_rm()
@@ -267,7 +271,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
     res = _policy_result(s, scores, reward_model_dir, settings, samples_out)
     if reference_dir:
-        res.update(_kl_to_reference(s, reference_dir, dtype, dev, frozen))
+        res.update(_kl_to_reference(s, reference_dir, dtype, dev))
     res["seconds"] = round(time.perf_counter() - t0, 2)
     return res
 
@@ -290,7 +294,7 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     from turborlhf.trainers.reward_model import score_pairs
 
     t0 = time.perf_counter()
-    load_rm, rm_tok, dtype, dev, frozen = _scoring_setup(reward_model_dir, dtype, device)
+    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
     kw = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
               dtype=dtype, device=dev)
     base = sample_policy(base_dir, prompts_file, **kw)
@@ -305,7 +309,7 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
     res_base = _policy_result(base, base_scores, reward_model_dir, settings, samples_out[0])
     res_pol = _policy_result(pol, pol_scores, reward_model_dir, settings, samples_out[1])
-    res_pol.update(_kl_to_reference(pol, base_dir, dtype, dev, frozen))
+    res_pol.update(_kl_to_reference(pol, base_dir, dtype, dev))
     seconds = round(time.perf_counter() - t0, 2)
     res_base["seconds"] = res_pol["seconds"] = seconds
     return res_base, res_pol
@@ -313,7 +317,7 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
 
 def _scoring_setup(reward_model_dir: str, dtype: str, device: str):
     """Check the reward model (before minutes of generation) and resolve the device and precision.
-    Returns ``(load_rm, rm_tokenizer, dtype, device, frozen_torch_dtype)``; `load_rm()` loads the
+    Returns ``(load_rm, rm_tokenizer, dtype, device)``; `load_rm()` loads the
     reward model (after generation, so the policy and its engine are gone by then)."""
     import torch
 
@@ -328,7 +332,7 @@ def _scoring_setup(reward_model_dir: str, dtype: str, device: str):
     dtype = compute_dtype(dtype, dev)
     frozen = torch.bfloat16 if dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(reward_model_dir)
-    return (lambda: load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)), rm_tok, dtype, dev, frozen
+    return (lambda: load_reward_model(reward_model_dir, rm_tok, dtype=frozen, device=dev)), rm_tok, dtype, dev
 
 
 def main(name: str, argv: list[str]) -> int:

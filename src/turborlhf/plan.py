@@ -4,8 +4,9 @@ The planner reads the same YAML as the trainers, loads only each model's ``confi
 parameter count comes from building the model on PyTorch's meta device: shapes, no storage) and
 adds up, per role:
 
-- weights: fp32 master weights of trained models (4 B/param), the configured dtype of frozen
-  ones (reference and reward in bf16: 2 B/param), QLoRA bases in NF4 (~0.52 B/param);
+- weights: fp32 master weights of trained models (4 B/param), fp32 references (they compute as
+  the policy does), reward models in the configured dtype (bf16: 2 B/param), QLoRA bases in NF4
+  (~0.52 B/param);
 - gradients: 4 B per trainable parameter (LoRA: adapters only);
 - optimizer states: AdamW exp_avg + exp_avg_sq, 8 B per trainable parameter (4 B with
   ``optim.state_dtype: bf16``, what ``auto`` gives on the CPU), in host memory with
@@ -378,7 +379,7 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                                       notes=["the LoRA actor with adapters disabled: no second copy"])
         else:
             rs = _shape(ref_path, None, resolve)
-            roles["reference"] = _frozen_role("reference", rs, frozen_dtype, scalar=False)
+            roles["reference"] = _frozen_role("reference", rs, "fp32", scalar=False)   # computes as the actor
         exp["reference"] = infer_a
     engine = Role(name="rollout", model=actor_s.name, weights=_engine_weight_bytes(roll) * actor_s.params)
     gen_rows = min(rows, roll.batch_size)

@@ -56,3 +56,29 @@ def test_micro_batches_accumulate_to_the_mini_batch_and_entropy_is_a_token_mean(
         assert s["policy/entropy"] == pytest.approx(stats["policy/entropy"], rel=1e-5)
     _, ref = _step(model, exp, 8, loss_reduction="token_mean")
     assert stats["policy/entropy"] == pytest.approx(ref["policy/entropy"], rel=1e-6)
+
+
+def test_the_reference_computes_as_the_actor_so_the_first_kl_is_zero(tmp_path):
+    """The reference had bf16 weights under bf16 (the actor: fp32 master weights under autocast):
+    their roundings differ (a bf16 residual stream), a KL of ~0.2 nats per sequence between equal
+    models at step 0, in the reward penalty and the adaptive controller."""
+    from turborlhf.models.load import load_tokenizer, load_trainable
+    from turborlhf.models.tiny import save_tiny_causal_lm
+    from turborlhf.trainers.ppo.actor import actor_forward
+    from turborlhf.trainers.ppo.roles import ReferenceWorker
+
+    d = str(save_tiny_causal_lm(tmp_path / "m"))
+    cfg = PPOConfig(actor={"name_or_path": d, "dtype": "bf16", "device": "cpu"}, reward_model="rm",
+                    data={"prompts_file": "f"}, distributed={"device": "cpu"}, algo={"kl_coef": 0.1},
+                    rollout={"max_new_tokens": R})
+    tok = load_tokenizer(d)
+    torch.manual_seed(1)
+    lens = torch.tensor([6, 2, 4])
+    mask = (torch.arange(R)[None] < lens[:, None]).float()
+    ids = torch.randint(3, len(tok), (3, P + R))
+    attn = torch.cat([torch.ones(3, P), mask], 1).long()
+    ref = ReferenceWorker(cfg, threads=1).logprobs(ids, attn, mask, P)
+    actor = load_trainable("causal", cfg.actor, tok).eval()
+    with torch.no_grad():
+        own = actor_forward(actor, cfg, ids, attn, torch.cat([torch.zeros(3, P), mask], 1), P)[0]
+    assert torch.allclose(ref * mask, own * mask, atol=1e-6)

@@ -251,3 +251,13 @@ def test_eval_policy_kl_from_engine_logprobs(tiny_model, tiny_rm, tiny_data, tmp
     assert abs(eng["kl_to_reference"]) > 0.1
     assert eng["kl_to_reference"] == pytest.approx(fwd["kl_to_reference"], abs=1e-4)
     assert eng["reward_mean"] == fwd["reward_mean"]
+
+
+def test_eval_policy_kl_of_a_policy_to_itself_is_zero_under_bf16(tiny_model, tiny_rm, tiny_data):
+    """Under bf16 the reference was loaded with bf16 weights and the policy with fp32 ones: their
+    roundings differ, a KL between equal models."""
+    import turborlhf.evaluate as ev
+
+    res = ev.eval_policy(str(tiny_model), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), n=4, max_new_tokens=6,
+                         seed=3, dtype="bf16", reference_dir=str(tiny_model))
+    assert res["kl_policy_logprobs"] == "forward" and res["kl_to_reference"] == 0.0

@@ -153,7 +153,11 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
-    outs = engine.generate([encode_prompt(tok, p, roll.max_prompt_len) for p in prompts], params)
+    try:
+        outs = engine.generate([encode_prompt(tok, p, roll.max_prompt_len) for p in prompts], params)
+    finally:
+        if hasattr(engine, "close"):     # vLLM keeps its share of the GPU until closed: scoring and SFT need it
+            engine.close()
     return [{"prompt": prompts[i // n], "response": tok.decode(r, skip_special_tokens=True), "source": "policy",
              "finished": f} for i, (r, f) in enumerate(zip(outs.response_ids, outs.finished))]
 
