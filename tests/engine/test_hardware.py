@@ -360,3 +360,19 @@ def test_an_explicit_fast_engine_rolls_out_on_the_cpu_beside_a_gpu_policy(engine
                                                           "model.device=cuda", f"rollout.engine={engine}"])
     r = resolve_hardware(cfg, show=False, check_devices=False)
     assert r.rollout.device == want and r.model.device == "cuda"
+
+
+def test_explicit_bf16_on_a_gpu_without_native_bf16_warns(monkeypatch):
+    """A V100 or T4 emulates bf16: an explicit bf16 ran there without a word, while the CPU path
+    warns. `auto` picks fp32 there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    hardware._choose.cache_clear()
+    hardware._warned.clear()
+    try:
+        with pytest.warns(UserWarning, match="Tesla T4.*no native bf16"):
+            assert choose_precision("bf16", "cuda").dtype == "bf16"
+        assert choose_precision("auto", "cuda").dtype == "fp32"
+    finally:
+        hardware._choose.cache_clear()

@@ -281,8 +281,17 @@ def _choose(requested: str, device_type: str) -> Precision:
                                      "natively, as OpenRLHF and verl assume; set dtype fp32 for older ones)")
         # compute capability 8.0+ (Ampere); torch's default also counts emulated bf16 (V100, T4)
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-        if requested == "bf16" or ok:
-            return Precision("bf16", "bf16: the CUDA device computes it natively" if ok else "bf16 as configured")
+        if ok:
+            return Precision("bf16", "bf16: the CUDA device computes it natively")
+        if requested == "bf16":
+            if torch.cuda.is_available():
+                msg = (f"dtype=bf16 on {torch.cuda.get_device_name()}, which has no native bf16 (compute capability "
+                       "below 8.0): torch emulates it, slower than fp32; dtype=auto would choose fp32")
+                if msg not in _warned:
+                    _warned.add(msg)
+                    warnings.warn(msg, stacklevel=3)
+                return Precision("bf16", "bf16 as configured (emulated on this GPU)")
+            return Precision("bf16", "bf16 as configured")
         return Precision("fp32", "fp32: this CUDA device has no native bf16")
     if device_type == "mps":
         # bf16 on MPS needs macOS 14+; it was never run for this project, so auto stays fp32 there
