@@ -137,3 +137,12 @@ def test_a_device_the_host_lacks_is_one_line(tiny_model, tiny_data, tmp_path):
         pytest.skip("this host has a CUDA device")
     _one_line_error(_sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "model.device=cuda"),
                     "no CUDA device")
+
+
+def test_prompts_that_cannot_take_the_new_tokens_are_one_line_before_any_model_loads(tiny_model, tiny_rm, tiny_data,
+                                                                                      tmp_path):
+    """The tiny model has 1024 positions: the engine refused the rollout mid-run."""
+    res = _cli("ppo", "--config", REPO / "configs/tiny/ppo.yaml", f"actor.name_or_path={tiny_model}",
+               f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+               f"output_dir={tmp_path / 'out'}", "rollout.max_new_tokens=1020", "log.tensorboard=false")
+    _one_line_error(res, "rollout.max_new_tokens=1020", "1024 positions")

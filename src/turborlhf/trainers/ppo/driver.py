@@ -418,6 +418,7 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
     if cfg.data.max_samples:
         records = records[:cfg.data.max_samples]
     prompt_ids = [encode_prompt(tok, r["prompt"], cfg.rollout.max_prompt_len) for r in records]
+    _check_context(cfg, max(map(len, prompt_ids)))
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
     for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
@@ -446,6 +447,22 @@ def share_trunks(cluster, cfg: PPOConfig) -> str:
             named += [(role, m) for m in role_models(obj)]
     groups = share_frozen_trunk([m for _, m in named])
     return "; ".join(f"{', '.join(named[i][0] for i in idx)}: lower {n} layers" for idx, n in groups) or "no"
+
+
+def _check_context(cfg: PPOConfig, longest: int) -> None:
+    """Refuse, before any model loads, prompts that cannot take ``rollout.max_new_tokens`` within
+    the actor's context (``max_position_embeddings``): the engine would refuse them mid-run."""
+    from transformers import AutoConfig
+
+    from turborlhf.config import ConfigError
+    from turborlhf.models.zoo import resolve_model_path
+
+    ctx = getattr(AutoConfig.from_pretrained(resolve_model_path(cfg.actor.name_or_path)), "max_position_embeddings",
+                  None)
+    if ctx and longest + cfg.rollout.max_new_tokens > ctx:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: the longest prompt ({longest} tokens, "
+                          f"rollout.max_prompt_len={cfg.rollout.max_prompt_len}) + the new tokens exceed the actor's "
+                          f"context ({ctx} positions); lower either")
 
 
 def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Optional[Path],
