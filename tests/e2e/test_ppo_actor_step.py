@@ -82,3 +82,27 @@ def test_the_reference_computes_as_the_actor_so_the_first_kl_is_zero(tmp_path):
     with torch.no_grad():
         own = actor_forward(actor, cfg, ids, attn, torch.cat([torch.zeros(3, P), mask], 1), P)[0]
     assert torch.allclose(ref * mask, own * mask, atol=1e-6)
+
+
+def test_old_logprobs_of_a_lora_actor_are_the_policys_not_a_dropout_sample(tmp_path):
+    """peft adds LoRA dropout after loading switched dropout off: the experience's old log-probs
+    were computed in training mode, a dropout sample (the on-policy ratio not 1)."""
+    from turborlhf.models.tiny import save_tiny_causal_lm
+    from turborlhf.trainers.ppo.actor import ActorWorker
+
+    d = str(save_tiny_causal_lm(tmp_path / "m"))
+    cfg = PPOConfig(actor={"name_or_path": d, "dtype": "fp32", "device": "cpu",
+                           "lora": {"rank": 4, "dropout": 0.5}},
+                    reward_model="rm", data={"prompts_file": "f"}, distributed={"device": "cpu"},
+                    rollout={"max_new_tokens": R})
+    worker = ActorWorker(cfg, None, total_updates=1, threads=1)
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)               # a trained adapter: its dropout moves the output
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, P + R))
+    mask = torch.ones(2, R)
+    attn = torch.ones(2, P + R, dtype=torch.long)
+    a, b = (worker.logprobs(ids, attn, mask, P) for _ in range(2))
+    assert torch.equal(a, b) and worker.model.training

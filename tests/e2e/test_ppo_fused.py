@@ -98,6 +98,10 @@ def test_fused_update_modes(tiny_model):
     assert use_fused_update(cfg(*fp32_cpu, "optim.state_dtype=bf16"), 4, Critic)
     assert not use_fused_update(cfg(*fp32_cpu, "optim.state_dtype=fp32"), 4, Critic)
     assert use_fused_update(cfg(*fp32_cpu), 4, Critic) == (compiler() is not None)     # auto moments: bf16 here
+    # LoRA dropout: a training-mode forward is a dropout sample, not the policy's old log-probs
+    lora = ("actor.lora.rank=4", "algo.fused_update=always")
+    assert use_fused_update(cfg(*lora, "actor.lora.dropout=0"), 4, Actor)
+    assert not use_fused_update(cfg(*lora, "actor.lora.dropout=0.1"), 4, Actor)
     assert use_fused_update(cfg("algo.fused_update=both"), 4, Critic)
     assert not use_fused_update(cfg("algo.fused_update=both"), 8, Critic)
     assert use_fused_update(cfg("algo.fused_update=always"), 8, Critic)

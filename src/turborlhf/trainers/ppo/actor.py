@@ -236,7 +236,7 @@ class ActorWorker(Trainable):
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         if keep_as is None:
-            with torch.no_grad(), autocast(self.cfg.actor.dtype, self.device):
+            with torch.no_grad(), self._eval(), autocast(self.cfg.actor.dtype, self.device):
                 return in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s], target[s],
                                                         temperature=sampling_temperature(self.cfg),
                                                         share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),

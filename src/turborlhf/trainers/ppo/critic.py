@@ -90,7 +90,7 @@ class CriticWorker(Trainable):
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         fwd = lambda s: critic_forward(self.model, self.cfg, ids[s], attn[s], P, R)      # noqa: E731
         if keep_as is None:
-            with torch.no_grad():
+            with torch.no_grad(), self._eval():
                 return in_chunks(lambda s: fwd(s)[0].cpu(), ids.shape[0], self.cfg.train.micro_batch_size)
         return self._keep_forwards(keep_as, ids_BS, fwd)
 

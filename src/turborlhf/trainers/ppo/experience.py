@@ -136,9 +136,14 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     - ``both``: as auto for the actor and the critic;
     - ``always``: both, whenever the schedule allows (a rank's whole share of activations at once);
     - ``never``.
-    Never under FSDP (its parameters are resharded between the calls)."""
+    Never under FSDP (its parameters are resharded between the calls), nor for a model with LoRA
+    dropout (a forward in training mode is a dropout sample, not the policy's log-probs: the
+    experience runs in eval mode, the update in training mode)."""
     A = cfg.algo
     if A.fused_update == "never" or A.ppo_epochs != 1 or A.num_mini_batches != 1:
+        return False
+    model = cfg.actor if getattr(group, "role", None) == "actor" else cfg.critic
+    if model is not None and model.lora.rank > 0 and model.lora.dropout > 0:
         return False
     critic_too = A.fused_update in ("both", "always") or (
         A.fused_update == "auto" and cfg.distributed.device == "cpu"

@@ -204,6 +204,17 @@ class Trainable:
     # optimizer (why: `KeptForward`).
     _kept: Optional[KeptForwards] = None
 
+    @contextlib.contextmanager
+    def _eval(self):
+        """The model in eval mode for the experience's no-grad passes (old log-probs, values, the
+        LoRA reference): LoRA dropout, which peft adds after loading switched dropout off, would make
+        them a dropout sample instead of the policy's (a ratio ≠ 1 on-policy)."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
+
     def _shards(self) -> bool:
         """True where the role's model is FSDP-sharded over the data-parallel ranks."""
         return dp_rank_world()[1] > 1 and self.cfg.distributed.dp_strategy == "fsdp"
