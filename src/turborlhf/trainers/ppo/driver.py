@@ -76,7 +76,8 @@ import turborlhf.trainers.ppo.rlvr as rlvr     # dynamic sampling, score shaping
 from turborlhf.trainers.ppo.actor import ActorWorker
 from turborlhf.trainers.ppo.async_rollout import RolloutPipeline, rollout_pipeline
 from turborlhf.trainers.ppo.critic import CriticWorker
-from turborlhf.trainers.ppo.experience import Experience, assemble, minibatch_schedule, use_fused_update
+from turborlhf.trainers.ppo.experience import (Experience, assemble, minibatch_schedule, updates_per_batch,
+                                               use_fused_update)
 from turborlhf.trainers.ppo.roles import ReferenceWorker, RewardWorker, RolloutWorker, has_model_rewards, role_models
 from turborlhf.trainers.ppo.rollout import score_rows, submit_rows
 
@@ -324,16 +325,20 @@ def lora_reference(cfg: PPOConfig) -> bool:
     return cfg.actor.lora.rank > 0 and same_model(cfg.reference or cfg.actor.name_or_path, cfg.actor.name_or_path)
 
 
-def build_roles(cfg: PPOConfig, ckpt: Optional[Path], total_updates: int = 1, reward_callables=None):
+def build_roles(cfg: PPOConfig, ckpt: Optional[Path], steps: int = 1, reward_callables=None):
     """Place the roles (`turborlhf.distributed.placement.launch`): actor (trainable); critic
     (trainable, gae only, from the RM by default); reward sources (`reward_callables`: the Python
     API's functions, `turborlhf.rewards.callables.RewardCallables`); reference (frozen, only when a
-    KL term is on); rollout engines. Returns the `Cluster` (``cluster["actor"]`` etc.)."""
+    KL term is on); rollout engines. `steps`: the run's PPO steps, which size the learning-rate
+    schedules (the optimizer steps each role takes: the actor none in the critic's warm-up).
+    Returns the `Cluster` (``cluster["actor"]`` etc.)."""
     A, c = cfg.algo, str(ckpt) if ckpt else None
     threads = cfg.train.threads or int(os.environ.get("TURBORLHF_THREADS", "0"))
-    specs = {"actor": RoleSpec(ActorWorker, (cfg, c, total_updates, threads))}
+    per_step = updates_per_batch(A.prompts_per_step * A.n_samples_per_prompt, A)
+    actor_updates = max(1, (steps - A.critic_warmup_steps) * per_step)
+    specs = {"actor": RoleSpec(ActorWorker, (cfg, c, actor_updates, threads))}
     if A.needs_critic:
-        specs["critic"] = RoleSpec(CriticWorker, (cfg, c, total_updates, threads))
+        specs["critic"] = RoleSpec(CriticWorker, (cfg, c, max(1, steps * per_step), threads))
     # with distributed.device gpu, reward functions alone and an engine on the CPU take no GPU
     specs["reward"] = RoleSpec(RewardWorker, (cfg, threads, reward_callables), cpu_only=not has_model_rewards(cfg))
     if A.needs_reference and not lora_reference(cfg):
@@ -426,7 +431,7 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
 
     # roles on their workers (this process, or Ray), controllers, resume state
-    cluster = build_roles(cfg, ckpt, len(plan) * A.ppo_epochs * A.num_mini_batches, reward_callables)
+    cluster = build_roles(cfg, ckpt, len(plan), reward_callables)
     try:
         return (yield from _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt, [r["columns"] for r in records]))
     finally:

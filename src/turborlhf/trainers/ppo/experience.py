@@ -89,17 +89,29 @@ def shares_prompts(A: PPOAlgoCfg) -> bool:
 
 def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> list[torch.Tensor]:
     """Row indices of every mini-batch of the update: `ppo_epochs` shuffles of the B rows, each cut
-    into `num_mini_batches` (at most B) mini-batches. Actor and critic share it. With shared
-    prompts (`shares_prompts`) whole groups of G rows are shuffled, so a micro-batch holds whole
-    groups and computes each prompt once. A single pass over a single mini-batch keeps the rows in
-    order (a shuffle would change nothing but the micro-batch grouping, and the fused update needs
-    the experience's grouping)."""
-    n_mini = min(A.num_mini_batches, B)
+    into exactly `updates_per_batch` mini-batches (`num_mini_batches`, at most one per unit; sizes
+    differ by at most one unit). Actor and critic share it. With shared prompts (`shares_prompts`)
+    the units are whole groups of G rows, so a micro-batch holds whole groups and computes each
+    prompt once. A single pass over a single mini-batch keeps the rows in order (a shuffle would
+    change nothing but the micro-batch grouping, and the fused update needs the experience's
+    grouping)."""
+    G = _unit_rows(B, A)
+    n_mini = updates_per_batch(B, A) // A.ppo_epochs
     if A.ppo_epochs == 1 and n_mini == 1:
         return [torch.arange(B)]
-    G = A.n_samples_per_prompt if shares_prompts(A) and B % A.n_samples_per_prompt == 0 else 1   # rows per unit
-    return [mini for _ in range(A.ppo_epochs)
-            for mini in (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).reshape(-1).chunk(n_mini)]
+    return [(units[:, None] * G + torch.arange(G)).reshape(-1) for _ in range(A.ppo_epochs)
+            for units in torch.randperm(B // G, generator=generator).tensor_split(n_mini)]
+
+
+def _unit_rows(B: int, A: PPOAlgoCfg) -> int:
+    """Rows shuffled together by `minibatch_schedule`: a prompt's group where prompts are shared."""
+    return A.n_samples_per_prompt if shares_prompts(A) and B % A.n_samples_per_prompt == 0 else 1
+
+
+def updates_per_batch(B: int, A: PPOAlgoCfg) -> int:
+    """Optimizer steps of an update on `B` rows: ``ppo_epochs`` × ``num_mini_batches``, the
+    mini-batches capped at one per unit of `minibatch_schedule`."""
+    return A.ppo_epochs * min(A.num_mini_batches, B // _unit_rows(B, A))
 
 
 def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:
