@@ -57,6 +57,16 @@ def test_fsdp_config_errors_name_the_fields():
         load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1", "actor.lora.rank=4"])
     # optim.offload under FSDP is FSDP2's CPUOffloadPolicy (tests/distributed/test_dp.py)
     load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1", "optim.offload=true"])
+    # dynamic sampling that trains on the kept groups alone: a step's rows need not split evenly (it hung)
+    grpo = [*base, "algo.num_mini_batches=1", "algo.advantage_estimator=grpo", "algo.n_samples_per_prompt=2",
+            "algo.dynamic_sampling=true"]
+    load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", grpo)
+    with pytest.raises(ConfigError, match=r"fsdp .* algo.dynamic_sampling_fill=false"):
+        load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", grpo + ["algo.dynamic_sampling_fill=false"])
+    # 4 groups of 2 in 3 mini-batches: 4 + 2 + 2 rows (whole groups), even on 2 workers; torch.chunk's
+    # 3 + 3 + 2 split groups and was refused
+    load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", [*grpo[:-1], "algo.prompts_per_step=4",
+                                                            "algo.num_mini_batches=3", "train.micro_batch_size=1"])
 
 
 def test_local_group_runs_in_process_and_names_role():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["ROLES", "colocation_groups", "check_colocation", "check_fsdp_batches"]
+__all__ = ["ROLES", "colocation_groups", "check_colocation", "check_fsdp_batches", "unit_rows", "mini_batch_units"]
 
 ROLES = ("actor", "critic", "reward", "reference", "rollout")
 
@@ -58,6 +58,22 @@ def check_colocation(dist, active: Sequence[str]) -> None:
                              f"(num_nodes × devices_per_node), got {detail}")
 
 
+def unit_rows(B: int, algo) -> int:
+    """Rows a PPO update shuffles together: a prompt's G samples where the forwards share prompts
+    (``algo.share_prompts`` with G > 1) and `B` holds whole groups, else one row."""
+    G = algo.n_samples_per_prompt
+    return G if algo.share_prompts and G > 1 and B % G == 0 else 1
+
+
+def mini_batch_units(B: int, algo) -> list[int]:
+    """Units (`unit_rows`) of each mini-batch an update epoch cuts `B` rows into: exactly
+    ``num_mini_batches``, at most one per unit, sizes differing by at most one (larger first, as
+    ``torch.tensor_split``). Pure Python: the config checks use it without torch."""
+    units = B // unit_rows(B, algo)
+    n = min(algo.num_mini_batches, units)
+    return [units // n + (i < units % n) for i in range(n)] if n else []
+
+
 def check_fsdp_batches(dist, algo, micro_batch_size: int) -> None:
     """With ``dist.dp_strategy: fsdp``, raise ValueError naming the fields unless every rank of a
     trained role (actor; critic for gae) gets the same number of micro-batches of each batch.
@@ -67,13 +83,20 @@ def check_fsdp_batches(dist, algo, micro_batch_size: int) -> None:
     `turborlhf.trainers.ppo.experience.row_shards` splits them) and trained (each mini-batch, cut
     as `minibatch_schedule` cuts them) must make a multiple of the worker count in micro-batches,
     and a PPO-ptx micro-batch must give every worker a row. DDP sums its gradients at the
-    optimizer step instead, so uneven splits are fine there."""
+    optimizer step instead, so uneven splits are fine there. With dynamic sampling a step may
+    train on fewer rows (``dynamic_sampling_fill: false``): refused, as those rows could not split
+    evenly."""
     if dist.dp_strategy != "fsdp":
         return
+    trained = [getattr(dist, r).world_size for r in (("actor", "critic") if algo.needs_critic else ("actor",))]
+    if getattr(algo, "dynamic_sampling", False) and not getattr(algo, "dynamic_sampling_fill", True) \
+            and max(trained) > 1:
+        raise ValueError("distributed.dp_strategy: fsdp runs each forward and backward on all workers together; "
+                         "algo.dynamic_sampling_fill=false trains a step on the kept groups alone, whose rows need "
+                         "not split evenly over them: set it true (a short batch is filled) or use dp_strategy ddp")
     mb = micro_batch_size
     rows = algo.prompts_per_step * algo.n_samples_per_prompt
-    per_mini = -(-rows // min(algo.num_mini_batches, rows))              # torch.chunk's sizes
-    batches = [rows] + [min(per_mini, rows - s) for s in range(0, rows, per_mini)]
+    batches = [rows] + [u * unit_rows(rows, algo) for u in mini_batch_units(rows, algo)]
     for role in ("actor", "critic") if algo.needs_critic else ("actor",):
         w = getattr(dist, role).world_size
         if w == 1:

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from turborlhf.config import PPOAlgoCfg, PPOConfig
+from turborlhf.distributed.roles import mini_batch_units, unit_rows
 from turborlhf.data.tokenize import assemble_prompt_response
 from turborlhf.engine.hardware import state_dtype_for
 from turborlhf.engine.parallel import dp_rank_world
@@ -95,23 +96,17 @@ def minibatch_schedule(B: int, A: PPOAlgoCfg, generator: torch.Generator) -> lis
     prompt once. A single pass over a single mini-batch keeps the rows in order (a shuffle would
     change nothing but the micro-batch grouping, and the fused update needs the experience's
     grouping)."""
-    G = _unit_rows(B, A)
-    n_mini = updates_per_batch(B, A) // A.ppo_epochs
-    if A.ppo_epochs == 1 and n_mini == 1:
+    G, sizes = unit_rows(B, A), mini_batch_units(B, A)
+    if A.ppo_epochs == 1 and len(sizes) == 1:
         return [torch.arange(B)]
     return [(units[:, None] * G + torch.arange(G)).reshape(-1) for _ in range(A.ppo_epochs)
-            for units in torch.randperm(B // G, generator=generator).tensor_split(n_mini)]
-
-
-def _unit_rows(B: int, A: PPOAlgoCfg) -> int:
-    """Rows shuffled together by `minibatch_schedule`: a prompt's group where prompts are shared."""
-    return A.n_samples_per_prompt if shares_prompts(A) and B % A.n_samples_per_prompt == 0 else 1
+            for units in torch.randperm(B // G, generator=generator).split(sizes)]
 
 
 def updates_per_batch(B: int, A: PPOAlgoCfg) -> int:
     """Optimizer steps of an update on `B` rows: ``ppo_epochs`` × ``num_mini_batches``, the
-    mini-batches capped at one per unit of `minibatch_schedule`."""
-    return A.ppo_epochs * min(A.num_mini_batches, B // _unit_rows(B, A))
+    mini-batches capped at one per unit (`turborlhf.distributed.roles.mini_batch_units`)."""
+    return A.ppo_epochs * len(mini_batch_units(B, A))
 
 
 def row_shards(B: int, micro_batch_size: int, world: int) -> dict[int, slice]:
