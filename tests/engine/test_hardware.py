@@ -376,3 +376,18 @@ def test_explicit_bf16_on_a_gpu_without_native_bf16_warns(monkeypatch):
         assert choose_precision("auto", "cuda").dtype == "fp32"
     finally:
         hardware._choose.cache_clear()
+
+
+def test_a_critic_section_without_a_dtype_computes_as_the_actor():
+    """The critic computed at actor.dtype whatever its section said; now it follows its own dtype,
+    and a section that gives none follows the actor's."""
+    from turborlhf.config import PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.dtype=fp32", "critic.freeze_layers=1"]
+    r = resolve_hardware(load_config(PPOConfig, overrides=base), show=False)
+    assert r.critic.dtype == "fp32" and r._hardware["critic.dtype"]["reason"] == "as actor.dtype"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # an emulated bf16 warns on an AVX2-only host
+        r = resolve_hardware(load_config(PPOConfig, overrides=[*base, "critic.dtype=bf16"]), show=False)
+    assert r.critic.dtype == "bf16" and r.actor.dtype == "fp32"

@@ -109,6 +109,28 @@ def test_what_may_share(model4, tmp_path):
     assert groups == [([0, 2, 3], 1)]                      # the group shares what all its members share
     for m in (ref, rm, critic1):
         unshare(m)
+    # equal weights computing differently: another norm epsilon or activation shares nothing
+    tok = load_tokenizer(str(model4))
+    for setting in ({"rms_norm_eps": 0.5}, {"hidden_act": "gelu"}):
+        d = save_tiny_causal_lm(tmp_path / str(setting), seed=1, layers=4, **setting)
+        assert trunk_layers(ref, load_causal_lm(str(d), tok).requires_grad_(False)) == 0, setting
+
+
+def test_mixed_full_and_sliding_attention_layers_do_not_share(tmp_path):
+    """Qwen2 picks each layer's mask by its index in the layer list: a trunk's upper layers ran
+    with the lower layers' kind (hidden states off by ~1 on an unpadded batch)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = load_tokenizer(str(save_tiny_causal_lm(tmp_path / "tok")))
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                      max_window_layers=2, pad_token_id=tok.pad_token_id)
+    assert len(set(cfg.layer_types)) == 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "q")
+    a, b = (load_trainable("causal", ModelCfg(name_or_path=str(tmp_path / "q"), freeze_layers=2, device="cpu"), tok)
+            for _ in range(2))
+    assert trunk_layers(a, b) == 0
 
 
 def test_cache_is_bounded():

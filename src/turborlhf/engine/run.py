@@ -152,7 +152,15 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
                     updates[field] = new
         return node.model_copy(update=updates) if updates else node
 
+    # ppo: a critic section without its own dtype computes as the actor (the reward model's scores
+    # and the critic's values then share a frozen trunk's cache too)
+    actor, critic = getattr(cfg, "actor", None), getattr(cfg, "critic", None)
+    as_actor = isinstance(actor, ModelCfg) and isinstance(critic, ModelCfg) and critic.dtype == "auto"
+    if as_actor and actor.dtype != "auto":
+        cfg = cfg.model_copy(update={"critic": critic.model_copy(update={"dtype": actor.dtype})})
     cfg = walk(cfg, "")
+    if as_actor:
+        choices["critic.dtype"]["reason"] = "as actor.dtype"
 
     def optim(node: Cfg, path: str) -> Cfg:
         updates = {}

@@ -14,10 +14,11 @@ def tiny_llama_config(vocab_size: int, hidden_size: int = 64, layers: int = 2, h
     """A tiny `LlamaConfig`; ``extra``: any other `LlamaConfig` field (``attention_dropout=0.1``)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                       pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **extra)
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+              max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
+              pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return LlamaConfig(**{**kw, **extra})
 
 
 def save_tiny_causal_lm(out_dir: str | Path, seed: int = 0, **config_kw) -> Path:

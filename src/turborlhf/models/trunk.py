@@ -12,9 +12,12 @@ rounding of a different batch composition, as for any change of batching).
 
 What may share (`trunk_layers`): decoder stacks whose forward starts from the token embeddings
 unchanged (Llama, Mistral, Qwen2/3; Gemma scales its embeddings and is left out), without
-dropout, on one device, with the same parameter dtype, whose embeddings and shared layers are
-frozen (``requires_grad`` False) and equal. LoRA-wrapped layers differ by name and do not
-share. Sharing is per process (the PPO driver's local backend).
+dropout, with one kind of attention in every layer (not Qwen's mix of full and sliding-window
+layers, whose mask follows the layer's index), on one device, with the same parameter dtype and
+the same layer settings (`COMPUTE_KEYS` of the config: norm epsilon, activation, attention
+implementation...), whose embeddings and shared layers are frozen (``requires_grad`` False) and
+equal. LoRA-wrapped layers differ by name and do not share. Sharing is per process (the PPO
+driver's local backend).
 
 The cache keeps the layer-N hidden states of each sequence (its real tokens are the key, with the
 autocast state) up to `TrunkCache.max_bytes`, least recently used first out; the PPO driver
@@ -98,12 +101,24 @@ def running_layers(backbone: nn.Module, lo: int, hi: int):
         backbone.layers, backbone.norm = layers, norm
 
 
+# config settings that change what a decoder layer computes from equal weights
+COMPUTE_KEYS = ("hidden_act", "rms_norm_eps", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+                "partial_rotary_factor", "attn_logit_softcapping", "query_pre_attn_scalar", "_attn_implementation")
+
+
 def _shareable(model: nn.Module) -> bool:
     backbone = backbone_of(model)
     cfg = getattr(backbone, "config", None)
+    kinds = set(getattr(cfg, "layer_types", None) or ())
     return (getattr(cfg, "model_type", None) in SHAREABLE_MODEL_TYPES and not hasattr(model, "get_base_model")
             and isinstance(getattr(backbone, "layers", None), nn.ModuleList) and hasattr(backbone, "norm")
-            and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) == 0.0)
+            and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) == 0.0 and len(kinds) <= 1)
+
+
+def _same_settings(a: nn.Module, b: nn.Module) -> bool:
+    ca, cb = getattr(a, "config", None), getattr(b, "config", None)
+    return all(getattr(ca, k, None) == getattr(cb, k, None) for k in COMPUTE_KEYS)
 
 
 def _frozen_equal(a: nn.Module, b: nn.Module) -> bool:
@@ -129,7 +144,8 @@ def trunk_layers(a: nn.Module, b: nn.Module) -> int:
     if not (_shareable(a) and _shareable(b)):
         return 0
     ba, bb = backbone_of(a), backbone_of(b)
-    if type(ba) is not type(bb) or not _frozen_equal(ba.get_input_embeddings(), bb.get_input_embeddings()):
+    if (type(ba) is not type(bb) or not _same_settings(ba, bb)
+            or not _frozen_equal(ba.get_input_embeddings(), bb.get_input_embeddings())):
         return 0
     if getattr(ba, "rotary_emb", None) is not None:
         ra, rb = ba.rotary_emb, bb.rotary_emb
