@@ -133,6 +133,14 @@ def test_export_merges_lora_checkpoint_and_pushes(tiny_model, tiny_data, tiny_rm
     assert max_weight_diff(weights(rm_out), weights(tiny_rm)) < 1e-6
     assert main(["export", "--checkpoint", str(run), "--model", "critic", "--output", str(tmp_path / "x")]) == 2
     assert "no model 'critic'" in capsys.readouterr().err
+    # an output whose replacement would delete a run or other files is refused (it was deleted)
+    (tmp_path / "shelf").mkdir()
+    (tmp_path / "shelf" / "notes.txt").write_text("keep me")
+    for dest, why in ((run, "would replace the checkpoint"), (tmp_path, "would replace the checkpoint"),
+                      (tmp_path / "shelf", "holds notes.txt")):
+        assert main(["export", "--checkpoint", str(run), "--output", str(dest)]) == 2
+        assert why in capsys.readouterr().err
+    assert (tmp_path / "shelf" / "notes.txt").read_text() == "keep me" and (run / "checkpoints").is_dir()
 
     # --push-to-hub: the hub cannot be reached here, so check the calls huggingface_hub gets
     import huggingface_hub

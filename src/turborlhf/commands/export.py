@@ -12,6 +12,10 @@ on its base (``base_model_name_or_path``, or ``--base``) and merged, ``W + scali
 causal LM stays a causal LM; a reward model / critic (``*ForSequenceClassification``, peft task
 ``SEQ_CLS``) keeps its scalar head. The tokenizer is saved beside the weights.
 
+``--output`` is replaced whole (atomically), so it must be a new or empty directory or an earlier
+export (model, tokenizer and generation files only); anything else, and the checkpoint's own run,
+are refused with a one-line error: an export never deletes a run or unrelated files.
+
 ``--push-to-hub REPO`` then uploads the directory with ``huggingface_hub`` (``create_repo`` with
 ``exist_ok``, then ``upload_folder``); it needs network access and a token (``HF_TOKEN`` or
 ``huggingface-cli login``).
@@ -62,6 +66,32 @@ def resolve_model_dir(checkpoint: str | Path, model: Optional[str] = None) -> Pa
     return d / pick
 
 
+# what `save_pretrained` of a model and its tokenizer writes: an output holding only these is an
+# earlier export, which may be replaced
+_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "adapter_config.json",
+                 "adapter_model.safetensors")
+
+
+def _check_output(src: Path, out: Path) -> None:
+    """Refuse an `out` whose replacement would delete something other than an earlier export:
+    the source run or checkpoint (`src` inside `out`, or `out` inside it), or a directory holding
+    anything else. Raises ExportError naming it."""
+    s, o = src.resolve(), out.resolve()
+    if o == s or o in s.parents or s in o.parents:
+        raise ExportError(f"--output {out}: would replace the checkpoint it exports from ({src}); choose another "
+                          "directory")
+    if o.exists() and not o.is_dir():
+        raise ExportError(f"--output {out}: a file, not a directory")
+    if o.is_dir():
+        other = sorted(p.name for p in o.iterdir() if not (p.is_file() and (p.name in _EXPORT_FILES or (
+            p.name.startswith("model-") and p.name.endswith(".safetensors")))))
+        if other:
+            raise ExportError(f"--output {out}: holds {', '.join(other[:5])}{', ...' if len(other) > 5 else ''}, "
+                              "which the export would delete; give a new or empty directory, or an earlier export")
+
+
 def _is_scalar(config: dict) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
@@ -70,13 +100,16 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
                       base: Optional[str] = None) -> Path:
     """Write the model of ``checkpoint`` (see ``resolve_model_dir``) to ``output`` as a plain HF
     directory (atomically, ``engine.checkpoint.save_hf_dir``), LoRA adapters merged. Returns
-    ``output``. Raises ``ExportError`` for a directory it cannot resolve or a missing base."""
+    ``output``. Raises ``ExportError`` for a directory it cannot resolve, a missing base, or an
+    output whose replacement would delete anything but an earlier export (`_check_output`)."""
     import torch
 
     from turborlhf.engine.checkpoint import save_hf_dir
     from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
 
     src = resolve_model_dir(checkpoint, model)
+    _check_output(Path(checkpoint), Path(output))
+    _check_output(src, Path(output))
     tok = load_tokenizer(str(src))
     adapter = src / "adapter_config.json"
     if adapter.exists():
