@@ -333,11 +333,24 @@ class _Trainer:
         return self._result
 
     def close(self) -> None:
-        """End a run that was stepped part-way: its signal handlers and workers are released (the
-        last checkpoint saved stays; nothing is exported)."""
-        if self._steps is not None:
-            self._steps.close()
-            self._steps = None
+        """End a run that was stepped part-way: a checkpoint of the steps taken is saved (as on
+        SIGTERM; a new trainer's ``train(resume_from_checkpoint=True)`` continues from it), its
+        signal handlers and workers are released, and nothing is exported."""
+        from turborlhf.engine.lifecycle import RunInterrupted, stop_at_next_step
+        from turborlhf.metrics import use_callbacks
+
+        steps, self._steps = self._steps, None
+        if steps is None:
+            return
+        try:
+            if self.state.global_step:
+                stop_at_next_step()
+                with use_callbacks([_History(self.state), *self.callbacks]):
+                    next(steps)
+        except (RunInterrupted, StopIteration):
+            pass
+        finally:
+            steps.close()
 
 
 class SFTTrainer(_Trainer):

@@ -43,8 +43,8 @@ def rm_eval_covers(rm_res: dict, test_pairs: str) -> bool:
     before the digest was stored, the same path."""
     if "length" not in rm_res:
         return False
-    if "data_sha256" in rm_res:
-        return Path(test_pairs).exists() and rm_res["data_sha256"] == file_sha256(test_pairs)
+    if rm_res.get("data_sha256"):
+        return Path(test_pairs).is_file() and rm_res["data_sha256"] == file_sha256(test_pairs)
     return Path(rm_res.get("data", "")).resolve() == Path(test_pairs).resolve()
 
 

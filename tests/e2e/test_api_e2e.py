@@ -219,10 +219,11 @@ def test_the_other_trainers_and_config_objects(tiny_model, tiny_data, tmp_path):
 
     pairs = _pairs(tiny_data)
     small = {"model": {"dtype": "fp32"}, "data": {"max_len": 96}, **QUIET}
-    rm = RewardTrainer(model=tiny_model, train_dataset=pairs.select(range(16)),
+    rm = RewardTrainer(model=tiny_model, train_dataset=pairs.select(range(16)), eval_dataset=pairs.select(range(16, 20)),
                        args={**small, "train": {"max_steps": 2, "pairs_per_step": 4, "micro_batch_size": 2},
-                             "output_dir": str(tmp_path / "rm")}).train()
+                             "output_dir": str(tmp_path / "rm")}).train()       # a Dataset held out: no file digest
     assert rm.global_step == 2 and (tmp_path / "rm" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "rm" / "eval.json").read_text())["n"] == 4
     kto_rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": i % 2 == 0} for i, r in enumerate(pairs)]
     kto = KTOTrainer(model=tiny_model, train_dataset=kto_rows[:16],
                      args={**small, "train": {"max_steps": 2, "examples_per_step": 4, "micro_batch_size": 2},
@@ -278,11 +279,20 @@ def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_d
     ds = _pairs(tiny_data)
     args = {**SFT_ARGS, "train": {**SFT_ARGS["train"], "save_every": 1}}
     SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "full")}, train_dataset=ds).train()
-    part = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds)
+    ended = []
+
+    class End:
+        def on_train_end(self, name, step):
+            ended.append(step)
+    part = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds,
+                      callbacks=[End()])
     part.step()
     part.step()
-    part.close()                                                   # stopped after step 2 (checkpoint kept)
+    assert [c.name for c in (tmp_path / "r" / "checkpoints").glob("step-*")] == ["step-000001"]
+    part.close()                                                   # stopped after step 2: a checkpoint of it
     assert not (tmp_path / "r" / "model.safetensors").exists()
+    assert (tmp_path / "r" / "checkpoints" / "step-000002").is_dir()     # step 2 was not left to redo
+    assert ended == [2]                                            # trackers and callbacks were ended
     again = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds)
     assert again.train(resume_from_checkpoint=True).global_step == 3
     assert max_weight_diff(weights(tmp_path / "full"), weights(tmp_path / "r")) < 1e-7

@@ -195,6 +195,14 @@ class _StopOnSignal:
 
 
 _ACTIVE: list[_StopOnSignal] = []     # the handlers of the running `checkpointed_steps` loops
+_STOP_NEXT: list[bool] = []           # `stop_at_next_step` asked the next loop that resumes to stop
+
+
+def stop_at_next_step() -> None:
+    """Make the next `checkpointed_steps` loop to resume stop as on a signal: save the steps done,
+    then raise `RunInterrupted`. `turborlhf.api`'s ``close()`` of a run stepped part-way resumes
+    its loop once with this, so the last step taken is kept."""
+    _STOP_NEXT[:] = [True]
 
 
 def stop_requested() -> Optional[int]:
@@ -210,7 +218,8 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
 
     After the loop body of step i returns (``done = i + 1`` steps finished):
 
-    - a SIGINT/SIGTERM received during that step: ``save(done)``, then `RunInterrupted` naming the
+    - a SIGINT/SIGTERM received during that step (or `stop_at_next_step`): ``save(done)``, then
+      `RunInterrupted` naming the
       checkpoint and the signal (raised from the loop's ``for``); also after the last step, so that
       a run stopped there keeps its steps (``--resume`` then runs only the final evaluation and
       export, which the caller does after the loop with the default signal handlers back);
@@ -224,11 +233,13 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
         for step in range(start, total):
             yield step
             done = step + 1
-            if stop.signum is not None:
+            asked = bool(_STOP_NEXT)
+            _STOP_NEXT.clear()
+            if stop.signum is not None or asked:
                 path = save(done)
-                name = signal.Signals(stop.signum).name
+                name = signal.Signals(stop.signum).name if stop.signum is not None else "close()"
                 raise RunInterrupted(f"{name} at step {done}/{total}: kept checkpoint {path}; "
-                                     "continue with --resume", stop.signum)
+                                     "continue with --resume", stop.signum or signal.SIGTERM)
             if save_every and done % save_every == 0 and done < total:
                 save(done)
 

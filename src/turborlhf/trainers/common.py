@@ -92,30 +92,31 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
     start = restore(ckpt, optim, sched, tag)
     log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+    try:
+        def checkpoint(step: int) -> Path:
+            return save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step),
+                                   keep=loop.keep_checkpoints)
 
-    def checkpoint(step: int) -> Path:
-        return save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step),
-                               keep=loop.keep_checkpoints)
+        for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, tag):
+            t0 = time.perf_counter()
+            batch = [train_enc[i] for i in plan[step]]
+            step_loss = sft_step(model, tokenizer, batch, loop.micro_batch_size, cfg.model.dtype)
+            lr = sched.get_last_lr()[0]
+            gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+            dt = time.perf_counter() - t0
+            n_tok = sum(len(e["input_ids"]) for e in batch)
+            metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+            done = step + 1
+            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+                metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, loop.micro_batch_size)
+            if done % cfg.log.every == 0 or done == len(plan):
+                log.log(done, metrics)
+            yield done, len(plan), metrics
 
-    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, tag):
-        t0 = time.perf_counter()
-        batch = [train_enc[i] for i in plan[step]]
-        step_loss = sft_step(model, tokenizer, batch, loop.micro_batch_size, cfg.model.dtype)
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(e["input_ids"]) for e in batch)
-        metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        done = step + 1
-        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
-            metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, loop.micro_batch_size)
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        yield done, len(plan), metrics
-
-    if test_enc:
-        log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype,
-                                                      loop.micro_batch_size)})
-    checkpoint(len(plan))
-    export_model(model, tokenizer, out)
-    log.close()
+        if test_enc:
+            log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype,
+                                                          loop.micro_batch_size)})
+        checkpoint(len(plan))
+        export_model(model, tokenizer, out)
+    finally:
+        log.close()   # trackers and callbacks end whatever stops the run

@@ -206,52 +206,55 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, M.R_ACC, M.R_MARGIN, M.EVAL_ACC, M.LR),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
+    try:
+        def checkpoint(step: int) -> Path:
+            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
+                                   keep=loop.keep_checkpoints)
 
-    def checkpoint(step: int) -> Path:
-        return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
-                               keep=loop.keep_checkpoints)
+        # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count
+        for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "dpo"):
+            t0 = time.perf_counter()
+            idx = plan[step]
+            n_pairs = len(idx)
+            sums: dict[str, float] = {}
+            for s in range(0, n_pairs, loop.micro_batch_size):
+                mb = idx[s:s + loop.micro_batch_size]
+                loss, part = dpo_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train_chosen"][mb],
+                                            ref["train_rejected"][mb], cfg, n_pairs)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            lr = sched.get_last_lr()[0]
+            gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+            dt = time.perf_counter() - t0
+            n_tok = sum(len(train_enc[i]["chosen"]["input_ids"]) + len(train_enc[i]["rejected"]["input_ids"])
+                        for i in idx)
+            metrics = {M.LOSS: sums["loss"] / n_pairs, M.R_CHOSEN: sums["chosen"] / n_pairs,
+                       M.R_REJECTED: sums["rejected"] / n_pairs, M.R_ACC: sums["correct"] / n_pairs,
+                       M.R_MARGIN: (sums["chosen"] - sums["rejected"]) / n_pairs,
+                       M.LOGP_CHOSEN: sums["logp_c"] / n_pairs,
+                       M.LOGP_REJECTED: sums["logp_r"] / n_pairs, M.LR: lr, M.GRAD_NORM: gnorm,
+                       M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+            if "nll" in sums:
+                metrics[NLL] = sums["nll"] / n_pairs
+            done = step + 1
+            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+                metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
+            if done % cfg.log.every == 0 or done == len(plan):
+                log.log(done, metrics)
+            yield done, len(plan), metrics
 
-    # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count
-    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "dpo"):
-        t0 = time.perf_counter()
-        idx = plan[step]
-        n_pairs = len(idx)
-        sums: dict[str, float] = {}
-        for s in range(0, n_pairs, loop.micro_batch_size):
-            mb = idx[s:s + loop.micro_batch_size]
-            loss, part = dpo_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train_chosen"][mb],
-                                        ref["train_rejected"][mb], cfg, n_pairs)
-            loss.backward()
-            for k, v in part.items():
-                sums[k] = sums.get(k, 0.0) + v
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(train_enc[i]["chosen"]["input_ids"]) + len(train_enc[i]["rejected"]["input_ids"]) for i in idx)
-        metrics = {M.LOSS: sums["loss"] / n_pairs, M.R_CHOSEN: sums["chosen"] / n_pairs,
-                   M.R_REJECTED: sums["rejected"] / n_pairs, M.R_ACC: sums["correct"] / n_pairs,
-                   M.R_MARGIN: (sums["chosen"] - sums["rejected"]) / n_pairs, M.LOGP_CHOSEN: sums["logp_c"] / n_pairs,
-                   M.LOGP_REJECTED: sums["logp_r"] / n_pairs, M.LR: lr, M.GRAD_NORM: gnorm,
-                   M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        if "nll" in sums:
-            metrics[NLL] = sums["nll"] / n_pairs
-        done = step + 1
-        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
-            metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        yield done, len(plan), metrics
-
-    # 7. final evaluation on the test pairs, resumable checkpoint, exported HF policy
-    if test_enc:
-        ev = evaluate(model, tok, test_enc, ref, cfg)
-        log.log(len(plan), _eval_metrics(ev))
-        (out / "eval.json").write_text(json.dumps(ev, indent=2))
-        logger.info(f"[dpo] test implicit-reward accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.4f} "
-                    f"on {ev['n']} pairs")
-    checkpoint(len(plan))
-    export_model(model, tok, out)
-    log.close()
+        # 7. final evaluation on the test pairs, resumable checkpoint, exported HF policy
+        if test_enc:
+            ev = evaluate(model, tok, test_enc, ref, cfg)
+            log.log(len(plan), _eval_metrics(ev))
+            (out / "eval.json").write_text(json.dumps(ev, indent=2))
+            logger.info(f"[dpo] test implicit-reward accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.4f} "
+                        f"on {ev['n']} pairs")
+        checkpoint(len(plan))
+        export_model(model, tok, out)
+    finally:
+        log.close()   # trackers and callbacks end whatever stops the run
     logger.info(f"[dpo] saved policy to {out}")
     return out
 

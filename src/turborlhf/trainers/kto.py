@@ -205,46 +205,47 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     start = restore(ckpt, optim, sched, "kto")
     log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+    try:
+        def checkpoint(step: int) -> Path:
+            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
+                                   keep=loop.keep_checkpoints)
 
-    def checkpoint(step: int) -> Path:
-        return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step),
-                               keep=loop.keep_checkpoints)
+        # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step
+        for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "kto"):
+            t0 = time.perf_counter()
+            idx = plan[step]
+            n = len(idx)
+            pi_kl = sequence_logps(model, tok.pad_token_id, step_kl[step], cfg.model.dtype, 2 * loop.micro_batch_size)
+            z0 = kto_kl_estimate(pi_kl, ref["train_kl"][offsets[step]:offsets[step + 1]])
+            sums: dict[str, float] = {}
+            for s in range(0, n, loop.micro_batch_size):
+                mb = idx[s:s + loop.micro_batch_size]
+                loss, part = kto_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train"][mb], z0, cfg, n)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0) + v
+            lr = sched.get_last_lr()[0]
+            gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+            dt = time.perf_counter() - t0
+            n_tok = sum(len(train_enc[i]["input_ids"]) for i in idx) + sum(len(s["input_ids"]) for s in step_kl[step])
+            metrics = {**_summary(sums, n), M.KL: float(z0), M.LR: lr, M.GRAD_NORM: gnorm,
+                       M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+            done = step + 1
+            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+                metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
+            if done % cfg.log.every == 0 or done == len(plan):
+                log.log(done, metrics)
+            yield done, len(plan), metrics
 
-    # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step
-    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "kto"):
-        t0 = time.perf_counter()
-        idx = plan[step]
-        n = len(idx)
-        pi_kl = sequence_logps(model, tok.pad_token_id, step_kl[step], cfg.model.dtype, 2 * loop.micro_batch_size)
-        z0 = kto_kl_estimate(pi_kl, ref["train_kl"][offsets[step]:offsets[step + 1]])
-        sums: dict[str, float] = {}
-        for s in range(0, n, loop.micro_batch_size):
-            mb = idx[s:s + loop.micro_batch_size]
-            loss, part = kto_batch_loss(model, tok, [train_enc[i] for i in mb], ref["train"][mb], z0, cfg, n)
-            loss.backward()
-            for k, v in part.items():
-                sums[k] = sums.get(k, 0) + v
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(train_enc[i]["input_ids"]) for i in idx) + sum(len(s["input_ids"]) for s in step_kl[step])
-        metrics = {**_summary(sums, n), M.KL: float(z0), M.LR: lr, M.GRAD_NORM: gnorm,
-                   M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        done = step + 1
-        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
-            metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        yield done, len(plan), metrics
-
-    # 7. final evaluation, resumable checkpoint, exported HF policy
-    if test_enc:
-        ev = evaluate(model, tok, test_enc, test_kl, ref, cfg)
-        log.log(len(plan), {k: v for k, v in ev.items() if k != "n"})
-        (out / "eval.json").write_text(json.dumps(ev, indent=2))
-        logger.info(f"[kto] test loss {ev['eval/loss']:.4f}, kl {ev['eval/kl']:.4f} on {ev['n']} examples")
-    checkpoint(len(plan))
-    export_model(model, tok, out)
-    log.close()
+        # 7. final evaluation, resumable checkpoint, exported HF policy
+        if test_enc:
+            ev = evaluate(model, tok, test_enc, test_kl, ref, cfg)
+            log.log(len(plan), {k: v for k, v in ev.items() if k != "n"})
+            (out / "eval.json").write_text(json.dumps(ev, indent=2))
+            logger.info(f"[kto] test loss {ev['eval/loss']:.4f}, kl {ev['eval/kl']:.4f} on {ev['n']} examples")
+        checkpoint(len(plan))
+        export_model(model, tok, out)
+    finally:
+        log.close()   # trackers and callbacks end whatever stops the run
     logger.info(f"[kto] saved policy to {out}")
     return out

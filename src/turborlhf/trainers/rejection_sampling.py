@@ -306,55 +306,56 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     log = MetricsLogger(out, "rs", A.rounds, show=(M.REWARD_MEAN, BEST_SCORE, GAIN, KEPT, M.LOSS),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
+    try:
+        def checkpoint(k: int) -> Path:
+            return save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
+                                   keep=cfg.train.keep_checkpoints)
 
-    def checkpoint(k: int) -> Path:
-        return save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
-                               keep=cfg.train.keep_checkpoints)
+        # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5); a checkpoint
+        #    after every round; SIGINT/SIGTERM stop after the current SFT step (or generation/scoring)
+        for r in checkpointed_steps(start, A.rounds, checkpoint, 1, "rs"):
+            k = r + 1                                                         # rounds count from 1
+            t_round = time.perf_counter()
+            rdir = _round_dir(out, k)
+            if mid is None:     # 4.1-4.3 sample, score, select; the winners go to round_<k>/best.jsonl
+                metrics, t_gen, t_score = _sample_round(k, cfg, tok, engine, (rm, rm_tok, same_vocab), prompts,
+                                                        prompt_ids, per_round, rdir)
+            else:               # resumed inside this round's SFT: its winners are on disk already
+                metrics, t_gen, t_score = mid["metrics"], mid["t_gen"], mid["t_score"]
+            # 4.4 SFT on the kept winners (of this round, or of all rounds so far); a signal stops it
+            #     after its current optimizer step, with a checkpoint that continues it
+            t0 = time.perf_counter()
+            train_rows = _training_rows(out, k, A.accumulate)
+            if train_rows:
+                try:
+                    metrics.update(sft_on_rows(model, tok, train_rows, cfg, seed=cfg.train.seed + k,
+                                               resume=mid and mid["sft"], should_stop=stop_requested))
+                except SFTStopped as e:
+                    signum = stop_requested()
+                    path = save_checkpoint(out, k - 1, {"policy": model}, tok, {
+                        "round": k - 1, "rng": rng_state(), "sft": {"round": k, "sft": e.state, "metrics": metrics,
+                                                                   "t_gen": t_gen, "t_score": t_score}},
+                                           keep=cfg.train.keep_checkpoints)
+                    raise RunInterrupted(f"{signal.Signals(signum).name} in round {k}/{A.rounds} after SFT step "
+                                         f"{e.state['step']}: kept checkpoint {path}; continue with --resume",
+                                         signum) from None
+            else:
+                logger.info(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged")
+            mid = None
+            metrics["train/examples"] = len(train_rows)
+            t_train = time.perf_counter() - t0
+            # 4.5 weight sync, metrics, checkpoint
+            if train_rows:  # push + canary check (merges LoRA); WeightSyncError if the engine disagrees
+                metrics.update(push_weights(engine, model, canary, roll.sync_tolerance).metrics())
+            metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
+                            M.T_STEP: time.perf_counter() - t_round})
+            atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
+            log.log(k, metrics)
 
-    # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5); a checkpoint
-    #    after every round; SIGINT/SIGTERM stop after the current SFT step (or generation/scoring)
-    for r in checkpointed_steps(start, A.rounds, checkpoint, 1, "rs"):
-        k = r + 1                                                         # rounds count from 1
-        t_round = time.perf_counter()
-        rdir = _round_dir(out, k)
-        if mid is None:     # 4.1-4.3 sample, score, select; the winners go to round_<k>/best.jsonl
-            metrics, t_gen, t_score = _sample_round(k, cfg, tok, engine, (rm, rm_tok, same_vocab), prompts,
-                                                    prompt_ids, per_round, rdir)
-        else:               # resumed inside this round's SFT: its winners are on disk already
-            metrics, t_gen, t_score = mid["metrics"], mid["t_gen"], mid["t_score"]
-        # 4.4 SFT on the kept winners (of this round, or of all rounds so far); a signal stops it
-        #     after its current optimizer step, with a checkpoint that continues it
-        t0 = time.perf_counter()
-        train_rows = _training_rows(out, k, A.accumulate)
-        if train_rows:
-            try:
-                metrics.update(sft_on_rows(model, tok, train_rows, cfg, seed=cfg.train.seed + k,
-                                           resume=mid and mid["sft"], should_stop=stop_requested))
-            except SFTStopped as e:
-                signum = stop_requested()
-                path = save_checkpoint(out, k - 1, {"policy": model}, tok, {
-                    "round": k - 1, "rng": rng_state(), "sft": {"round": k, "sft": e.state, "metrics": metrics,
-                                                               "t_gen": t_gen, "t_score": t_score}},
-                                       keep=cfg.train.keep_checkpoints)
-                raise RunInterrupted(f"{signal.Signals(signum).name} in round {k}/{A.rounds} after SFT step "
-                                     f"{e.state['step']}: kept checkpoint {path}; continue with --resume",
-                                     signum) from None
-        else:
-            logger.info(f"[rs] round {k}: no response beat min_score={A.min_score}; policy unchanged")
-        mid = None
-        metrics["train/examples"] = len(train_rows)
-        t_train = time.perf_counter() - t0
-        # 4.5 weight sync, metrics, checkpoint
-        if train_rows:  # push + canary check (merges LoRA); WeightSyncError if the engine disagrees
-            metrics.update(push_weights(engine, model, canary, roll.sync_tolerance).metrics())
-        metrics.update({M.T_GENERATE: t_gen, "timing/score": t_score, M.T_TRAIN: t_train,
-                        M.T_STEP: time.perf_counter() - t_round})
-        atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
-        log.log(k, metrics)
-
-    # 5. the last round's checkpoint; the final policy as an HF directory in output_dir
-    checkpoint(A.rounds)
-    export_model(model, tok, out)
-    log.close()
+        # 5. the last round's checkpoint; the final policy as an HF directory in output_dir
+        checkpoint(A.rounds)
+        export_model(model, tok, out)
+    finally:
+        log.close()   # trackers and callbacks end whatever stops the run
     logger.info(f"[rs] saved policy to {out}")
     return out

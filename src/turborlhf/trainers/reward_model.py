@@ -122,56 +122,60 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     start = restore(ckpt, optim, sched, "rm")
     log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
+    try:
+        def checkpoint(step: int) -> Path:
+            return save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step),
+                                   keep=loop.keep_checkpoints)
 
-    def checkpoint(step: int) -> Path:
-        return save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step),
-                               keep=loop.keep_checkpoints)
+        # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
+        for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "rm"):
+            t0 = time.perf_counter()
+            batch = [train_enc[i] for i in plan[step]]
+            n_pairs = len(batch)
+            loss_sum, correct, margin_sum = 0.0, 0.0, 0.0
+            for s in range(0, n_pairs, loop.micro_batch_size):
+                mb = batch[s:s + loop.micro_batch_size]
+                ch, rj = pair_scores(model, tok, mb, cfg.model.dtype)
+                margin = torch.tensor([e["margin"] for e in mb]) if loop.margin else None
+                loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=loop.center_rewards_coef)
+                (loss_B.sum() / n_pairs).backward()
+                loss_sum += float(loss_B.detach().sum())
+                correct += float((ch > rj).float().sum().detach())
+                margin_sum += float((ch - rj).detach().sum())
+            lr = sched.get_last_lr()[0]
+            gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
+            dt = time.perf_counter() - t0
+            n_tok = sum(len(e["chosen"]) + len(e["rejected"]) for e in batch)
+            metrics = {M.LOSS: loss_sum / n_pairs, M.RM_ACC: correct / n_pairs, M.RM_MARGIN: margin_sum / n_pairs,
+                       M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
+            done = step + 1
+            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+                ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
+                metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
+            if done % cfg.log.every == 0 or done == len(plan):
+                log.log(done, metrics)
+            yield done, len(plan), metrics
 
-    # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
-    for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, "rm"):
-        t0 = time.perf_counter()
-        batch = [train_enc[i] for i in plan[step]]
-        n_pairs = len(batch)
-        loss_sum, correct, margin_sum = 0.0, 0.0, 0.0
-        for s in range(0, n_pairs, loop.micro_batch_size):
-            mb = batch[s:s + loop.micro_batch_size]
-            ch, rj = pair_scores(model, tok, mb, cfg.model.dtype)
-            margin = torch.tensor([e["margin"] for e in mb]) if loop.margin else None
-            loss_B, stats = pairwise_rm_loss(ch, rj, margin, center_coef=loop.center_rewards_coef)
-            (loss_B.sum() / n_pairs).backward()
-            loss_sum += float(loss_B.detach().sum())
-            correct += float((ch > rj).float().sum().detach())
-            margin_sum += float((ch - rj).detach().sum())
-        lr = sched.get_last_lr()[0]
-        gnorm = clip_and_step(model, optim, sched, cfg.optim.max_grad_norm)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(e["chosen"]) + len(e["rejected"]) for e in batch)
-        metrics = {M.LOSS: loss_sum / n_pairs, M.RM_ACC: correct / n_pairs, M.RM_MARGIN: margin_sum / n_pairs,
-                   M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
-        done = step + 1
-        if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
-            ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
-            metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
-        if done % cfg.log.every == 0 or done == len(plan):
-            log.log(done, metrics)
-        yield done, len(plan), metrics
+        # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
+        extra = {}
+        if test_enc:
+            from turborlhf.evaluate import length_strata
 
-    # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
-    extra = {}
-    if test_enc:
-        from turborlhf.evaluate import length_strata
-
-        ch, rj = score_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
-        ev = summarize_scores(ch, rj)
-        # eval-rm's fields, so the pipeline's evaluation reads this file instead of scoring the pairs again
-        ev.update({"length": length_strata(test_pairs, (ch > rj).tolist()), "data": str(cfg.data.test_file),
-                   "data_sha256": file_sha256(cfg.data.test_file), "max_len": cfg.data.max_len})
-        log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
-        extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
-        (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
-        logger.info(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs")
-    checkpoint(len(plan))
-    export_model(model, tok, out, extra_config=extra)
-    log.close()
+            ch, rj = score_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
+            ev = summarize_scores(ch, rj)
+            # eval-rm's fields, so the pipeline's evaluation reads this file instead of scoring the pairs again
+            ev.update({"length": length_strata(test_pairs, (ch > rj).tolist()), "data": str(cfg.data.test_file),
+                       # a file's content digest (a Dataset, a save_to_disk directory or a hub id has none)
+                       "data_sha256": (file_sha256(cfg.data.test_file) if Path(str(cfg.data.test_file)).is_file()
+                                       else None),
+                       "max_len": cfg.data.max_len})
+            log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
+            extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
+            (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
+            logger.info(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs")
+        checkpoint(len(plan))
+        export_model(model, tok, out, extra_config=extra)
+    finally:
+        log.close()   # trackers and callbacks end whatever stops the run
     logger.info(f"[rm] saved reward model to {out}")
     return out
