@@ -197,7 +197,9 @@ class _Trainer:
         elif isinstance(args, dict):
             tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
-            tree = config_to_dict(args)
+            # another class's object (a PPOConfig given to GRPOTrainer): only the fields it was given
+            # go over this trainer's preset, not every default of that class
+            tree = config_to_dict(args) if type(args) is cls else args.model_dump(mode="json", exclude_unset=True)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)

@@ -245,6 +245,19 @@ def test_the_other_trainers_and_config_objects(tiny_model, tiny_data, tmp_path):
     assert all("rollout/reward_short_mean" in r and "rollout/reward_model0_mean" in r for r in rows)
 
 
+def test_a_ppo_config_object_given_to_grpo_keeps_the_preset(tiny_model, tmp_path):
+    """GRPOTrainer(args=PPOConfig(...)) ran PPO with GAE and a critic: every PPOConfig default was
+    laid over GRPO's preset."""
+    from turborlhf import GRPOTrainer, PPOConfig
+
+    args = PPOConfig.model_validate({"data": {"prompts_file": "set/below"}, "train": {"max_steps": 1},
+                                     "reward_model": "some/reward-model",
+                                     "output_dir": str(tmp_path / "g")})
+    t = GRPOTrainer(model=tiny_model, train_dataset=_questions(), args=args)
+    assert t.args.algo.advantage_estimator == "grpo" and t.args.algo.n_samples_per_prompt > 1
+    assert t.args.train.max_steps == 1 and not t.args.algo.needs_critic
+
+
 def test_a_run_stopped_by_an_error_is_not_restarted_by_the_same_object(tiny_model, tiny_data, tmp_path):
     from turborlhf import SFTTrainer
 
