@@ -31,17 +31,37 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"a.b=3"`` → ``("a.b", 3)``; the value is parsed as YAML (numbers, bools, lists, null)."""
+def parse_override(text: str, cls: type[Cfg] | None = None) -> tuple[str, Any]:
+    """``"a.b=3"`` → ``("a.b", 3)``; the value is parsed as YAML (numbers, bools, lists, null),
+    except for a text field of `cls` (``str``/``Optional[str]``), which keeps the text as given
+    (``null`` aside): YAML would read ``#`` as a comment and ``2024`` as a number."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("-")
+    if cls is not None and _is_text(_field_annotation(cls, key)) and raw.strip() not in ("null", "~"):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _field_annotation(cls: type[Cfg], dotted: str) -> Any:
+    """The annotation of the dotted field of `cls` (None where the path leaves the config classes)."""
+    node: Any = cls
+    ann = None
+    for part in dotted.split("."):
+        if node is None or part not in node.model_fields:
+            return None
+        ann = node.model_fields[part].annotation
+        node = _cfg_class(ann)
+    return ann
+
+
+def _is_text(ann: Any) -> bool:
+    return ann is str or (getattr(ann, "__args__", None) is not None and set(ann.__args__) == {str, type(None)})
 
 
 def _format_error(err: ValidationError, prefix: str = "") -> str:
@@ -89,7 +109,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"{p}: top level must be a mapping")
         _deep_update(tree, data)
     for ov in overrides:
-        key, value = parse_override(ov)
+        key, value = parse_override(ov, cls)
         _set_dotted(tree, key, value)
     try:
         return cls.model_validate(tree)

@@ -36,6 +36,17 @@ def test_overrides_take_precedence(tmp_path):
     assert cfg.optim.lr == 0.5 and cfg.train.max_steps == 7 and cfg.data.train_file == "a.jsonl"
 
 
+def test_a_text_field_override_keeps_its_text():
+    """Overrides were parsed as YAML whatever the field: a Jinja template with '#' became null (the
+    tokenizer's own template trained, silently), 'run #2' lost its end, 2024 was a number."""
+    template = "### Instruction: {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    cfg = load_config(SFTConfig, None, ["data.train_file=x", f"data.chat_template={template}",
+                                        "log.run_name=lr 1e-5 #2", "optim.lr=3e-4"])
+    assert cfg.data.chat_template == template and cfg.log.run_name == "lr 1e-5 #2" and cfg.optim.lr == 3e-4
+    assert load_config(SFTConfig, None, ["data.train_file=x", "log.run_name=2024"]).log.run_name == "2024"
+    assert load_config(SFTConfig, None, ["data.train_file=x", "data.chat_template=null"]).data.chat_template is None
+
+
 def test_partial_section_override_keeps_command_defaults():
     from turborlhf.config import PPOConfig
 
