@@ -750,6 +750,18 @@ class EvalCfg(Cfg):
     seed: int = Field(1234, description="sampling seed for evaluation generation")
     rollout: RolloutCfg = Field(default_factory=lambda: RolloutCfg(temperature=0.7, top_p=0.9))
 
+    @model_validator(mode="after")
+    def _check_rollout(self):
+        """eval.rollout's other fields were accepted and ignored: a value other than the default is refused."""
+        used = ("engine", "max_new_tokens", "temperature", "top_p", "dtype", "device", "sync_tolerance")
+        default = type(self).model_fields["rollout"].get_default(call_default_factory=True)
+        unused = [f for f in type(self.rollout).model_fields if f not in used
+                  and getattr(self.rollout, f) != getattr(default, f)]
+        if unused:
+            raise ValueError(f"eval.rollout.{unused[0]}: the evaluation samples with eval.rollout's "
+                             f"{', '.join(used[:-1])} only")
+        return self
+
 
 class PipelineConfig(Cfg):
     """`turborlhf pipeline`: prepare data → SFT → RM → PPO → evaluation, sharing one run directory.

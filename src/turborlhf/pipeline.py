@@ -12,8 +12,11 @@ Stage wiring (each stage section of the YAML overrides the command's own config)
   same test prompts and scored by the same RM, each prompt's two answers in one pass
   (`turborlhf.evaluate.eval_policy_pair`); a plot and a summary.
 
-``--resume`` skips stages whose directory holds a ``.done`` marker and resumes an interrupted
-stage from its last checkpoint.
+``--resume`` skips stages whose directory holds a ``.done`` marker (a training stage only while
+its config is the one it finished with: a changed one is refused, naming the fields, or with
+``--resume-changed`` trains that stage again) and resumes an interrupted stage from its last
+checkpoint. The stage sections cannot move a stage's output (``output_dir``): the stages find
+each other's models under ``run_dir``.
 
 The training stages (sft, rm, ppo) each run in a fresh process (`run_stage_in_child`), as the
 separate commands of TRL's and OpenRLHF's recipes do: a stage started in the process that had
@@ -46,6 +49,11 @@ __all__ = ["run"]
 
 
 def _stage_cfg(cls, base: dict, section: dict, name: str):
+    if "output_dir" in section:
+        from turborlhf.config import ConfigError
+
+        raise ConfigError(f"{name}.output_dir: the pipeline writes each stage to <run_dir>/{name}, where the "
+                          f"next stages read it; set run_dir instead")
     tree = json.loads(json.dumps(base))
     _deep_update(tree, json.loads(json.dumps(section)))
     return validate_section(cls, tree, name)
@@ -93,16 +101,28 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     t_all = time.perf_counter()
     for stage in cfg.stages:
         done = stage_dirs[stage] / ".done"
+        again = False                     # a finished stage trained again with a changed config
         if resume and done.exists():
-            logger.info(f"[pipeline] {stage}: done before, skipped")
-            continue
+            changed = _finished_with_another_config(stage_cfgs[stage], stage_dirs[stage]) if stage in _TRAINERS \
+                else ""
+            if not changed:
+                logger.info(f"[pipeline] {stage}: done before, skipped")
+                continue
+            from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
+
+            if not config_change_allowed():
+                raise ConfigChanged(f"{stage}: finished before with another config ({changed}); run with the config "
+                                    f"in {stage_dirs[stage] / 'config.yaml'}, or pass --resume-changed to train "
+                                    "the stage again")
+            logger.warning(f"[pipeline] {stage}: finished before with another config ({changed}): trained again")
+            again = True
         logger.info(f"\n[pipeline] ===== {stage} =====")
         done.unlink(missing_ok=True)      # a stage run again is not done until it finishes again
         t0 = time.perf_counter()
         if stage == "prepare":
             _prepare(cfg, model, data)
         elif stage in _TRAINERS:
-            run_stage_in_child(stage, stage_cfgs[stage], resume)
+            run_stage_in_child(stage, stage_cfgs[stage], resume and not again)
         elif stage == "eval":
             from turborlhf.report import evaluate_pipeline
 
@@ -115,6 +135,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     total = time.perf_counter() - t_all
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if set(timings) - {"eval"} and "eval" not in timings:
+        # a stage ran again after the evaluation: that evaluation is of the models before it
+        summary = {"stage_seconds": summary.get("stage_seconds", {}) if resume else {}}
     summary.setdefault("stage_seconds", {}).update(timings)
     summary["total_seconds"] = round(total, 1)
     atomic_write_text(summary_path, json.dumps(summary, indent=2))
@@ -123,6 +146,23 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     print_summary(summary)
     logger.info(f"[pipeline] finished in {format_duration(total)}; summary: {summary_path}")
     return summary
+
+
+def _finished_with_another_config(cfg, out: Path) -> str:
+    """The fields (``a.b: old -> new``) in which `cfg`, resolved for this host as the stage would,
+    differs from the ``config.yaml`` of the finished stage in `out` (empty: none, or no file)."""
+    import yaml
+
+    from turborlhf.engine.lifecycle import _is_field_default, config_changes
+    from turborlhf.engine.run import resolve_hardware
+
+    saved = out / "config.yaml"
+    if not saved.exists():
+        return ""
+    cfg = resolve_hardware(cfg, show=False)
+    changed = {k: v for k, v in config_changes(yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)).items()
+               if not (v[0] == "<unset>" and _is_field_default(cfg, k, v[1]))}
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
 
 
 def _prepare(cfg: PipelineConfig, model: str, data: Path) -> None:

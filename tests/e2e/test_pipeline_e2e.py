@@ -42,9 +42,18 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
         assert k in res
     assert res["n"] == 4
 
-    # --resume skips finished stages
-    run_cli("pipeline", "--config", REPO / "configs/tiny/pipeline.yaml", f"model={tiny_model}", f"run_dir={run_dir}",
-            f"prepare.input={REPO / 'data/hh-rlhf/harmless-base-1800.jsonl.gz'}", "--resume")
+    # --resume skips finished stages, while their config is the one they finished with
+    args = ["pipeline", "--config", REPO / "configs/tiny/pipeline.yaml", f"model={tiny_model}", f"run_dir={run_dir}",
+            f"prepare.input={REPO / 'data/hh-rlhf/harmless-base-1800.jsonl.gz'}"]
+    run_cli(*args, "--resume")
+    from turborlhf.cli import main
+
+    assert main([str(a) for a in args] + ["--resume", "sft.optim.lr=0.5"]) == 2        # was skipped, exit 0
+    assert main([str(a) for a in args] + ["sft.output_dir=elsewhere"]) == 2           # the stages read run_dir/sft
+    assert main([str(a) for a in args] + ["eval.rollout.top_k=1"]) == 2               # never passed on
+    # a fresh run of the first stage alone shows no evaluation of the models it replaces
+    run_cli(*args, "stages=[prepare]")
+    assert "rm_test_accuracy" not in json.loads((run_dir / "summary.json").read_text())
 
     # the RM stage's scores stay valid for a copy of the run directory (same test pairs by content),
     # not for other pairs; an eval.json without the digest is matched by its path
