@@ -104,8 +104,11 @@ def _is_hf_model(obj: Any) -> bool:
 
 def _save_model(model, tokenizer, dest: Path, what: str) -> str:
     """An in-memory model (and its tokenizer) as a HF directory `dest`; returns its path."""
-    from turborlhf.models.load import load_tokenizer
+    from turborlhf.models.load import is_lora, load_tokenizer
 
+    if is_lora(model):      # save_pretrained would write the adapters alone, which no trainer can start from
+        raise UserError(f"{what}: a peft (LoRA) model; pass its merged model (merge_and_unload()), or its base "
+                        "model with LoRA set in args (model.lora.rank / actor.lora.rank)")
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
         try:

@@ -73,7 +73,9 @@ def _split_overrides(rest: list[str], cls=None) -> list[str]:
         elif "=" in tok:
             out.append(tok)
         else:
-            raise SystemExit(f"error: unexpected argument '{tok}' (overrides look like key.sub=value)")
+            from turborlhf.config import ConfigError    # a bad input: exit code 2
+
+            raise ConfigError(f"unexpected argument '{tok}' (overrides look like key.sub=value)")
         i += 1
     return out
 

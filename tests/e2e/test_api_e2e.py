@@ -333,3 +333,17 @@ def test_an_in_memory_model_on_a_device_is_named_in_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _save_model(model, tok, tmp_path / "input_model", "model")
+
+
+def test_a_peft_model_is_refused_in_one_line(tiny_model, tiny_data, tmp_path):
+    """save_pretrained of a peft model writes its adapters alone: the trainer then failed with
+    'optimizer got an empty parameter list'."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf import SFTTrainer
+    from turborlhf.errors import UserError
+
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(UserError, match="model: a peft .LoRA. model; pass its merged model"):
+        SFTTrainer(model=peft, args={**SFT_ARGS, "output_dir": str(tmp_path / "p")}, train_dataset=_pairs(tiny_data))

@@ -146,3 +146,19 @@ def test_prompts_that_cannot_take_the_new_tokens_are_one_line_before_any_model_l
                f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
                f"output_dir={tmp_path / 'out'}", "rollout.max_new_tokens=1020", "log.tensorboard=false")
     _one_line_error(res, "rollout.max_new_tokens=1020", "1024 positions")
+
+
+def test_a_mistyped_model_path_a_lora_directory_and_a_stray_argument_are_one_line(tiny_model, tiny_data, tmp_path):
+    """A relative path that does not exist reads as a hub id: transformers' OSError traceback, exit
+    1. A LoRA adapter directory as the model to train: 'optimizer got an empty parameter list'. A
+    stray positional argument exited 1."""
+    _one_line_error(_sft("runs/no-such-sft", tiny_data / "train_pairs.jsonl", tmp_path),
+                    "runs/no-such-sft: not a local directory")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model)}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (adapter / f).write_bytes((tiny_model / f).read_bytes())
+    _one_line_error(_sft(adapter, tiny_data / "train_pairs.jsonl", tmp_path), "a LoRA adapter directory")
+    _one_line_error(_sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "stray.yaml"),
+                    "unexpected argument 'stray.yaml'")

@@ -37,7 +37,15 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        if os.path.isdir(path):
+            raise
+        from turborlhf.models.zoo import ZOO, NotAModelError      # a mistyped path reads as a hub id
+
+        raise NotAModelError(f"{name_or_path}: not a local directory, nor a zoo name ({', '.join(ZOO)}), and the "
+                             f"hub did not give it ({str(e).strip().splitlines()[0]})") from None
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         if tok.unk_token_id is not None and tok.unk_token_id != tok.eos_token_id:
             tok.pad_token = tok.unk_token
@@ -175,6 +183,11 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
     if kind not in loaders:
         raise ValueError(f"kind must be one of {sorted(loaders)}, got {kind!r}")
     init = init or model_cfg.name_or_path
+    if ckpt_dir is None and os.path.isfile(os.path.join(resolve_model_path(init), "adapter_config.json")):
+        from turborlhf.models.zoo import NotAModelError
+
+        raise NotAModelError(f"{init}: a LoRA adapter directory, not a model to train; give its base model "
+                             "(with model.lora.rank for new adapters) or export it merged first (turborlhf export)")
     lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
     src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
     model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
