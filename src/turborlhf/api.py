@@ -283,6 +283,11 @@ class _Trainer:
                         self._finish(stop.value, metrics)
                 return done, total, metrics
             except StopIteration as stop:         # a run with nothing left to do (resumed at its end)
+                from turborlhf.engine.checkpoint import latest_checkpoint
+
+                newest = latest_checkpoint(self.output_dir)
+                if newest is not None and not self.state.global_step:
+                    self.state.global_step = self.state.max_steps = int(newest.name.rsplit("-", 1)[-1])
                 self._finish(stop.value, {})
                 raise
             except BaseException as e:            # an error or a signal: this run object is done
@@ -312,13 +317,14 @@ class _Trainer:
             raise RuntimeError(f"{type(self).__name__}: no step left to run (the run in {self.output_dir} is "
                                "complete)") from None
 
-    def train(self, resume_from_checkpoint: bool = False) -> TrainResult:
+    def train(self, resume_from_checkpoint: bool | str | os.PathLike = False) -> TrainResult:
         """Run every step (after ``.step()`` calls: the rest) and return a `TrainResult`.
 
         Args:
-            resume_from_checkpoint: continue from the newest checkpoint in ``output_dir`` (as
-                ``--resume``; a changed config is refused, naming the fields). Only before any
-                ``.step()`` call.
+            resume_from_checkpoint: True: continue from the newest checkpoint in ``output_dir`` (as
+                ``--resume``; a changed config is refused, naming the fields). A checkpoint path
+                (TRL's form) is taken when it is that newest one, else refused (a run continues
+                from its newest checkpoint only). Only before any ``.step()`` call.
 
         Raises:
             RunInterrupted: SIGINT/SIGTERM stopped the run after saving a checkpoint.
@@ -326,6 +332,8 @@ class _Trainer:
         """
         if self._result is not None:
             return self._result
+        if not isinstance(resume_from_checkpoint, bool):
+            resume_from_checkpoint = self._newest_checkpoint_is(Path(resume_from_checkpoint))
         if self._steps is None and self._stopped is None:
             self._steps = self._train_steps(resume_from_checkpoint)
         elif resume_from_checkpoint:
@@ -336,6 +344,18 @@ class _Trainer:
             except StopIteration:
                 pass
         return self._result
+
+    def _newest_checkpoint_is(self, path: Path) -> bool:
+        """`train(resume_from_checkpoint=path)`: True where `path` is ``output_dir``'s newest
+        checkpoint (or ``output_dir`` itself); UserError otherwise."""
+        from turborlhf.engine.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(self.output_dir)
+        if path.resolve() == Path(self.output_dir).resolve() or (newest is not None
+                                                                  and path.resolve() == newest.resolve()):
+            return True
+        raise UserError(f"resume_from_checkpoint={str(path)!r}: a run continues from the newest checkpoint of its "
+                        f"output_dir ({newest or 'none yet'}); pass True, or that path")
 
     def close(self) -> None:
         """End a run that was stepped part-way: a checkpoint of the steps taken is saved (as on

@@ -310,6 +310,16 @@ def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_d
     assert again.train(resume_from_checkpoint=True).global_step == 3
     assert max_weight_diff(weights(tmp_path / "full"), weights(tmp_path / "r")) < 1e-7
     assert [r["step"] for r in metrics(tmp_path / "r")] == [1, 2, 3]
+    # TRL's checkpoint-path form: the newest checkpoint is taken (a finished run reports its steps);
+    # another path is refused (it was ignored, and the newest taken)
+    from turborlhf.errors import UserError
+
+    done = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "full")}, train_dataset=ds)
+    newest = tmp_path / "full" / "checkpoints" / "step-000003"
+    assert done.train(resume_from_checkpoint=str(newest)).global_step == 3
+    other = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "full")}, train_dataset=ds)
+    with pytest.raises(UserError, match="continues from the newest checkpoint"):
+        other.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoints" / "step-000001"))
 
 
 def test_an_in_memory_model_on_a_device_is_named_in_a_warning(tmp_path):
