@@ -447,8 +447,10 @@ class _RLTrainer(_Trainer):
             weight = float(self._weights[i]) if self._weights is not None else 1.0
             if isinstance(fn, (str, os.PathLike)):
                 spec = os.fspath(fn)
+                from turborlhf.rewards.verifiers import BUILTIN_REWARDS
+
                 kind = "remote" if spec.startswith(("http://", "https://")) else \
-                    "function" if ":" in spec and not Path(spec).exists() else "model"
+                    "function" if (":" in spec or spec in BUILTIN_REWARDS) and not Path(spec).exists() else "model"
                 sources.append({"kind": kind, "path": spec, "weight": weight})
             elif _is_hf_model(fn):
                 path = _save_model(fn, self._processing_class, out / f"reward_model_{i}", f"reward_funcs[{i}]")

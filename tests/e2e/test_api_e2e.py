@@ -256,6 +256,10 @@ def test_a_ppo_config_object_given_to_grpo_keeps_the_preset(tiny_model, tmp_path
     t = GRPOTrainer(model=tiny_model, train_dataset=_questions(), args=args)
     assert t.args.algo.advantage_estimator == "grpo" and t.args.algo.n_samples_per_prompt > 1
     assert t.args.train.max_steps == 1 and not t.args.algo.needs_critic
+    # a built-in reward named as a string is that function, not a model id
+    named = GRPOTrainer(model=tiny_model, reward_funcs="gsm8k_accuracy", train_dataset=_questions(),
+                        args={"output_dir": str(tmp_path / "n")})
+    assert [(s.kind, s.path) for s in named.args.rewards] == [("function", "gsm8k_accuracy")]
 
 
 def test_a_run_stopped_by_an_error_is_not_restarted_by_the_same_object(tiny_model, tiny_data, tmp_path):
