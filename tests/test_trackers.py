@@ -100,6 +100,7 @@ def test_report_to_config_and_tensorboard_flag(tmp_path, monkeypatch):
     assert trackers() == ["tensorboard"]
     assert trackers("log.tensorboard=false") == []
     assert trackers("log.report_to=[wandb,mlflow,wandb]") == ["wandb", "mlflow"]
+    assert trackers("log.report_to=wandb") == ["wandb"] and trackers("log.report_to=none") == []   # HF's forms
     assert trackers("log.report_to=[]") == []
     with pytest.raises(ConfigError, match="log.report_to"):
         trackers("log.report_to=[comet]")

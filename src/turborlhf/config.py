@@ -166,6 +166,11 @@ class LogCfg(Cfg):
     run_name: Optional[str] = Field(None, description="tracker run name; None = the output directory's name")
     progress: bool = Field(True, description="print a compact progress line per logged step")
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker(cls, v: Any) -> Any:   # HF's report_to also takes one name, and "none"
+        return ([] if v == "none" else [v]) if isinstance(v, str) else v
+
 
 class TrainLoopCfg(Cfg):
     seed: int = Field(42, description="random seed (data order, dropout, sampling)")
@@ -751,13 +756,11 @@ class EvalCfg(Cfg):
     rollout: RolloutCfg = Field(default_factory=lambda: RolloutCfg(temperature=0.7, top_p=0.9))
 
     @model_validator(mode="after")
-    def _check_rollout(self):
-        """eval.rollout's other fields were accepted and ignored: a value other than the default is refused."""
+    def _check_rollout(self):      # the evaluation reads these of eval.rollout: any other set is refused
         used = ("engine", "max_new_tokens", "temperature", "top_p", "dtype", "device", "sync_tolerance")
         default = type(self).model_fields["rollout"].get_default(call_default_factory=True)
-        unused = [f for f in type(self.rollout).model_fields if f not in used
-                  and getattr(self.rollout, f) != getattr(default, f)]
-        if unused:
+        if unused := [f for f in type(self.rollout).model_fields if f not in used
+                      and getattr(self.rollout, f) != getattr(default, f)]:
             raise ValueError(f"eval.rollout.{unused[0]}: the evaluation samples with eval.rollout's "
                              f"{', '.join(used[:-1])} only")
         return self
