@@ -57,7 +57,7 @@ import torch
 from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_returns, gae,
                             group_mean_baseline, group_normalized_advantages, kl_estimate, kl_penalized_rewards,
                             leave_one_out_advantages, masked_mean, masked_whiten)
-from turborlhf.config import PPOAlgoCfg, PPOConfig
+from turborlhf.config import ConfigError, PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import Sibling, WorkerError
@@ -69,6 +69,7 @@ from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, se
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs, trim_jsonl
 from turborlhf.models.load import load_tokenizer
 from turborlhf.models.reference import same_model
+from turborlhf.models.zoo import resolve_model_path
 from turborlhf.models.trunk import clear_trunk_caches, share_frozen_trunk
 from turborlhf.rewards.model import check_reward_model
 from turborlhf.rewards.normalize import RunningMoments
@@ -458,9 +459,6 @@ def _check_context(cfg: PPOConfig, longest: int) -> None:
     """Refuse, before any model loads, prompts that cannot take ``rollout.max_new_tokens`` within
     the actor's context (``max_position_embeddings``): the engine would refuse them mid-run."""
     from transformers import AutoConfig
-
-    from turborlhf.config import ConfigError
-    from turborlhf.models.zoo import resolve_model_path
 
     ctx = getattr(AutoConfig.from_pretrained(resolve_model_path(cfg.actor.name_or_path)), "max_position_embeddings",
                   None)
