@@ -118,3 +118,17 @@ def test_loaded_models_have_no_dropout_even_where_modules_copied_the_rate(tmp_pa
     with torch.no_grad():
         c = float(summed_logps(model, tok.pad_token_id, [seq], "fp32")[0])
     assert a == b == pytest.approx(c, abs=1e-5)
+
+
+def test_freeze_layers_freezes_every_input_side_parameter(tmp_path):
+    """GPT-2's learned position embeddings (wpe) sit beside the token embeddings: they kept
+    training under freeze_layers, and backward ran through every frozen layer to reach them."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    tok = load_tokenizer(str(save_tiny_causal_lm(tmp_path / "tok")))
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=3, n_head=2, n_positions=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    model = load_trainable("causal", ModelCfg(name_or_path=str(tmp_path / "gpt2"), freeze_layers=2, device="cpu"), tok)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("transformer.h.2.", "transformer.ln_f.")) for n in trainable), trainable

@@ -215,8 +215,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def freeze_layers(model: nn.Module, n: int) -> None:
-    """Freeze tuning: the input embeddings and decoder layers ``0..n-1`` keep their weights
-    (``requires_grad=False``); the layers above, the final norm and the head train. Autograd then
+    """Freeze tuning: the input side (embeddings, and position embeddings or embedding norms where
+    the model has them) and decoder layers ``0..n-1`` keep their weights (``requires_grad=False``);
+    the layers above, the final norm and the head train. Autograd then
     records nothing below layer `n`, so backward stops there: a step costs about
     ``1 + 2·(L - n)/L`` forward passes instead of 3 (L layers). The optimizer skips frozen
     parameters (`turborlhf.engine.train.make_optimizer`). With tied embeddings (SmolLM2) the LM
@@ -230,9 +231,14 @@ def freeze_layers(model: nn.Module, n: int) -> None:
 
         raise ConfigError(f"freeze_layers={n} must be below the model's {len(layers)} decoder layers "
                           "(something has to train)")
+    backbone = backbone_of(model)
+    final = next((m for m in (getattr(backbone, k, None) for k in ("norm", "ln_f", "final_layernorm"))
+                  if isinstance(m, nn.Module)), None)
+    trained = {id(p) for m in (*layers[n:], *([final] if final is not None else [])) for p in m.parameters()}
+    for p in backbone.parameters():                   # everything below layer n (GPT-2's wpe too)
+        if id(p) not in trained:
+            p.requires_grad_(False)
     model.get_input_embeddings().weight.requires_grad_(False)
-    for layer in layers[:n]:
-        layer.requires_grad_(False)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -283,6 +289,17 @@ def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     task = "SEQ_CLS" if hasattr(model, "score") else "CAUSAL_LM"
+    head = model.get_output_embeddings() if task == "CAUSAL_LM" else None
+    if head is not None and getattr(model.config, "tie_word_embeddings", False):
+        names = {n for n, m in model.named_modules() if m is head}
+        targets = [lora_cfg.target_modules] if isinstance(lora_cfg.target_modules, str) else lora_cfg.target_modules
+        hit = [t for t in targets if t in names or t in {n.rsplit(".", 1)[-1] for n in names}]
+        if hit:
+            from turborlhf.config import ConfigError
+
+            raise ConfigError(f"lora.target_modules: {hit[0]!r} is the LM head of a model with tied embeddings (it "
+                              "is the embedding matrix), whose adapter would be lost when the model is saved tied; "
+                              "leave it out")
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), task_type=task,
                       modules_to_save=["score"] if task == "SEQ_CLS" else None)
