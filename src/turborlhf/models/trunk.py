@@ -26,6 +26,7 @@ clears it at each step's experience.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -48,32 +49,37 @@ class TrunkCache:
     """Hidden states after the first `n_layers` decoder layers, per sequence (``T_real×H``
     tensors keyed by the autocast state and the sequence's real token ids), for the models that
     share those layers. Holds at most `max_bytes` (least recently used evicted); `hits` and
-    `misses` count sequences looked up."""
+    `misses` count sequences looked up. Thread-safe: PPO's asynchronous rollouts score with a
+    reward model on a background thread while the critic, sharing its trunk, trains."""
 
     def __init__(self, n_layers: int, max_bytes: int = 1 << 30) -> None:
         self.n_layers, self.max_bytes = n_layers, max_bytes
         self._rows: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
         self.bytes = self.hits = self.misses = 0
         _CACHES.add(self)
 
     def clear(self) -> None:
-        self._rows.clear()
-        self.bytes = 0
+        with self._lock:
+            self._rows.clear()
+            self.bytes = 0
 
     def get(self, key: tuple) -> Optional[torch.Tensor]:
-        h = self._rows.get(key)
-        if h is not None:
-            self._rows.move_to_end(key)
-        return h
+        with self._lock:
+            h = self._rows.get(key)
+            if h is not None:
+                self._rows.move_to_end(key)
+            return h
 
     def put(self, key: tuple, h: torch.Tensor) -> None:
-        if key in self._rows:
-            return
-        self._rows[key] = h
-        self.bytes += h.numel() * h.element_size()
-        while self.bytes > self.max_bytes and len(self._rows) > 1:
-            _, old = self._rows.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
+        with self._lock:
+            if key in self._rows:
+                return
+            self._rows[key] = h
+            self.bytes += h.numel() * h.element_size()
+            while self.bytes > self.max_bytes and len(self._rows) > 1:
+                _, old = self._rows.popitem(last=False)
+                self.bytes -= old.numel() * old.element_size()
 
     def __len__(self) -> int:
         return len(self._rows)
