@@ -47,3 +47,20 @@ def test_no_callbacks_outside_the_block_and_resumed_steps(tmp_path):
     log.log(3, {"x": 2.0})
     log.close()
     assert [e[:2] for e in rec.events] == [("begin", "rm"), ("step", 3), ("log", 3), ("end", "rm")]
+
+
+def test_a_callback_added_between_steps_sees_the_next_ones(tmp_path):
+    """A trainer object's add_callback after its first step had no effect: the logger kept the
+    callbacks of the block active when it was made."""
+    first, late = Record(), Record()
+    callbacks = [first]
+    with use_callbacks(callbacks):
+        log = MetricsLogger(tmp_path, "sft", 2, tensorboard=False, progress=False)
+        log.log(1, {"x": 1.0})
+    callbacks.append(late)
+    with use_callbacks(callbacks):                    # the trainer's next step, in a new block
+        log.log(2, {"x": 2.0})
+        log.close()
+    assert [e[:2] for e in late.events] == [("step", 2), ("log", 2), ("end", "sft")]
+    assert [e[:2] for e in first.events] == [("begin", "sft"), ("step", 1), ("log", 1), ("step", 2), ("log", 2),
+                                             ("end", "sft")]

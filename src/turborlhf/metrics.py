@@ -261,9 +261,15 @@ class MetricsLogger:
         self._jsonl = open(path, "a" if resume else "w")
         self._t0 = time.perf_counter()
         self._start_step = start_step
-        self._callbacks = _CALLBACKS.get()       # the `use_callbacks` block active now
+        self._started_with = _CALLBACKS.get()   # the `use_callbacks` block active now
         self._last_step = start_step
         _call(self._callbacks, "on_train_begin", name, total_steps)
+
+    @property
+    def _callbacks(self) -> tuple:
+        """The callbacks of the `use_callbacks` block active at each event (a trainer object's
+        ``add_callback`` between steps reaches the next ones), else those active at the start."""
+        return _CALLBACKS.get() or self._started_with
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         from turborlhf.trackers import finite_scalars
