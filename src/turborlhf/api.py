@@ -200,9 +200,10 @@ class _Trainer:
         elif isinstance(args, dict):
             tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
-            # another class's object (a PPOConfig given to GRPOTrainer): only the fields it was given
-            # go over this trainer's preset, not every default of that class
-            tree = config_to_dict(args) if type(args) is cls else args.model_dump(mode="json", exclude_unset=True)
+            # a parent class's object (a PPOConfig given to GRPOTrainer): only its values other than
+            # that class's defaults go over this trainer's preset
+            tree = config_to_dict(args) if isinstance(args, cls) else args.model_dump(mode="json",
+                                                                                      exclude_defaults=True)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)
@@ -317,7 +318,7 @@ class _Trainer:
             raise RuntimeError(f"{type(self).__name__}: no step left to run (the run in {self.output_dir} is "
                                "complete)") from None
 
-    def train(self, resume_from_checkpoint: bool | str | os.PathLike = False) -> TrainResult:
+    def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = False) -> TrainResult:
         """Run every step (after ``.step()`` calls: the rest) and return a `TrainResult`.
 
         Args:
@@ -332,7 +333,9 @@ class _Trainer:
         """
         if self._result is not None:
             return self._result
-        if not isinstance(resume_from_checkpoint, bool):
+        if resume_from_checkpoint is None:          # TRL's default
+            resume_from_checkpoint = False
+        elif not isinstance(resume_from_checkpoint, bool):
             resume_from_checkpoint = self._newest_checkpoint_is(Path(resume_from_checkpoint))
         if self._steps is None and self._stopped is None:
             self._steps = self._train_steps(resume_from_checkpoint)

@@ -99,10 +99,11 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     sft_out = str(stage_dirs["sft"]) if "sft" in cfg.stages else model
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
+    rerun = False                         # a stage ran again: the later ones build on its new output
     for stage in cfg.stages:
         done = stage_dirs[stage] / ".done"
-        again = False                     # a finished stage trained again with a changed config
-        if resume and done.exists():
+        again = rerun                     # a finished stage trained again (changed config, or an earlier one did)
+        if resume and done.exists() and not rerun:
             changed = _finished_with_another_config(stage_cfgs[stage], stage_dirs[stage]) if stage in _TRAINERS \
                 else ""
             if not changed:
@@ -127,6 +128,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
             from turborlhf.report import evaluate_pipeline
 
             evaluate_pipeline(cfg, run_dir, sft_out, data, timings)
+        rerun = rerun or again
         timings[stage] = round(time.perf_counter() - t0, 1)
         release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)

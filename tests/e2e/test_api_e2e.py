@@ -324,6 +324,8 @@ def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_d
     other = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "full")}, train_dataset=ds)
     with pytest.raises(UserError, match="continues from the newest checkpoint"):
         other.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoints" / "step-000001"))
+    fresh = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "none")}, train_dataset=ds)
+    assert fresh.train(resume_from_checkpoint=None).global_step == 3             # TRL's default: a fresh run
 
 
 def test_an_in_memory_model_on_a_device_is_named_in_a_warning(tmp_path):

@@ -49,6 +49,13 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     from turborlhf.cli import main
 
     assert main([str(a) for a in args] + ["--resume", "sft.optim.lr=0.5"]) == 2        # was skipped, exit 0
+    # --resume-changed trains the stage again, and every stage after it (they built on its old model)
+    before = {s: (run_dir / s / ".done").stat().st_mtime_ns for s in ("prepare", "sft", "rm", "ppo", "eval")
+              if (run_dir / s / ".done").exists()}
+    assert main([str(a) for a in args] + ["--resume-changed", "sft.optim.lr=0.5"]) == 0
+    after = {s: (run_dir / s / ".done").stat().st_mtime_ns for s in before}
+    assert [s for s in before if after[s] != before[s]] == ["sft", "rm", "ppo", "eval"], (before, after)
+    assert "rm_test_accuracy" in json.loads((run_dir / "summary.json").read_text())
     assert main([str(a) for a in args] + ["sft.output_dir=elsewhere"]) == 2           # the stages read run_dir/sft
     assert main([str(a) for a in args] + ["eval.rollout.top_k=1"]) == 2               # never passed on
     # a fresh run of the first stage alone shows no evaluation of the models it replaces

@@ -71,7 +71,8 @@ def resolve_model_dir(checkpoint: str | Path, model: Optional[str] = None) -> Pa
 _EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "adapter_config.json",
-                 "adapter_model.safetensors")
+                 "adapter_model.safetensors", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+                 "chat_template.json")
 
 
 def _check_output(src: Path, out: Path) -> None:
@@ -79,7 +80,7 @@ def _check_output(src: Path, out: Path) -> None:
     the source run or checkpoint (`src` inside `out`, or `out` inside it), or a directory holding
     anything else. Raises ExportError naming it."""
     s, o = src.resolve(), out.resolve()
-    if o == s or o in s.parents or s in o.parents:
+    if o == s or o in s.parents:
         raise ExportError(f"--output {out}: would replace the checkpoint it exports from ({src}); choose another "
                           "directory")
     if o.exists() and not o.is_dir():

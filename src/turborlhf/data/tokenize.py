@@ -132,7 +132,8 @@ def _fit(p_ids: list[int], p_mask: list[int], r_ids: list[int], bos: int | None,
     p_cut, m_cut = [p_ids[i] for i in kept], [p_mask[i] for i in kept]
     r_cut = r_ids[:r_keep]
     mask = m_cut + [1] * len(r_cut)
-    mask[:1] = [0]               # nothing predicts the first token: it is never scored, nor counted
+    if mask:                     # nothing predicts the first token: it is never scored, nor counted
+        mask[0] = 0
     return {
         "input_ids": p_cut + r_cut,
         "loss_mask": mask,
@@ -164,7 +165,8 @@ def _cut_prompt(enc: dict, k: int, bos: int | None = None) -> dict:
     ids, mask = enc["input_ids"], enc["loss_mask"]
     lead = 1 if bos is not None and ids[:1] == [bos] and enc["prompt_len"] - k >= 1 else 0
     mask = mask[:lead] + mask[lead + k:]
-    mask[:1] = [0]
+    if mask:
+        mask[0] = 0
     return {**enc, "input_ids": ids[:lead] + ids[lead + k:], "loss_mask": mask,
             "prompt_len": enc["prompt_len"] - k, "prompt_truncated": True}
 

@@ -195,14 +195,14 @@ class _StopOnSignal:
 
 
 _ACTIVE: list[_StopOnSignal] = []     # the handlers of the running `checkpointed_steps` loops
-_STOP_NEXT: list[bool] = []           # `stop_at_next_step` asked the next loop that resumes to stop
+_STOP_NEXT = threading.local()        # `stop_at_next_step` asked this thread's next loop to stop
 
 
 def stop_at_next_step() -> None:
-    """Make the next `checkpointed_steps` loop to resume stop as on a signal: save the steps done,
+    """Make this thread's next `checkpointed_steps` loop to resume stop as on a signal: save the steps done,
     then raise `RunInterrupted`. `turborlhf.api`'s ``close()`` of a run stepped part-way resumes
     its loop once with this, so the last step taken is kept."""
-    _STOP_NEXT[:] = [True]
+    _STOP_NEXT.asked = True
 
 
 def stop_requested() -> Optional[int]:
@@ -233,8 +233,8 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
         for step in range(start, total):
             yield step
             done = step + 1
-            asked = bool(_STOP_NEXT)
-            _STOP_NEXT.clear()
+            asked = getattr(_STOP_NEXT, "asked", False)
+            _STOP_NEXT.asked = False
             if stop.signum is not None or asked:
                 path = save(done)
                 name = signal.Signals(stop.signum).name if stop.signum is not None else "close()"

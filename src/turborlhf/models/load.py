@@ -231,14 +231,13 @@ def freeze_layers(model: nn.Module, n: int) -> None:
 
         raise ConfigError(f"freeze_layers={n} must be below the model's {len(layers)} decoder layers "
                           "(something has to train)")
-    backbone = backbone_of(model)
-    final = next((m for m in (getattr(backbone, k, None) for k in ("norm", "ln_f", "final_layernorm"))
-                  if isinstance(m, nn.Module)), None)
-    trained = {id(p) for m in (*layers[n:], *([final] if final is not None else [])) for p in m.parameters()}
-    for p in backbone.parameters():                   # everything below layer n (GPT-2's wpe too)
-        if id(p) not in trained:
-            p.requires_grad_(False)
+    for child in backbone_of(model).children():       # the input side: what the model builds before
+        if child is layers:                           # its layer list (GPT-2's wpe, embedding norms)
+            break
+        child.requires_grad_(False)
     model.get_input_embeddings().weight.requires_grad_(False)
+    for layer in layers[:n]:
+        layer.requires_grad_(False)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
