@@ -127,7 +127,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         elif stage == "eval":
             from turborlhf.report import evaluate_pipeline
 
-            evaluate_pipeline(cfg, run_dir, sft_out, data, timings)
+            evaluate_pipeline(cfg, run_dir, sft_out, data, timings, stage_cfgs["rm"].data.max_len)
         rerun = rerun or again
         timings[stage] = round(time.perf_counter() - t0, 1)
         release_freed_memory()    # the next stage's working set differs (engine.malloc)

@@ -48,13 +48,7 @@ def rm_eval_covers(rm_res: dict, test_pairs: str) -> bool:
     return Path(rm_res.get("data", "")).resolve() == Path(test_pairs).resolve()
 
 
-def _rm_default_max_len() -> int:
-    from turborlhf.config import RMConfig, default_tree
-
-    return default_tree(RMConfig)["data"]["max_len"]
-
-
-def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict) -> dict:
+def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict, rm_max_len: int = 1024) -> dict:
     from turborlhf.evaluate import eval_policy_pair, eval_rm
 
     E = cfg.eval
@@ -66,8 +60,7 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     rm_eval, test_pairs = run_dir / "rm" / "eval.json", str(data / "test_pairs.jsonl")
     rm_res = json.loads(rm_eval.read_text()) if rm_eval.exists() else {}
     if not rm_eval_covers(rm_res, test_pairs):      # at the RM stage's length budget, as it trained
-        rm_res = eval_rm(rm_dir, test_pairs, max_len=int((cfg.rm.get("data") or {}).get("max_len") or
-                                                         _rm_default_max_len()))
+        rm_res = eval_rm(rm_dir, test_pairs, max_len=rm_max_len)
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]
     summary["rm_test_length"] = rm_res["length"]
