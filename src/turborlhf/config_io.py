@@ -34,18 +34,31 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def parse_override(text: str, cls: type[Cfg] | None = None) -> tuple[str, Any]:
     """``"a.b=3"`` → ``("a.b", 3)``; the value is parsed as YAML (numbers, bools, lists, null),
     except for a text field of `cls` (``str``/``Optional[str]``), which keeps the text as given
-    (``null`` aside): YAML would read ``#`` as a comment and ``2024`` as a number."""
+    (``null`` aside): YAML would read ``#`` as a comment and ``2024`` as a number. A text value
+    wholly in matching quotes (``name="a b"``, as a script may pass it) loses them, as Hydra's do."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("-")
     if cls is not None and _is_text(_field_annotation(cls, key)) and raw.strip() not in ("null", "~"):
-        return key, raw
+        return key, _unquote(raw)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _unquote(raw: str) -> str:
+    text = raw.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return raw
+        if isinstance(value, str):
+            return value
+    return raw
 
 
 def _field_annotation(cls: type[Cfg], dotted: str) -> Any:

@@ -45,6 +45,12 @@ def test_a_text_field_override_keeps_its_text():
     assert cfg.data.chat_template == template and cfg.log.run_name == "lr 1e-5 #2" and cfg.optim.lr == 3e-4
     assert load_config(SFTConfig, None, ["data.train_file=x", "log.run_name=2024"]).log.run_name == "2024"
     assert load_config(SFTConfig, None, ["data.train_file=x", "data.chat_template=null"]).data.chat_template is None
+    # A value wholly quoted, as a script passes it without a shell to strip them, loses its quotes;
+    # quotes inside the text stay.
+    quoted = load_config(SFTConfig, None, ["data.train_file=x", 'log.run_name="run #2"'])
+    assert quoted.log.run_name == "run #2"
+    assert load_config(SFTConfig, None, ["data.train_file=x", "log.run_name='2024'"]).log.run_name == "2024"
+    assert load_config(SFTConfig, None, ["data.train_file=x", 'log.run_name=say "hi"']).log.run_name == 'say "hi"'
 
 
 def test_partial_section_override_keeps_command_defaults():
