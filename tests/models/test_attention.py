@@ -121,21 +121,26 @@ def test_saved_config_does_not_name_it(tiny_model, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()).get("_attn_implementation") in (None, "sdpa")
 
 
-def test_a_cpu_loaded_model_computing_on_a_gpu_goes_back_to_sdpa(tiny_model):
+def test_a_cpu_loaded_model_computing_on_a_gpu_goes_back_to_sdpa_and_plain_layers(tiny_model):
     """Offloaded reference/reward models are loaded on the CPU (which gives them this attention)
     but compute on the GPU: there they get sdpa back, and the log-probs stay the same; on the CPU
     they keep it. No GPU is needed: only the device's type is read."""
     from turborlhf.models.attention import attention_for_compute_device
     from turborlhf.models.forward import packs_sequences
+    from turborlhf.models.fused import fused_layer_count
 
     model = load_causal_lm(str(tiny_model))
+    fused = fused_layer_count(model)
+    assert fused > 0
     ids, am = _batch()
     target = am.clone()
     target[:, 1:] &= am[:, :-1]                                     # tokens with a real token before them
     with torch.no_grad():
         before = response_logprobs(model, ids, am, target)[0]
     assert attention_for_compute_device(model, "cpu").config._attn_implementation == "turborlhf"
+    assert fused_layer_count(model) == fused
     assert attention_for_compute_device(model, torch.device("cuda")) is model
     assert model.config._attn_implementation == "sdpa" and not packs_sequences(model.model)
+    assert fused_layer_count(model) == 0            # the CPU's fused norm/SwiGLU/cast forwards go too
     with torch.no_grad():
         torch.testing.assert_close(response_logprobs(model, ids, am, target)[0], before, rtol=1e-5, atol=1e-5)

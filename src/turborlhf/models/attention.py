@@ -311,9 +311,14 @@ def attention_for_compute_device(model: nn.Module, device) -> nn.Module:
     a model loaded on the CPU that computes on a GPU (a reference or reward model offloaded between
     uses, ``distributed.ref_reward_offload``) goes back to ``sdpa``, since the ``"turborlhf"``
     attention's packed path attends one sequence at a time (a host sync per layer there) and its
-    other paths are tuned for the CPU. `device`: a ``torch.device`` or its name."""
+    other paths are tuned for the CPU; the fused layers of `turborlhf.models.fused` go too
+    (`use_plain_layers`). `device`: a ``torch.device`` or its name."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base, "config", None)
+    if torch.device(device).type != "cpu":
+        from turborlhf.models.fused import use_plain_layers
+
+        use_plain_layers(model)
     if (torch.device(device).type != "cpu" and cfg is not None
             and getattr(cfg, "_attn_implementation", None) == ATTN_IMPLEMENTATION):
         base.set_attn_implementation("sdpa")

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["NORM_CLASSES", "MLP_CLASSES", "PROJECTIONS", "fused_rms_norm", "silu_mul", "silu_mul_linear", "cast_linear",
-           "use_fused_layers", "fused_layer_count"]
+           "use_fused_layers", "use_plain_layers", "fused_layer_count"]
 
 #: RMSNorm classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -340,6 +340,19 @@ def use_fused_layers(model: nn.Module) -> int:
         else:
             continue
         n += 1
+    return n
+
+
+def use_plain_layers(model: nn.Module) -> int:
+    """Undo `use_fused_layers`: the modules get their class's forward back. For a model loaded on
+    the CPU that trains on a GPU (FSDP shards it from the CPU): the fused forwards are tuned for
+    the CPU, and off it they would differ from the plain model's rounding (the norm's backward
+    from its bf16-rounded output under autocast). Returns the number of modules changed."""
+    n = 0
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "__func__", None) in (_norm_forward, _mlp_forward, _linear_forward):
+            del module.forward
+            n += 1
     return n
 
 
