@@ -311,3 +311,55 @@ def test_segment_mask_keeps_responses_apart_and_windows():
     assert m[2].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert plan.mask(window=2)[2, 0].int().tolist() == [[0, 1, 1, 0], [0, 0, 1, 1]]
     assert plan.out_slot_N.tolist() == [0, 1, 4, 5, 2]            # slot s·Q + q of each packed token
+
+
+def _scaled_logit_model(tmp_path, kind: str):
+    """A tiny model whose causal-LM class transforms its head's output: Gemma2 caps the logits
+    (final_logit_softcapping), Granite divides them (logits_scaling), Cohere multiplies them
+    (logit_scale). Embeddings enlarged so the logits reach the cap's range."""
+    from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
+
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = {"gemma2": lambda: Gemma2Config(**base, head_dim=16, sliding_window=64, final_logit_softcapping=5.0),
+           "granite": lambda: GraniteConfig(**base, logits_scaling=8.0),
+           "cohere": lambda: CohereConfig(**base, logit_scale=0.25)}[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval(), load_causal_lm(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_the_model_classes_own_logits(tmp_path, kind, temperature):
+    """The log-probs were the bare head's: Gemma2's soft cap, Granite's and Cohere's logit scales
+    were left out (9 nats per token off on a Gemma2 with logits of ~24), so SFT/DPO/PPO trained
+    another distribution than the model samples from. Now equal to HF's logits / temperature,
+    with the entropy, and its gradient path too."""
+    ref, model = _scaled_logit_model(tmp_path, kind)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    attn, tgt = torch.ones_like(ids), torch.zeros_like(ids)
+    tgt[:, 4:] = 1
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits[:, :-1].float() / temperature
+    logp_hf = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent_hf = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    sel = tgt[:, 1:].bool()
+    with torch.no_grad():
+        lp, ent = response_logprobs(model.eval(), ids, attn, tgt, with_entropy=True, temperature=temperature)
+    torch.testing.assert_close(lp[:, 1:][sel], logp_hf[sel], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent[:, 1:][sel], ent_hf[sel], rtol=1e-4, atol=1e-4)
+    lp, ent = response_logprobs(model, ids, attn, tgt, with_entropy=True, entropy_grad=True, temperature=temperature)
+    torch.testing.assert_close(lp[:, 1:][sel].detach(), logp_hf[sel], rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_logit_scale_is_refused(tmp_path):
+    from turborlhf.models.forward import final_logit_transform
+
+    _, model = _scaled_logit_model(tmp_path, "granite")
+    model.config.model_type = "granite_future"
+    with pytest.raises(ValueError, match="logits_scaling=8.0"):
+        final_logit_transform(model)

@@ -178,10 +178,50 @@ def _packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, valid
     return h_NH.new_zeros((B * T, h_NH.shape[-1])).index_copy(0, idx_N, h_NH).view(B, T, -1)
 
 
+# model types whose causal-LM class scales the head's logits: (config attribute, multiply or divide)
+_LOGIT_SCALES = {"granite": ("logits_scaling", False), "granitemoe": ("logits_scaling", False),
+                 "granitemoeshared": ("logits_scaling", False), "granitemoehybrid": ("logits_scaling", False),
+                 "granite_swa": ("logits_scaling", False), "granitemoe_swa": ("logits_scaling", False),
+                 "minicpm3": ("logits_scaling", False), "hyperclovax": ("logits_scaling", True),
+                 "cohere": ("logit_scale", True), "cohere2": ("logit_scale", True)}
+
+
+def final_logit_transform(model: nn.Module) -> tuple[float, Optional[float]]:
+    """``(scale, softcap)``: what the model's causal-LM class does to its head's output before
+    returning logits, ``softcap · tanh(scale · z / softcap)`` (no cap where None). transformers'
+    Gemma2/Gemma3 cap them (``final_logit_softcapping``), Granite and MiniCPM3 divide them by
+    ``logits_scaling``, Cohere multiplies by ``logit_scale``; scoring with the bare head would
+    train another distribution than the model samples from. Raises ValueError for a model type
+    not in `_LOGIT_SCALES` whose config scales its logits (``logits_scaling``/``logit_scale`` ≠ 1):
+    whether it multiplies or divides is the class's choice."""
+    cfg = getattr(backbone_of(model), "config", None) or getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    model_type = getattr(cfg, "model_type", "")
+    scale = 1.0
+    if model_type in _LOGIT_SCALES:
+        attr, multiply = _LOGIT_SCALES[model_type]
+        value = float(getattr(cfg, attr, 1.0) or 1.0)
+        scale = value if multiply else 1.0 / value
+    else:
+        for attr in ("logits_scaling", "logit_scale"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, (int, float)) and float(value) != 1.0:
+                raise ValueError(f"model type {model_type!r} sets {attr}={value}, which its class applies to the "
+                                 "logits in a way turborlhf does not know: not supported for training")
+    return scale, (float(cap) if cap else None)
+
+
 def _plain_head_chunk(head: nn.Module, h_nH: torch.Tensor, labels_n: torch.Tensor, temperature: float,
-                      with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`response_logprobs`' plain path for one chunk of positions: (log-probs, entropies or None)."""
+                      with_entropy: bool, entropy_grad: bool,
+                      scale: float = 1.0, softcap: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`response_logprobs`' plain path for one chunk of positions: (log-probs, entropies or None).
+    The model's logits (`final_logit_transform`: `scale`, `softcap`), then the sampling temperature."""
     logits = head(h_nH).float()                                              # n×V
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.gather(-1, labels_n[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -213,7 +253,8 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
             chunk's are recomputed there.
         temperature: the logits are divided by it first: the distribution the rollout engine samples
             from at that temperature (PPO/GRPO score their samples this way, as verl, OpenRLHF and
-            TRL do). Must be > 0.
+            TRL do). Must be > 0. The logits are the model class's own (its scale or soft cap,
+            `final_logit_transform`, applied before the temperature).
         share_prompts: rows whose tokens before their first target are identical (the G samples
             of one prompt in GRPO/RLOO) compute those tokens once (`shared_prompt_hidden_states`);
             same results. Only with turborlhf's training attention (`packs_sequences`).
@@ -231,10 +272,12 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
     h_NH = hidden[:, :-1][sel]                                               # N×H
     labels_N = input_ids_BT[:, 1:][sel]                                      # N
     head = model.get_output_embeddings()
+    scale, softcap = final_logit_transform(model)
     logps, ents = [], []
-    if fusable_head(head) and not (with_entropy and entropy_grad and torch.is_grad_enabled()):
+    if (fusable_head(head) and softcap is None
+            and not (with_entropy and entropy_grad and torch.is_grad_enabled())):
         # the log-softmax in one C pass per row, the logits kept in the matmul's dtype (`head_logprobs`)
-        lp, ent = head_logprobs(h_NH, head, labels_N, temperature, with_entropy, chunk_tokens)
+        lp, ent = head_logprobs(h_NH, head, labels_N, temperature / scale, with_entropy, chunk_tokens)
         logps, ents = [lp], ([ent] if with_entropy else [])
     else:                               # a wrapped head, or an entropy bonus (its gradient): plain autograd
         # each chunk's fp32 logits are kept for the backward, or recomputed there where all of them
@@ -242,7 +285,7 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         recompute = torch.is_grad_enabled() and not keeps_logits(h_NH.shape[0], head.weight.shape[0], 4)
         for s in range(0, h_NH.shape[0], chunk_tokens):
             args = (head, h_NH[s:s + chunk_tokens], labels_N[s:s + chunk_tokens], temperature, with_entropy,
-                    entropy_grad)
+                    entropy_grad, scale, softcap)
             lp, ent = checkpoint(_plain_head_chunk, *args, use_reentrant=False) if recompute else _plain_head_chunk(*args)
             logps.append(lp)
             if with_entropy:
