@@ -293,6 +293,13 @@ def test_errors(fast):
         fast.generate([[1] * 500], SamplingParams(max_new_tokens=20))
     with pytest.raises(ValueError):
         fast.score_logprobs([[1]], [[2], [3]])
+    # response ids and lengths are checked as generate's prompts are (an IndexError before)
+    with pytest.raises(ValueError, match="response 1 has token ids outside"):
+        fast.score_logprobs([[1], [1]], [[2], [fast.vocab_size]])
+    with pytest.raises(ValueError, match="response 0 has token ids outside"):
+        fast.score_logprobs([[1]], [[-1]])
+    with pytest.raises(ValueError, match="past the model's"):
+        fast.score_logprobs([[1] * (fast.max_positions - 2)], [[2, 3, 4]])
 
 
 def test_make_engine(model):

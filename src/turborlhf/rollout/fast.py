@@ -688,11 +688,18 @@ class FastEngine(FastEngineWeights):
     def score_logprobs(self, prompts: Sequence[Sequence[int]],
                        responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """Temperature-1 log-probs of each response token given its prompt (one full forward
-        per chunk of `max_batch_size` rows, left padding). Raises ValueError on empty prompts
-        or mismatched lengths."""
+        per chunk of `max_batch_size` rows, left padding). Raises ValueError on empty prompts,
+        mismatched lengths, token ids outside the vocabulary or a row past the context."""
         prompts = check_prompts(prompts, self.vocab_size)
         if len(prompts) != len(responses):
             raise ValueError("prompts and responses differ in length")
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            r = [int(t) for t in r]
+            if r and (min(r) < 0 or max(r) >= self.vocab_size):
+                raise ValueError(f"response {i} has token ids outside [0, {self.vocab_size})")
+            if len(p) + len(r) > self.max_positions:
+                raise ValueError(f"row {i}: prompt + response is {len(p) + len(r)} tokens, past the model's "
+                                 f"{self.max_positions} positions")
         out: list[list[float]] = []
         with torch.inference_mode():
             for s in range(0, len(prompts), self.max_batch_size):
