@@ -46,3 +46,14 @@ def test_sft_max_test_samples_evaluates_the_test_files_first_examples(tiny_model
     first, every = (evaluate_nll(model, tok, e, "fp32", 8) for e in (enc[:3], enc))
     assert len(enc) > 3
     assert abs(logged - first) < 1e-4 and abs(first - every) > 1e-3
+
+
+def test_every_evaluation_is_logged_whatever_log_every(tiny_model, tiny_data, tmp_path):
+    """`train.eval_every=2` with `log.every=3`: the evaluations after steps 2 (and the final one)
+    were computed and dropped (only steps 3 and 4 were logged); now every evaluated step is a row."""
+    out = tmp_path / "sft"
+    _sft(tiny_model, tiny_data, out, "train.max_steps=4", "train.eval_every=2", "log.every=3",
+         "data.max_test_samples=4")
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "train/loss" in r] == [2, 3, 4]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]

@@ -33,7 +33,8 @@ from turborlhf.errors import UserError
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps", "stop_requested",
-           "allow_config_change", "config_change_allowed", "config_changes", "RESUME_EXEMPT", "run_to_end"]
+           "allow_config_change", "config_change_allowed", "config_changes", "RESUME_EXEMPT", "run_to_end",
+           "eval_due", "log_due"]
 
 # Fields that may differ on --resume without changing what is computed: where things go (the output
 # directory, the placement of roles on workers: Ray and the local backend train the same numbers),
@@ -242,6 +243,18 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
                                      "continue with --resume", stop.signum or signal.SIGTERM)
             if save_every and done % save_every == 0 and done < total:
                 save(done)
+
+
+def eval_due(done: int, total: int, eval_every: int, has_eval_data: bool) -> bool:
+    """Whether a trainer evaluates after its optimizer step `done` (1-based) of `total`:
+    ``train.eval_every`` steps apart, not after the last (the final evaluation follows it)."""
+    return bool(has_eval_data and eval_every and done % eval_every == 0 and done < total)
+
+
+def log_due(done: int, total: int, log_every: int, evaluated: bool) -> bool:
+    """Whether step `done`'s metrics are logged: ``log.every`` steps apart, the last step, and any
+    step that evaluated (its evaluation would be computed and lost otherwise)."""
+    return done % log_every == 0 or done == total or evaluated
 
 
 def run_to_end(steps: Iterator[Any]) -> Any:

@@ -19,7 +19,7 @@ import torch
 from turborlhf.algo import reduce_loss, sft_nll_loss
 from turborlhf.data.tokenize import pad_batch
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end
+from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end
 from turborlhf.engine.run import export_model
 from turborlhf.engine.train import autocast, clip_and_step, make_optimizer, make_scheduler
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
@@ -107,9 +107,10 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
             n_tok = sum(len(e["input_ids"]) for e in batch)
             metrics = {M.LOSS: step_loss, M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
             done = step + 1
-            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+            evaluated = eval_due(done, len(plan), loop.eval_every, bool(test_enc))
+            if evaluated:
                 metrics[M.EVAL_LOSS] = evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype, loop.micro_batch_size)
-            if done % cfg.log.every == 0 or done == len(plan):
+            if log_due(done, len(plan), cfg.log.every, evaluated):
                 log.log(done, metrics)
             yield done, len(plan), metrics
 

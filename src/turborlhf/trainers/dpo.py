@@ -52,7 +52,7 @@ from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.data.tokenize import encode_pair
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -238,9 +238,10 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
             if "nll" in sums:
                 metrics[NLL] = sums["nll"] / n_pairs
             done = step + 1
-            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+            evaluated = eval_due(done, len(plan), loop.eval_every, bool(test_enc))
+            if evaluated:
                 metrics.update(_eval_metrics(evaluate(model, tok, test_enc, ref, cfg)))
-            if done % cfg.log.every == 0 or done == len(plan):
+            if log_due(done, len(plan), cfg.log.every, evaluated):
                 log.log(done, metrics)
             yield done, len(plan), metrics
 

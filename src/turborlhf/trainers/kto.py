@@ -40,7 +40,7 @@ from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -231,9 +231,10 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
             metrics = {**_summary(sums, n), M.KL: float(z0), M.LR: lr, M.GRAD_NORM: gnorm,
                        M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
             done = step + 1
-            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+            evaluated = eval_due(done, len(plan), loop.eval_every, bool(test_enc))
+            if evaluated:
                 metrics.update({k: v for k, v in evaluate(model, tok, test_enc, test_kl, ref, cfg).items() if k != "n"})
-            if done % cfg.log.every == 0 or done == len(plan):
+            if log_due(done, len(plan), cfg.log.every, evaluated):
                 log.log(done, metrics)
             yield done, len(plan), metrics
 

@@ -23,7 +23,7 @@ from turborlhf.config import RMConfig
 from turborlhf.data.jsonl import file_sha256
 from turborlhf.data.loaders import load_pairs
 from turborlhf.engine.checkpoint import restore, save_checkpoint, trainer_state
-from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
+from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
                                     seed_everything, set_threads)
@@ -149,10 +149,11 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
             metrics = {M.LOSS: loss_sum / n_pairs, M.RM_ACC: correct / n_pairs, M.RM_MARGIN: margin_sum / n_pairs,
                        M.LR: lr, M.GRAD_NORM: gnorm, M.TOKENS_PER_S: n_tok / dt, M.T_STEP: dt}
             done = step + 1
-            if test_enc and loop.eval_every and done % loop.eval_every == 0 and done < len(plan):
+            evaluated = eval_due(done, len(plan), loop.eval_every, bool(test_enc))
+            if evaluated:
                 ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
                 metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
-            if done % cfg.log.every == 0 or done == len(plan):
+            if log_due(done, len(plan), cfg.log.every, evaluated):
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
