@@ -45,9 +45,12 @@ def test_ppo_options_adaptive_kl_samples_entropy(tiny_model, tiny_rm, tiny_data,
     out = tmp_path / "ppo2"
     _ppo(tiny_model, tiny_rm, tiny_data, out, "train.max_steps=2", "algo.kl_target=0.5", "algo.kl_estimator=k3",
          "algo.n_samples_per_prompt=2", "algo.entropy_coef=0.01", "algo.dual_clip=3.0", "algo.normalize_reward=true",
-         "algo.critic_warmup_steps=1", "rollout.engine=hf")
+         "algo.critic_warmup_steps=1", "rollout.engine=hf", "optim.schedule=linear", "optim.warmup_steps=0")
     rows = [r for r in metrics(out) if "policy/kl_coef" in r]
     assert len(rows) == 2
+    # train/lr is the rate the step's first update used: the actor's linear schedule spans its 4
+    # updates of step 2 (it logged the rate after them, 0, one step late)
+    assert rows[0]["train/lr"] == rows[1]["train/lr"] == 1e-4
     assert rows[0]["policy/kl_coef"] != rows[1]["policy/kl_coef"]  # adaptive controller moved β
     assert "policy/loss" not in rows[0] and "policy/loss" in rows[1]  # critic warm-up step
 

@@ -572,6 +572,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     t_exp = time.perf_counter() - t0
     rlvr.mismatch_alarm(exp, cfg, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
+    lr = cluster["actor"].run("info")[0]["lr"]      # the rate of this step's first update
     t0 = time.perf_counter()
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)
     t_train = time.perf_counter() - t0
@@ -592,7 +593,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     metrics.update(rlvr.rlvr_metrics(exp, cfg) | ro.metrics)
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
                     M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
-                    float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: cluster["actor"].run("info")[0]["lr"]})
+                    float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: lr})
     metrics.update(pipe.metrics(batch))
     if len(per_engine) > 1:
         metrics.update({f"rollout/engine{r}_items": float(n) for r, n in enumerate(per_engine)})
