@@ -72,6 +72,18 @@ def length_strata(pairs: list[dict], correct: list[bool]) -> dict:
             "accuracy_chosen_shorter": acc(True), "accuracy_chosen_not_shorter": acc(False)}
 
 
+def check_context(config, ids: list[list[int]], max_new_tokens: int) -> None:
+    """Raises UserError when the longest of the prompts `ids` plus `max_new_tokens` exceeds the
+    model's context (``config.max_position_embeddings``; no check where the config has none)."""
+    from turborlhf.errors import UserError
+
+    ctx = getattr(config, "max_position_embeddings", None)
+    longest = max(map(len, ids), default=0)
+    if ctx and longest + max_new_tokens > ctx:
+        raise UserError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                        f"policy's context ({ctx} positions): lower the new-token limit")
+
+
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
                        dtype: str = "auto", device="cpu", tool=None, raw_logprobs: bool = False) -> tuple:
@@ -89,12 +101,8 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     from turborlhf.rollout.base import SamplingParams
 
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
-    config = policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy))
-    ctx = getattr(config, "max_position_embeddings", None)
-    longest = max(map(len, ids), default=0)
-    if ctx and longest + max_new_tokens > ctx:
-        raise UserError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                        f"policy's context ({ctx} positions): lower the new-token limit")
+    check_context(policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy)), ids,
+                  max_new_tokens)
     eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=stop_ids(tok), seed=seed, return_logprobs=raw_logprobs,

@@ -42,6 +42,12 @@ def test_generate_matches_the_engine_and_reads_any_source(tiny_model, tiny_data,
             assert (g["finished"], g["response_tokens"]) == (fin, len(ids))
     assert main(["generate", "--model", str(tiny_model), "--prompts", str(tmp_path / "none.jsonl"),
                  "--output", str(out)]) == 2
+    # past the model's context: one error, no output written (the HF engine ran past it silently)
+    ctx = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    long_out = tmp_path / "long.jsonl"
+    assert main(["generate", "--model", str(tiny_model), "--prompts", str(src), "--output", str(long_out),
+                 "--prompt-key", "question", "--engine", "hf", "--max-new-tokens", str(ctx)]) == 2
+    assert not long_out.exists()
 
 
 def _chat(tiny_model, monkeypatch, capsys, text, *extra):

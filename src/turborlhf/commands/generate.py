@@ -67,14 +67,18 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     """Generate ``params.n`` responses per prompt of ``prompts_file`` and write them to ``output``
     (JSONL, atomically). Returns ``{"prompts", "samples", "tokens", "seconds", "tokens_per_s"}``.
 
-    Raises ``DataError`` / ``FileNotFoundError`` for bad prompts (see ``load_prompts``).
+    Raises ``DataError`` / ``FileNotFoundError`` for bad prompts (see ``load_prompts``), ``UserError``
+    when the longest prompt plus ``params.max_new_tokens`` exceeds the model's context.
     """
     from dataclasses import replace
+
+    from transformers import AutoConfig
 
     from turborlhf.data.chat import stop_ids
     from turborlhf.data.jsonl import write_jsonl
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.evaluate import check_context
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rollout import make_engine
@@ -84,6 +88,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     prompts = load_prompts(prompts_file, tok, keys=keys, chat_template=chat_template)
     prompts = prompts[:limit] if limit else list(prompts)
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
+    check_context(AutoConfig.from_pretrained(path), ids, params.max_new_tokens)
     if not params.stop_token_ids:
         params = replace(params, stop_token_ids=stop_ids(tok))
     eng = make_engine(engine, path, dtype=dtype, device=device, max_batch_size=batch_size)
