@@ -372,6 +372,13 @@ def main(name: str, argv: list[str]) -> int:
                    help="where the models run (auto: cuda, then mps, then cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
+    checks = ((("--max-len", a.max_len >= 2), ("--batch-size", a.batch_size >= 1), ("--limit", a.limit >= 0))
+              if name == "eval-rm" else
+              (("--n", a.n >= 1), ("--max-new-tokens", a.max_new_tokens >= 1), ("--temperature", a.temperature >= 0),
+               ("--top-p", 0 < a.top_p <= 1)))
+    for flag, ok in checks:
+        if not ok:
+            p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
     # everything but the final JSON goes to stderr so stdout stays machine-readable
     with contextlib.redirect_stdout(sys.stderr):
         if name == "eval-rm":

@@ -162,3 +162,18 @@ def test_a_mistyped_model_path_a_lora_directory_and_a_stray_argument_are_one_lin
     _one_line_error(_sft(adapter, tiny_data / "train_pairs.jsonl", tmp_path), "a LoRA adapter directory")
     _one_line_error(_sft(tiny_model, tiny_data / "train_pairs.jsonl", tmp_path, "stray.yaml"),
                     "unexpected argument 'stray.yaml'")
+
+
+@pytest.mark.parametrize("name, args, flag", [
+    ("eval-policy", ["--n", "0"], "--n: 0"),                 # printed NaN means (not JSON) and exited 0
+    ("eval-policy", ["--n", "-1"], "--n: -1"),               # evaluated all prompts but the last
+    ("eval-rm", ["--limit", "-1"], "--limit: -1"),           # scored all pairs but the last
+])
+def test_evaluation_counts_out_of_range_are_refused(tmp_path, capsys, name, args, flag):
+    from turborlhf.evaluate import main
+
+    need = (["--model", "m", "--data", "d"] if name == "eval-rm"
+            else ["--policy", "p", "--reward-model", "r", "--prompts", "q"])
+    with pytest.raises(SystemExit) as exit_:
+        main(name, need + args)
+    assert exit_.value.code == 2 and f"{flag} is out of range" in capsys.readouterr().err
