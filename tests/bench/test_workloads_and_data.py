@@ -164,3 +164,26 @@ def test_bench_data_errors(tmp_path):
     one.write_text(bad.read_text().splitlines()[0] + "\n")
     with pytest.raises(ValueError, match="only 1 usable pairs, 2 needed"):
         load_hh_pairs(one, 2)
+
+
+def test_the_ppo_benchs_reward_model_follows_the_base_model(tmp_path):
+    """The head was written once and reused whatever `--model` a later run named: our side scored
+    (and its critic started) from an earlier model's trunk while TRL's used the new one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from turborlhf.bench.data import write_fresh_reward_model
+    from turborlhf.models.tiny import save_tiny_causal_lm
+
+    a, b = save_tiny_causal_lm(tmp_path / "a", seed=0), save_tiny_causal_lm(tmp_path / "b", seed=1)
+    out = tmp_path / "data" / "reward_model"
+
+    def embeddings(path, cls):
+        return cls.from_pretrained(path).model.embed_tokens.weight
+
+    write_fresh_reward_model(a, out)
+    mtime = (out / "config.json").stat().st_mtime_ns
+    write_fresh_reward_model(a, out)                                   # the same model: kept
+    assert (out / "config.json").stat().st_mtime_ns == mtime
+    write_fresh_reward_model(b, out)                                   # another one: rebuilt on it
+    assert torch.equal(embeddings(out, AutoModelForSequenceClassification), embeddings(b, AutoModelForCausalLM))

@@ -103,7 +103,9 @@ def write_bench_data(hh_path: str | Path, out_dir: str | Path, n_pairs: int, n_p
 
 def write_fresh_reward_model(model_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
     """Save `model_dir` with a freshly initialised scalar head (``*ForSequenceClassification``,
-    ``num_labels=1``, torch seed `seed`) and its tokenizer into `out_dir`, once; returns it.
+    ``num_labels=1``, torch seed `seed`) and its tokenizer into `out_dir`; returns it. Kept for the
+    next run while `model_dir` (its files' sizes and times) and `seed` are the same, rebuilt when
+    they differ (a reward model of an earlier ``--model`` would score with another trunk).
 
     The PPO benchmark's reward model: TRL's script builds the same kind of model from the base
     checkpoint in-process, and `turborlhf ppo` refuses a causal-LM directory as a reward model
@@ -114,14 +116,32 @@ def write_fresh_reward_model(model_dir: str | Path, out_dir: str | Path, seed: i
 
     from turborlhf.models.load import load_scalar_model, load_tokenizer
 
+    import shutil
+
     out = Path(out_dir)
-    if (out / "config.json").exists():
+    src = Path(model_dir).resolve()
+    source = {"model": str(src), "seed": seed,
+              "files": sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in src.iterdir() if f.is_file())}
+    if (out / "config.json").exists() and _read_json(out / SOURCE_FILE) == source:
         return out
+    shutil.rmtree(out, ignore_errors=True)      # built from another model (an earlier --model) or unfinished
     tok = load_tokenizer(str(model_dir))
     torch.manual_seed(seed)
     model = load_scalar_model(str(model_dir), tok)
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    (tmp / SOURCE_FILE).write_text(json.dumps(source))
     tmp.rename(out)
     return out
+
+
+SOURCE_FILE = "bench_source.json"      # which base model (and its files) the head was put on
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
