@@ -20,11 +20,12 @@ a = p.parse_args()
 C.setup_threads(a.threads)
 
 import datasets  # noqa: E402
+import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 tok = AutoTokenizer.from_pretrained(a.model)
-model = AutoModelForCausalLM.from_pretrained(a.model)
+model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
 rows = C.read_jsonl(a.data)
 ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in rows])
 timer = C.step_timer()

@@ -24,6 +24,7 @@ a = p.parse_args()
 C.setup_threads(a.threads)
 
 import datasets  # noqa: E402
+import torch  # noqa: E402
 import trl  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -39,7 +40,7 @@ cfg = trl.GRPOConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch
                      num_generations=a.group, max_completion_length=a.new_tokens, learning_rate=a.lr, logging_steps=1,
                      save_strategy="no", report_to="none", use_cpu=True, bf16=C.resolve_dtype(a.dtype) == "bf16", seed=a.seed, disable_tqdm=True,
                      gradient_checkpointing=a.gradient_checkpointing, generation_kwargs=gen_kwargs)
-model = AutoModelForCausalLM.from_pretrained(a.model)
+model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
 t0 = time.perf_counter()
 trainer = trl.GRPOTrainer(model=model, reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[timer])

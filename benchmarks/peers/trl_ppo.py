@@ -36,10 +36,10 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
 tok = AutoTokenizer.from_pretrained(a.model)
 tok.padding_side = "left"
-policy = AutoModelForCausalLM.from_pretrained(a.model)
-ref = AutoModelForCausalLM.from_pretrained(a.model)
-rm = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1)
-vm = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1)
+policy = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+ref = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+rm = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1, dtype=torch.float32)
+vm = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1, dtype=torch.float32)
 for m in (rm, vm):
     m.config.pad_token_id = tok.pad_token_id
 rows = C.read_jsonl(a.data)

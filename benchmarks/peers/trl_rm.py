@@ -1,4 +1,4 @@
-"""TRL RewardTrainer (current trl) on CPU, bf16: SmolLM2 + a fresh scalar head, timed per step.
+"""TRL RewardTrainer (current trl) on CPU, at the harness's precision (--dtype): SmolLM2 + a fresh scalar head, timed per step.
 
 Adapted from shared/peers/trl_rm.py: the pairs come from the harness's file (the same file
 `turborlhf rm` reads); TRL gets ``chosen = prompt + chosen`` and ``rejected = prompt + rejected``
@@ -19,11 +19,12 @@ a = p.parse_args()
 C.setup_threads(a.threads)
 
 import datasets  # noqa: E402
+import torch  # noqa: E402
 import trl  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
 tok = AutoTokenizer.from_pretrained(a.model)
-model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1)
+model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1, dtype=torch.float32)
 model.config.pad_token_id = tok.pad_token_id
 rows = C.read_jsonl(a.data)
 ds = datasets.Dataset.from_list([{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}

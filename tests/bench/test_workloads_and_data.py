@@ -187,3 +187,20 @@ def test_the_ppo_benchs_reward_model_follows_the_base_model(tmp_path):
     assert (out / "config.json").stat().st_mtime_ns == mtime
     write_fresh_reward_model(b, out)                                   # another one: rebuilt on it
     assert torch.equal(embeddings(out, AutoModelForSequenceClassification), embeddings(b, AutoModelForCausalLM))
+
+
+@pytest.mark.parametrize("script", ["trl_dpo.py", "trl_grpo.py", "trl_ppo.py", "trl_rm.py"])
+def test_the_trl_peers_load_fp32_master_weights(script):
+    """The peers loaded the checkpoint in its stored dtype: from a bf16 checkpoint TRL trained
+    pure-bf16 weights (even under --dtype fp32) while our side keeps fp32 master weights, and the
+    report named the harness's precision for both. Every model load now asks for fp32."""
+    import ast
+
+    tree = ast.parse((REPO / "benchmarks" / "peers" / script).read_text())
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "from_pretrained" and isinstance(n.func.value, ast.Name)
+             and n.func.value.id.startswith("AutoModelFor")]
+    assert loads
+    for call in loads:
+        kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+        assert kw.get("dtype") == "torch.float32", (script, ast.unparse(call))
