@@ -150,6 +150,21 @@ def test_bench_data_files(tmp_path):
     assert load_hh_pairs(HH, 12) == pairs
 
 
+def test_bench_pairs_are_ones_neither_side_truncates(tmp_path):
+    """TRL's RewardTrainer drops a pair past max_length, `turborlhf rm` cuts its prompt: the two
+    sides trained on different pairs and lengths. The bench's pairs now fit both untouched."""
+    from turborlhf.bench.data import fits_untruncated
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    n = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+    longest = lambda r: max(n(r["prompt"] + r["chosen"]), n(r["prompt"] + r["rejected"]))
+    assert max(map(longest, load_hh_pairs(HH, 12))) > 96               # the unfiltered pairs would be cut
+    paths = write_bench_data(HH, tmp_path, n_pairs=12, n_prompts=0, fits=fits_untruncated(tok, 96))
+    pairs = [json.loads(l) for l in paths["pairs"].read_text().splitlines()]
+    assert len(pairs) == 12 and max(map(longest, pairs)) + 4 <= 96
+
+
 def test_bench_data_errors(tmp_path):
     assert first_user_turn("\n\nHuman: hi there \n\nAssistant: yes\n\nHuman: more\n\nAssistant:") == "hi there"
     with pytest.raises(ValueError, match="not an HH prompt"):

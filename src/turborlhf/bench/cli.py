@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 
 from turborlhf.bench import report as R
-from turborlhf.bench.data import write_bench_data, write_fresh_reward_model
+from turborlhf.bench.data import fits_untruncated, write_bench_data, write_fresh_reward_model
 from turborlhf.bench.measure import GIB, ChildResult, run_child
 from turborlhf.bench.peers import PeerUnavailable, ensure_package
 from turborlhf.bench.workloads import (WORKLOADS, RunContext, SideRun, Workload, data_needed, our_command, our_config,
@@ -192,7 +192,13 @@ def _main(a: argparse.Namespace) -> int:
             ctx.new_tokens = a.new_tokens
     base_cfg = yaml.safe_load((repo / w.config).read_text()) if w.config else None
     n_pairs, n_prompts = data_needed(w, base_cfg, ctx)
-    ctx.data = write_bench_data(hh, out / "data", n_pairs, n_prompts)
+    max_len = ((base_cfg or {}).get("data") or {}).get("max_len")
+    fits = None
+    if n_pairs and max_len:                 # pairs neither side truncates nor drops (`fits_untruncated`)
+        from turborlhf.models.load import load_tokenizer
+
+        fits = fits_untruncated(load_tokenizer(str(model_dir)), int(max_len))
+    ctx.data = write_bench_data(hh, out / "data", n_pairs, n_prompts, fits)
     if base_cfg and "reward_model" in base_cfg:
         ctx.reward_model_dir = str(write_fresh_reward_model(model_dir, out / "data" / "reward_model"))
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Callable, Optional
 
-__all__ = ["iter_hh_pairs", "load_hh_pairs", "first_user_turn", "write_bench_data", "write_fresh_reward_model"]
+__all__ = ["iter_hh_pairs", "load_hh_pairs", "fits_untruncated", "first_user_turn", "write_bench_data", "write_fresh_reward_model"]
 
 ASSISTANT = "\n\nAssistant:"
 HUMAN = "\n\nHuman: "
@@ -50,19 +51,32 @@ def iter_hh_pairs(path: str | Path):
             yield {"prompt": prompt, "chosen": c[k:], "rejected": r[k:]}
 
 
-def load_hh_pairs(path: str | Path, n: int) -> list[dict]:
-    """The first `n` usable pairs of `path` (see `iter_hh_pairs`).
+def load_hh_pairs(path: str | Path, n: int, fits: Optional[Callable[[dict], bool]] = None) -> list[dict]:
+    """The first `n` usable pairs of `path` (see `iter_hh_pairs`) for which `fits` (if given) holds.
 
-    Raises ValueError for a malformed line (naming it) or if the file has fewer than `n` usable pairs.
+    Raises ValueError for a malformed line (naming it) or if the file has fewer than `n` such pairs.
     """
     rows: list[dict] = []
     for r in iter_hh_pairs(path) if n > 0 else ():
+        if fits is not None and not fits(r):
+            continue
         rows.append(r)
         if len(rows) >= n:
             break
     if len(rows) < n:
         raise ValueError(f"{path}: only {len(rows)} usable pairs, {n} needed")
     return rows
+
+
+def fits_untruncated(tokenizer, max_len: int, margin: int = 4) -> Callable[[dict], bool]:
+    """A `load_hh_pairs` filter: both ``prompt + chosen`` and ``prompt + rejected`` within `max_len`
+    tokens (less `margin` for special tokens). The peers treat longer pairs differently (TRL's
+    RewardTrainer drops them, `turborlhf rm` cuts the prompt from the left), so the benchmark's
+    pairs are ones neither side shortens: both train on the same tokens."""
+    def fits(r: dict) -> bool:
+        return all(len(tokenizer(r["prompt"] + r[k], add_special_tokens=False)["input_ids"]) + margin <= max_len
+                   for k in ("chosen", "rejected"))
+    return fits
 
 
 def first_user_turn(prompt: str) -> str:
@@ -75,14 +89,16 @@ def first_user_turn(prompt: str) -> str:
     return prompt.split(HUMAN, 1)[1].split(ASSISTANT, 1)[0].strip()
 
 
-def write_bench_data(hh_path: str | Path, out_dir: str | Path, n_pairs: int, n_prompts: int) -> dict[str, Path]:
-    """Write ``pairs.jsonl`` (`n_pairs`) and ``prompts.jsonl`` (`n_prompts` distinct first turns).
+def write_bench_data(hh_path: str | Path, out_dir: str | Path, n_pairs: int, n_prompts: int,
+                     fits: Optional[Callable[[dict], bool]] = None) -> dict[str, Path]:
+    """Write ``pairs.jsonl`` (`n_pairs`, those `fits` accepts: `fits_untruncated`) and
+    ``prompts.jsonl`` (`n_prompts` distinct first turns).
 
     Returns ``{"pairs": path, "prompts": path}``. Raises ValueError if the source has too few.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pairs = load_hh_pairs(hh_path, n_pairs) if n_pairs else []
+    pairs = load_hh_pairs(hh_path, n_pairs, fits) if n_pairs else []
     prompts: list[str] = []
     seen: set[str] = set()
     for r in iter_hh_pairs(hh_path) if n_prompts > 0 else ():
