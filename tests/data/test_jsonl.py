@@ -20,6 +20,13 @@ def test_read_plain_and_gz_with_line_numbers(tmp_path):
         assert rows[2][1] == ["x"] and rows[3][1] == {"b": "ü"}
 
 
+def test_a_byte_order_mark_and_crlf_lose_nothing(tmp_path):
+    """A file saved with a UTF-8 BOM (Windows editors) lost its first example as bad JSON."""
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n{"b": "\xef\xbb\xbfx"}\r\n')
+    assert list(read_jsonl(p)) == [(1, {"a": 1}), (2, {"b": "\ufeffx"})]     # only the file's BOM goes
+
+
 def test_write_atomic_round_trip(tmp_path):
     rows = [{"i": i, "t": "é"} for i in range(5)]
     for name in ("out.jsonl", "out.jsonl.gz"):

@@ -63,7 +63,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     with f:
         for line_no, raw in enumerate(_lines(f, path), start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")   # a BOM some editors write
             except UnicodeDecodeError as e:
                 raise DataFileError(f"{path}: line {line_no} is not UTF-8 text (byte {e.start + 1}: {e.reason}); "
                                     "convert the file to UTF-8") from None
