@@ -66,6 +66,9 @@ def test_arrow_and_json_array_files(tok, tmp_path):
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": PAIRS[:1]}))
     assert len(load_pairs(wrapped, tok)) == 1
+    bom = tmp_path / "bom.json"         # a BOM made the array unreadable as one document
+    bom.write_text("\ufeff" + json.dumps({"data": PAIRS[:1]}), encoding="utf-8")
+    assert len(load_pairs(bom, tok)) == 1
     csv = tmp_path / "qa.csv"
     csv.write_text("question,answer\nWhat?,This\n")
     assert list(load_sft(csv, tok, keys={"prompt": "question", "response": "answer"})) == [

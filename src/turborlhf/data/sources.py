@@ -113,7 +113,7 @@ def _json_document(p: Path) -> list | None:
     not one JSON document (JSON lines)."""
     opener = gzip.open if p.name.lower().endswith(".gz") else open
     try:
-        with opener(p, "rt", encoding="utf-8") as f:
+        with opener(p, "rt", encoding="utf-8-sig") as f:
             doc = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
