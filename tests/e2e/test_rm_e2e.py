@@ -1,6 +1,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
@@ -47,3 +48,15 @@ def test_rm_margin_and_centering_options_run(tiny_model, tiny_data, tmp_path):
         "train.freeze_embeddings=true", "data.max_test_samples=3")
     assert len(metrics(tmp_path / "rm2")) >= 2
     assert json.loads((tmp_path / "rm2" / "eval.json").read_text())["n"] == 3    # the test file's first 3 pairs
+
+
+def test_the_evaluation_loss_uses_the_pairs_margins_as_training_does():
+    """`train.margin`: training minimised −log σ(rc − rr − m) but eval/loss left m out, so the
+    two were not comparable (and a model meeting every margin read as better than it was)."""
+    from turborlhf.trainers.reward_model import pair_margins, summarize_scores
+
+    ch, rj = torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0])
+    enc = [{"margin": 2.0}, {"margin": 0.0}]
+    want = (-math.log(1 / (1 + math.exp(1.0))) - math.log(1 / (1 + math.exp(-0.5)))) / 2
+    assert summarize_scores(ch, rj, pair_margins(enc, True))["loss"] == pytest.approx(want, rel=1e-6)
+    assert pair_margins(enc, False) is None and pair_margins(enc + [{"margin": None}], True) is None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -57,14 +57,25 @@ def score_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: i
     return ch, rj
 
 
-def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> dict:
-    """Accuracy (strict >, ties wrong), mean loss and margin, and score mean/std over pairs."""
-    return summarize_scores(*score_pairs(model, tokenizer, encoded, dtype, batch_size))
+def evaluate_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int,
+                   use_margin: bool = False) -> dict:
+    """Accuracy (strict >, ties wrong), mean loss and margin, and score mean/std over pairs; the
+    loss with each pair's ``margin`` where `use_margin` (``train.margin``) and every pair has one."""
+    return summarize_scores(*score_pairs(model, tokenizer, encoded, dtype, batch_size),
+                            pair_margins(encoded, use_margin))
 
 
-def summarize_scores(ch: torch.Tensor, rj: torch.Tensor) -> dict:
-    """Accuracy (strict >, ties wrong), mean loss and margin, score mean/std of (chosen_N, rejected_N)."""
-    loss, stats = pairwise_rm_loss(ch, rj)
+def pair_margins(encoded: list[dict], use_margin: bool) -> Optional[torch.Tensor]:
+    """The pairs' ``margin`` fields as an N tensor, or None (not asked for, or a pair lacks one)."""
+    if not use_margin or any(e.get("margin") is None for e in encoded):
+        return None
+    return torch.tensor([float(e["margin"]) for e in encoded])
+
+
+def summarize_scores(ch: torch.Tensor, rj: torch.Tensor, margin: Optional[torch.Tensor] = None) -> dict:
+    """Accuracy (strict >, ties wrong), mean loss (−log σ(rc − rr − margin), the training loss
+    without its centering term) and mean score difference, score mean/std of (chosen_N, rejected_N)."""
+    loss, stats = pairwise_rm_loss(ch, rj, margin)
     both = torch.cat([ch, rj])
     return {"accuracy": float((ch > rj).float().mean()), "loss": float(loss.mean()),
             "margin": float((ch - rj).mean()), "score_mean": float(both.mean()), "score_std": float(both.std()),
@@ -151,7 +162,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
             done = step + 1
             evaluated = eval_due(done, len(plan), loop.eval_every, bool(test_enc))
             if evaluated:
-                ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
+                ev = evaluate_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size, loop.margin)
                 metrics[M.EVAL_ACC], metrics[M.EVAL_LOSS] = ev["accuracy"], ev["loss"]
             if log_due(done, len(plan), cfg.log.every, evaluated):
                 log.log(done, metrics)
@@ -163,7 +174,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
             from turborlhf.evaluate import length_strata
 
             ch, rj = score_pairs(model, tok, test_enc, cfg.model.dtype, 2 * loop.micro_batch_size)
-            ev = summarize_scores(ch, rj)
+            ev = summarize_scores(ch, rj, pair_margins(test_enc, loop.margin))
             # eval-rm's fields, so the pipeline's evaluation reads this file instead of scoring the pairs again
             ev.update({"length": length_strata(test_pairs, (ch > rj).tolist()), "data": str(cfg.data.test_file),
                        # a file's content digest (a Dataset, a save_to_disk directory or a hub id has none)
