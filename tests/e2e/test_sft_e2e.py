@@ -57,3 +57,25 @@ def test_every_evaluation_is_logged_whatever_log_every(tiny_model, tiny_data, tm
     rows = metrics(out)
     assert [r["step"] for r in rows if "train/loss" in r] == [2, 3, 4]
     assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]
+
+
+def test_resume_refuses_a_changed_step_plan(tiny_model, tiny_data, tmp_path):
+    """The training file edited between the runs (same path, same config) resumed silently with
+    another example order: the rest of the run repeated some examples and skipped others."""
+    import shutil
+
+    from turborlhf.cli import main
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(tiny_data / "train_pairs.jsonl", data)
+    out = tmp_path / "sft"
+    args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"model.name_or_path={tiny_model}",
+            f"data.train_file={data}", "data.max_samples=64", f"output_dir={out}", "train.max_steps=4",
+            "train.keep_checkpoints=3", "log.tensorboard=false"]
+    assert main(args) == 0
+    rewind_to(out, 2)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[1:]))                        # one example fewer: another plan
+    assert main(args + ["--resume"]) == 2
+    assert (out / "checkpoints" / "step-000002").exists()      # nothing lost
+    assert main(args + ["--resume", "--resume-changed"]) == 0

@@ -33,7 +33,7 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "plan_digest",
            "atomic_write_text", "trainer_state", "restore"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
@@ -261,20 +261,51 @@ def load_trainer_state(ckpt_dir: str | Path) -> dict:
     return torch.load(Path(ckpt_dir) / "trainer_state.pt", map_location="cpu", weights_only=False)
 
 
-def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int) -> dict:
-    """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG and `step`
-    (optimizer steps done); the counterpart of `restore`."""
-    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
-            "step": step}
+def plan_digest(plan: list[list[int]], examples: Optional[list] = None) -> str:
+    """SHA-256 of a run's step plan (the example indices of every optimizer step, in order) and,
+    given `examples` (the encoded training examples the indices point into), of the examples each
+    step takes: a training file edited in place changes it though the indices may not change."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(plan, separators=(",", ":")).encode())
+    if examples is not None:
+        for i in sorted({i for step in plan for i in step}):
+            h.update(json.dumps(examples[i], sort_keys=True, separators=(",", ":"), default=str).encode())
+    return h.hexdigest()
 
 
-def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, scheduler, tag: str = "train") -> int:
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int, plan_sha256: Optional[str] = None) -> dict:
+    """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG, `step`
+    (optimizer steps done) and its step plan's `plan_digest`; the counterpart of `restore`."""
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+             "step": step}
+    if plan_sha256 is not None:
+        state["plan_sha256"] = plan_sha256
+    return state
+
+
+def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, scheduler, tag: str = "train",
+            plan_sha256: Optional[str] = None) -> int:
     """Load the state written by `trainer_state` from checkpoint directory `ckpt` into `optimizer`
     and `scheduler`, restore the RNG, and return the step to continue from (0 when `ckpt` is None:
-    a fresh run). Raises FileNotFoundError if `ckpt` has no ``trainer_state.pt``."""
+    a fresh run). Raises FileNotFoundError if `ckpt` has no ``trainer_state.pt``, and
+    `turborlhf.engine.lifecycle.ConfigChanged` if `plan_sha256` differs from the one the checkpoint
+    was written with (other data, or another batching of it: the rest of the run would repeat some
+    examples and skip others), unless ``--resume-changed`` allows it."""
     if ckpt is None:
         return 0
     state = load_trainer_state(ckpt)
+    saved = state.get("plan_sha256")           # None in checkpoints written before it was recorded
+    if plan_sha256 is not None and saved is not None and saved != plan_sha256:
+        from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
+
+        what = (f"--resume from {ckpt}: the examples of each step differ from the run's (the training data or "
+                "its batching changed since the checkpoint was written), so the rest of the run would repeat "
+                "some examples and skip others")
+        if not config_change_allowed():
+            raise ConfigChanged(f"{what}; start a new run, or pass --resume-changed to continue anyway")
+        logger.warning(f"[{tag}] --resume-changed: {what}")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
