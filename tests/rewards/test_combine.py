@@ -38,3 +38,24 @@ def test_function_sources_get_texts_and_are_weighted(tmp_path):
 def test_duplicate_names_are_rejected():
     with pytest.raises(ValueError, match="unique"):
         CombinedReward([("x", 1.0, None), ("x", 2.0, None)])
+
+
+def test_a_function_returning_none_leaves_its_rows_to_the_other_sources(tmp_path):
+    """TRL's convention for task-specific reward functions: None = not scored by this function,
+    left out of that row's weighted sum (it was an error). A row no source scores is an error, and
+    a NaN from any other kind of source is never read as "not scored"."""
+    f = tmp_path / "rules.py"
+    f.write_text("def math(prompts, responses):\n    return [1.0 if 'b' in p else None for p in prompts]\n"
+                 "def code(prompts, responses):\n    return [None if 'b' in p else 2.0 for p in prompts]\n"
+                 "def never(prompts, responses):\n    return [None for p in prompts]\n")
+    spec = lambda fn, name, w=1.0: SimpleNamespace(kind="function", path=f"{f}:{fn}", weight=w, name=name,
+                                                   timeout_s=1, retries=0)
+    inp = RewardInputs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), [[1, 2], [3]], [[3, 4, 5], [6]], _Tok())
+    total, per = build_reward([spec("math", "m", 0.5), spec("code", "c", 2.0)], None, _Tok())(inp)
+    assert torch.equal(total, torch.tensor([0.5, 4.0])) and per["m"].isnan().tolist() == [False, True]
+    with pytest.raises(ValueError, match=r"no reward source scored row\(s\) \[0, 1\]"):
+        build_reward([spec("never", "n")], None, _Tok())(inp)
+    nan_model = lambda inp: torch.tensor([float("nan"), 1.0])
+    with pytest.raises(ValueError, match="'rm' returned NaN"):
+        CombinedReward([("rm", 1.0, nan_model), ("m", 1.0, build_reward([spec("math", "m")], None, _Tok())
+                                                         .sources[0][2])])(inp)

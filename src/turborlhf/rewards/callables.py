@@ -152,6 +152,8 @@ def callable_kwargs(fn: Callable, prompts: list[str], completions: list[str], co
 class CallableSource:
     """A reward source (`turborlhf.rewards.combine`) calling an in-process Python callable."""
 
+    may_skip_rows = True          # None (NaN) for a response the callable does not score
+
     def __init__(self, fn: Callable, name: str, columns: Optional[PromptColumns] = None) -> None:
         if not callable(fn):
             raise RewardFunctionError(f"reward function {name!r} is a {type(fn).__name__}, not callable")
@@ -165,4 +167,4 @@ class CallableSource:
         label = f"reward function {self.name!r}"
         args, kwargs = callable_kwargs(self.fn, prompts, completions, cols, label)
         return torch.tensor(call_reward_function(lambda _p, _c: self.fn(*args, **kwargs), prompts, completions,
-                                                 name=label))
+                                                 name=label, allow_none=True))

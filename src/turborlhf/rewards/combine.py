@@ -93,6 +93,8 @@ class _ModelSource:
 
 
 class _FunctionSource:
+    may_skip_rows = True          # None (NaN) for a response the function does not score
+
     def __init__(self, spec: str) -> None:
         from turborlhf.rewards.functions import load_reward_function
 
@@ -102,7 +104,7 @@ class _FunctionSource:
         from turborlhf.rewards.functions import call_reward_function
 
         return torch.tensor(call_reward_function(self.fn, *inp.texts(), name=f"reward function {self.spec!r}",
-                                                 columns=inp.columns))
+                                                 columns=inp.columns, allow_none=True))
 
 
 class _RemoteSource:
@@ -116,10 +118,12 @@ class _RemoteSource:
 
 
 def combine_scores(per_source_B: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """``Σ_k weights[k] · per_source_B[k]`` in fp32, shape (B,).
+    """``Σ_k weights[k] · per_source_B[k]`` in fp32, shape (B,). A NaN score (a reward function's
+    ``None``: it does not score that row) is left out of its row's sum, as TRL's ``nansum``.
 
     Raises:
-        ValueError: no sources, a source without a weight, or sources of different lengths.
+        ValueError: no sources, a source without a weight, sources of different lengths, or a
+            row that no source scores (every score NaN).
     """
     if not per_source_B:
         raise ValueError("combine_scores: no reward sources")
@@ -129,7 +133,12 @@ def combine_scores(per_source_B: dict[str, torch.Tensor], weights: dict[str, flo
     missing = set(per_source_B) - set(weights)
     if missing:
         raise ValueError(f"combine_scores: no weight for {sorted(missing)}")
-    return sum(float(weights[k]) * s.float() for k, s in per_source_B.items())
+    scored = torch.stack([~s.isnan() for s in per_source_B.values()]).any(0)
+    if not bool(scored.all()):
+        rows = torch.nonzero(~scored).flatten().tolist()
+        raise ValueError(f"combine_scores: no reward source scored row(s) {rows[:8]} (every function returned "
+                         "None there): each response needs a score from at least one source")
+    return sum(float(weights[k]) * s.float().nan_to_num(nan=0.0) for k, s in per_source_B.items())
 
 
 class CombinedReward:
@@ -147,6 +156,9 @@ class CombinedReward:
     def __call__(self, inp: RewardInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # on the CPU: reward models score where they run (a GPU), functions and servers on the CPU
         per = {name: fn(inp).float().cpu() for name, _, fn in self.sources}
+        for name, _, fn in self.sources:     # only a function's None (NaN) means "not scored"
+            if not getattr(fn, "may_skip_rows", False) and bool(per[name].isnan().any()):
+                raise ValueError(f"reward source {name!r} returned NaN scores")
         return combine_scores(per, self.weights), per
 
 

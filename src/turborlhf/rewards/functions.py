@@ -19,7 +19,10 @@ The function is called once per rollout batch with texts and returns one number 
   parameter without a default that the file lacks is an error). A plain two-argument function
   gets no columns;
 - the result is any sequence of ``len(responses)`` finite numbers (a list, tuple, numpy array or
-  1-D tensor; bools count as 0/1), in the same order.
+  1-D tensor; bools count as 0/1), in the same order. As in TRL, ``None`` marks a response the
+  function does not score (one of several task-specific functions): as a reward source it is
+  left out of that row's weighted sum; a row no source scores is an error
+  (`turborlhf.rewards.combine.combine_scores`).
 
 A file is imported by path (``importlib``), so it need not be on ``sys.path`` nor be part of a
 package; it is imported once per `load_reward_function` call. A spec whose module part has no
@@ -165,7 +168,8 @@ def column_kwargs(fn: Callable, columns: Optional[Mapping[str, Sequence]], name:
 
 def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                          name: str = "reward function",
-                         columns: Optional[Mapping[str, Sequence]] = None) -> list[float]:
+                         columns: Optional[Mapping[str, Sequence]] = None,
+                         allow_none: bool = False) -> list[float]:
     """Call ``fn(prompts, responses, **columns)`` and check its result.
 
     Args:
@@ -175,9 +179,11 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         name: how errors name the function (its spec).
         columns: the prompts file's other columns, each a list aligned with ``responses``;
             passed as `column_kwargs` selects.
+        allow_none: a ``None`` value (the response not scored, TRL's convention) becomes NaN
+            instead of an error.
 
     Returns:
-        One finite float per response.
+        One float per response: finite, or NaN for a ``None`` where `allow_none`.
 
     Raises:
         RewardFunctionError: a column list of another length, a column the function requires is
@@ -199,6 +205,9 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         raise RewardFunctionError(f"{name} returned {len(values)} values for {len(responses)} responses")
     scores = []
     for i, v in enumerate(values):
+        if v is None and allow_none:
+            scores.append(math.nan)
+            continue
         if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise RewardFunctionError(f"{name} returned {v!r} at index {i}; expected a finite number")
         scores.append(float(v))
