@@ -40,14 +40,15 @@ def test_load_pairs_bad_lines(tok, tmp_path):
         {"chosen": "\n\nHuman: A\n\nAssistant: x", "rejected": "\n\nHuman: B\n\nAssistant: y"},  # 5
         {"prompt": RENDERED, "chosen": "x", "rejected": "y", "margin": "big"},  # 6
         {"prompt": 3, "chosen": "x", "rejected": "y"},  # 7
+        '{"prompt": "a", "chosen": "x", "rejected": "y", "margin": NaN}',  # 8: JSON's NaN made a NaN loss
     ]
     path = write(tmp_path / "p.jsonl", rows)
-    with pytest.warns(DataWarning, match="skipped 6 bad line"):
+    with pytest.warns(DataWarning, match="skipped 7 bad line"):
         got = load_pairs(path, tok)
     assert len(got) == 1
     assert [(p.line, p.kind) for p in got.problems] == [
         (2, "bad_json"), (3, "missing_key"), (4, "empty_response"), (5, "prompt_mismatch"),
-        (6, "bad_value"), (7, "bad_value")]
+        (6, "bad_value"), (7, "bad_value"), (8, "bad_value")]
     with pytest.raises(DataError, match=r"prompt_mismatch \(1\) at line 5"):
         load_pairs(path, tok, strict=True)
     with pytest.raises(DataError, match="no usable record"):

@@ -41,6 +41,8 @@ KTO (``load_kto``): ``{"prompt", "completion", "label": bool|0|1}``, or any pair
 
 from __future__ import annotations
 
+import math
+
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -249,8 +251,8 @@ def _margin(obj: dict) -> float | None:
     m = obj.get("margin")
     if m is None:
         return None
-    if isinstance(m, bool) or not isinstance(m, (int, float)):
-        raise _Bad("bad_value", f"margin must be a number, got {m!r}")
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+        raise _Bad("bad_value", f"margin must be a finite number, got {m!r}")   # JSON's NaN: a NaN loss
     return float(m)
 
 

@@ -4,8 +4,8 @@
 
 * ``.jsonl`` / ``.jsonl.gz`` / ``.ndjson`` (and any file of unknown suffix): read here line by
   line, numbered by *line* (blank lines counted, so ``sed -n Np`` shows it); a line that is not
-  JSON or not UTF-8 becomes a ``JsonLineError`` the loader reports, so one bad line never stops
-  a run;
+  JSON becomes a ``JsonLineError`` the loader reports, so one bad record never stops a run; a
+  line that is not UTF-8 is the file's problem (its encoding), a ``DataFileError`` naming it;
 * ``.json`` / ``.json.gz``: a JSON array of objects (or an object holding one such array, as
   ``{"data": [...]}``), numbered by *row*; a ``.json`` file that is JSON lines is read as such;
 * ``.parquet``, ``.arrow``, ``.csv``: through 🤗 datasets (``load_dataset(<builder>, data_files=)``,
