@@ -42,7 +42,6 @@ KTO (``load_kto``): ``{"prompt", "completion", "label": bool|0|1}``, or any pair
 from __future__ import annotations
 
 import math
-
 import os
 import warnings
 from collections.abc import Callable, Mapping
