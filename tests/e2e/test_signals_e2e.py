@@ -191,3 +191,23 @@ def test_resume_refuses_changed_config_and_keeps_config_yaml(tiny_model, tiny_rm
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 4
     assert (out / "config.before-resume.yaml").read_text() == saved
     assert [r["step"] for r in metrics(out) if "train/loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name, hook", [("sft", ("turborlhf.trainers.common", "evaluate_nll", "calls[0] == 1")),
+                                        ("dpo", ("turborlhf.trainers.dpo", "evaluate", "calls[0] == 1"))])
+def test_a_signal_in_the_final_evaluation_finds_the_last_checkpoint(name, hook, tiny_model, tiny_rm, tiny_data,
+                                                                     tmp_path):
+    """The final evaluation ran after the step loop, where the default handlers are back, and the
+    last checkpoint was written after it: with ``save_every=0`` a SIGTERM there lost the whole run.
+    Now the checkpoint comes first, and --resume finishes the run as an uninterrupted one."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    base = [*_commands(name, tiny_model, tiny_rm, tiny_data), f"data.test_file={tiny_data / 'test_pairs.jsonl'}",
+            "data.max_test_samples=4"]
+    args = _with_output(base, tmp_path / "run")
+    res = _signalled_run(args, hook=hook)
+    assert res.returncode != 0, (res.stdout + res.stderr)[-3000:]           # killed in the evaluation
+    assert load_trainer_state(latest_checkpoint(tmp_path / "run"))["step"] == 3
+    run_cli(*args, "--resume")
+    run_cli(*_with_output(base, tmp_path / "ref"))
+    assert max_weight_diff(weights(tmp_path / "run"), weights(tmp_path / "ref")) < 1e-5

@@ -115,10 +115,10 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
+        checkpoint(len(plan))       # before the final evaluation: a signal during it finds the checkpoint
         if test_enc:
             log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype,
                                                           loop.micro_batch_size)})
-        checkpoint(len(plan))
         export_model(model, tokenizer, out)
     finally:
         log.close()   # trackers and callbacks end whatever stops the run

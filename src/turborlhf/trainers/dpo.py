@@ -246,14 +246,15 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 7. final evaluation on the test pairs, resumable checkpoint, exported HF policy
+        # 7. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation on the
+        #    test pairs, exported HF policy
+        checkpoint(len(plan))
         if test_enc:
             ev = evaluate(model, tok, test_enc, ref, cfg)
             log.log(len(plan), _eval_metrics(ev))
             (out / "eval.json").write_text(json.dumps(ev, indent=2))
             logger.info(f"[dpo] test implicit-reward accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.4f} "
                         f"on {ev['n']} pairs")
-        checkpoint(len(plan))
         export_model(model, tok, out)
     finally:
         log.close()   # trackers and callbacks end whatever stops the run

@@ -239,13 +239,14 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 7. final evaluation, resumable checkpoint, exported HF policy
+        # 7. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation, exported
+        #    HF policy
+        checkpoint(len(plan))
         if test_enc:
             ev = evaluate(model, tok, test_enc, test_kl, ref, cfg)
             log.log(len(plan), {k: v for k, v in ev.items() if k != "n"})
             (out / "eval.json").write_text(json.dumps(ev, indent=2))
             logger.info(f"[kto] test loss {ev['eval/loss']:.4f}, kl {ev['eval/kl']:.4f} on {ev['n']} examples")
-        checkpoint(len(plan))
         export_model(model, tok, out)
     finally:
         log.close()   # trackers and callbacks end whatever stops the run

@@ -169,7 +169,9 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 6. final evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
+        # 6. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation (stored
+        #    in the model config as reward_mean/std, like OpenRLHF), export
+        checkpoint(len(plan))
         extra = {}
         if test_enc:
             from turborlhf.evaluate import length_strata
@@ -186,7 +188,6 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
             extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
             (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
             logger.info(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs")
-        checkpoint(len(plan))
         export_model(model, tok, out, extra_config=extra)
     finally:
         log.close()   # trackers and callbacks end whatever stops the run
