@@ -79,3 +79,24 @@ def test_resume_refuses_a_changed_step_plan(tiny_model, tiny_data, tmp_path):
     assert main(args + ["--resume"]) == 2
     assert (out / "checkpoints" / "step-000002").exists()      # nothing lost
     assert main(args + ["--resume", "--resume-changed"]) == 0
+
+
+def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_model, tiny_data, tmp_path):
+    """A fresh run in a used output_dir left the earlier run's model.safetensors beside its own
+    config.yaml until it exported: stopped early, the directory loaded as the old model. A run
+    that starts from that very directory keeps it (it reads those weights)."""
+    from turborlhf.cli import main
+
+    out = tmp_path / "sft"
+    _sft(tiny_model, tiny_data, out, "train.max_steps=1")
+    assert (out / "model.safetensors").exists()
+    from turborlhf.config import SFTConfig, load_config
+    from turborlhf.engine.lifecycle import start_run
+
+    args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"data.train_file={tiny_data / 'train_pairs.jsonl'}",
+            "data.max_samples=16", f"output_dir={out}", "train.max_steps=1", "log.tensorboard=false"]
+    start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={out}"]), False, "sft")
+    assert (out / "model.safetensors").exists()                # the run's own starting point: kept
+    start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
+    assert not (out / "model.safetensors").exists()
+    assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()

@@ -146,7 +146,7 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     and the outputs, they belong to the run now starting there). The resolved config is written to
     ``config.yaml`` only after these checks.
     """
-    from turborlhf.engine.run import setup_run
+    from turborlhf.engine.run import clear_export, setup_run
     from turborlhf.metrics import console_logging
 
     console_logging()           # the run's messages on the console (once per process)
@@ -161,7 +161,29 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
         if n:
             logger.warning(f"[{tag}] a fresh run in {out}: removed {n} checkpoint(s) of an earlier run there "
                            "(--resume continues a run instead)")
+        gone = [] if _reads_from(cfg, out) else clear_export(out)
+        if gone:
+            logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported weights "
+                           f"({', '.join(gone)})")
     return setup_run(cfg, str(out)), ckpt
+
+
+def _reads_from(cfg: Cfg, out: Path) -> bool:
+    """Whether a path in `cfg` (a model, reference, reward model...) is the directory `out` itself:
+    a fresh run that starts from its own earlier export must keep it."""
+    target = out.resolve()
+
+    def strings(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            for v in node:
+                yield from strings(v)
+        elif isinstance(node, str) and node:
+            yield node
+
+    tree = {k: v for k, v in config_to_dict(cfg).items() if k != "output_dir"}
+    return any(Path(v).resolve() == target for v in strings(tree))
 
 
 class _StopOnSignal:

@@ -244,6 +244,24 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
     return out
 
 
+def clear_export(output_dir: str | Path) -> list[str]:
+    """Remove the weights an earlier run exported into `output_dir` (``model*.safetensors``, their
+    index, a peft adapter's, ``pytorch_model*.bin``), so that until the new run exports, the
+    directory cannot load as the old model beside the new run's config. Returns the names removed."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    gone = []
+    for f in sorted(out.iterdir()):
+        if f.is_file() and (f.name in ("model.safetensors.index.json", "adapter_model.safetensors",
+                                       "adapter_config.json")
+                            or (f.name.startswith("model") and f.name.endswith(".safetensors"))
+                            or (f.name.startswith("pytorch_model") and f.name.endswith((".bin", ".bin.index.json")))):
+            f.unlink()
+            gone.append(f.name)
+    return gone
+
+
 def print_batch_table(name: str, rows: list[tuple[str, object]]) -> None:
     """Start-up table of derived batch sizes (habit: sizes carry their unit in their names)."""
     width = max(len(k) for k, _ in rows)
