@@ -99,3 +99,24 @@ def test_frozen_trunk_shared_by_reward_and_critic(tiny_model, tiny_rm, tiny_data
     for a, b in zip(metrics(tmp_path / "shared"), metrics(tmp_path / "whole")):
         if "critic/loss" in a:
             assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4)
+
+
+def test_resume_refuses_an_edited_prompts_file(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """The prompts file edited between the runs resumed silently on other prompts (SFT, RM, DPO
+    and KTO refused it; PPO never compared)."""
+    import shutil
+
+    from turborlhf.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(tiny_data / "train_prompts.jsonl", prompts)
+    out = tmp_path / "ppo"
+    args = ["ppo", "--config", str(REPO / "configs/tiny/ppo.yaml"), f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={prompts}", "data.max_samples=32", f"output_dir={out}",
+            "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3", "log.tensorboard=false"]
+    assert main(args) == 0
+    rewind_to(out, 1)
+    lines = prompts.read_text().splitlines(keepends=True)
+    prompts.write_text("".join(lines[::-1]))
+    assert main(args + ["--resume"]) == 2
+    assert main(args + ["--resume", "--resume-changed"]) == 0

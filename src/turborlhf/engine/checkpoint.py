@@ -33,7 +33,7 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "plan_digest",
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "plan_digest", "check_plan",
            "atomic_write_text", "trainer_state", "restore"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
@@ -275,6 +275,23 @@ def plan_digest(plan: list[list[int]], examples: Optional[list] = None) -> str:
     return h.hexdigest()
 
 
+def check_plan(state: dict, plan_sha256: Optional[str], ckpt: str | Path, tag: str) -> None:
+    """Raise `turborlhf.engine.lifecycle.ConfigChanged` if the checkpoint `state`'s ``plan_sha256``
+    differs from the resuming run's (`plan_digest`), unless ``--resume-changed`` allows it (then
+    warn). Nothing to compare in a checkpoint written before it was recorded."""
+    saved = state.get("plan_sha256")
+    if plan_sha256 is None or saved is None or saved == plan_sha256:
+        return
+    from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
+
+    what = (f"--resume from {ckpt}: the examples of each step differ from the run's (the training data or "
+            "its batching changed since the checkpoint was written), so the rest of the run would repeat "
+            "some examples and skip others")
+    if not config_change_allowed():
+        raise ConfigChanged(f"{what}; start a new run, or pass --resume-changed to continue anyway")
+    logger.warning(f"[{tag}] --resume-changed: {what}")
+
+
 def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int, plan_sha256: Optional[str] = None) -> dict:
     """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG, `step`
     (optimizer steps done) and its step plan's `plan_digest`; the counterpart of `restore`."""
@@ -296,16 +313,7 @@ def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, schedu
     if ckpt is None:
         return 0
     state = load_trainer_state(ckpt)
-    saved = state.get("plan_sha256")           # None in checkpoints written before it was recorded
-    if plan_sha256 is not None and saved is not None and saved != plan_sha256:
-        from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
-
-        what = (f"--resume from {ckpt}: the examples of each step differ from the run's (the training data or "
-                "its batching changed since the checkpoint was written), so the rest of the run would repeat "
-                "some examples and skip others")
-        if not config_change_allowed():
-            raise ConfigChanged(f"{what}; start a new run, or pass --resume-changed to continue anyway")
-        logger.warning(f"[{tag}] --resume-changed: {what}")
+    check_plan(state, plan_sha256, ckpt, tag)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

@@ -62,7 +62,8 @@ from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import Sibling, WorkerError
 from turborlhf.distributed.placement import RoleSpec, launch
-from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from turborlhf.engine.checkpoint import (check_plan, latest_checkpoint, load_trainer_state, plan_digest,
+                                         save_checkpoint)
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, set_threads
@@ -497,8 +498,11 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     reward_stats = RunningMoments() if A.normalize_reward else None
     gen = torch.Generator().manual_seed(cfg.train.seed)
     start, st = 0, {}
+    # the prompts of each step and their reward columns: an edited prompts file is refused on resume
+    plan_sha256 = plan_digest(plan, list(zip(prompt_ids, columns or [None] * len(prompt_ids))))
     if ckpt:
         st = load_trainer_state(ckpt)
+        check_plan(st, plan_sha256, ckpt, "ppo")
         kl_ctl.value = st["kl_coef"]
         if reward_stats is not None and st.get("reward_stats"):
             reward_stats = RunningMoments(**st["reward_stats"])
@@ -521,7 +525,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         writers = {role: (lambda d, g=cluster[role]: g.run("save", str(d)))
                    for role in ("actor", "critic") if cluster.get(role) is not None}
         state = {"kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
-                 "rng": rng_state(), "gen": gen.get_state(), "step": step}
+                 "rng": rng_state(), "gen": gen.get_state(), "step": step,
+                 "plan_sha256": plan_sha256}
         pipe.wait()
         pending = pipe.state()              # the generated, untrained rollouts go with the checkpoint
         if pending is not None:
