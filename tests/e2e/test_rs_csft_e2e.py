@@ -261,3 +261,17 @@ def test_eval_policy_kl_of_a_policy_to_itself_is_zero_under_bf16(tiny_model, tin
     res = ev.eval_policy(str(tiny_model), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), n=4, max_new_tokens=6,
                          seed=3, dtype="bf16", reference_dir=str(tiny_model))
     assert res["kl_policy_logprobs"] == "forward" and res["kl_to_reference"] == 0.0
+
+
+def test_conditional_sft_without_a_test_set_drops_an_earlier_runs(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """A fresh run without data.test_file in a directory an earlier run scored a test set in kept
+    that scored_test.jsonl, which its --resume then evaluated on."""
+    out = tmp_path / "csft"
+    args = ["conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml", f"model.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}",
+            "train.max_steps=1", "log.tensorboard=false"]
+    run_cli(*args, f"data.test_file={tiny_data / 'test_pairs.jsonl'}", "data.max_test_samples=4")
+    assert (out / "scored_test.jsonl").exists()
+    run_cli(*args)
+    assert not (out / "scored_test.jsonl").exists()
+    assert not any("eval/loss" in r for r in metrics(out))

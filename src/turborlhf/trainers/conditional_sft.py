@@ -220,6 +220,8 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
     write_jsonl(scored, rows)
     if test_rows:
         write_jsonl(scored_test, test_rows)
+    else:                       # an earlier run's test set must not come back on --resume
+        scored_test.unlink(missing_ok=True)
     info["example"] = condition_prompt(rows[0]["prompt"], info)
     atomic_write_text(out / TAG_FILE, json.dumps(info, indent=2))
     return rows, test_rows, info
