@@ -129,7 +129,7 @@ def test_columns_are_passed_by_name(col_rules):
 
 
 def test_missing_or_misaligned_columns_are_named(col_rules):
-    with pytest.raises(RewardFunctionError, match=r"needs the column 'answer', which the prompts file does not have "
+    with pytest.raises(RewardFunctionError, match=r"needs the column 'answer', which the training data does not have "
                                                   r"\(its columns: solution\)"):
         call_reward_function(col_rules("named"), ["p"], ["a"], name="reward function 'named'",
                              columns={"solution": ["s"]})
@@ -144,3 +144,30 @@ def test_rows_to_columns():
 
     assert rows_to_columns([{"answer": "1"}, {"answer": "2", "x": 0}]) == {"answer": ["1", "2"], "x": [None, 0]}
     assert rows_to_columns(None) is None and rows_to_columns([{}, {}]) is None
+
+
+def test_trl_style_file_functions_get_their_arguments_by_name(tmp_path):
+    """A file function was called positionally as fn(prompts, responses): TRL's
+    accuracy_reward(completions, solution, **kwargs) got the prompts as completions and the
+    responses as the solution (scores silently wrong), reward_len(completions, **kwargs) raised a
+    TypeError, and TRL's completion_ids never came. numpy bools were refused."""
+    f = tmp_path / "trl_rewards.py"
+    f.write_text("import numpy as np\n"
+                 "def accuracy(completions, solution, **kwargs):\n"
+                 "    return [float(c == s) for c, s in zip(completions, solution)]\n"
+                 "def reward_len(completions, **kwargs):\n"
+                 "    return [-abs(5 - len(c)) for c in completions]\n"
+                 "def ids(prompts, completions, completion_ids, **kwargs):\n"
+                 "    return [len(i) for i in completion_ids]\n"
+                 "def ours(prompts, responses):\n"
+                 "    return [len(p) + len(r) for p, r in zip(prompts, responses)]\n"
+                 "def np_bools(completions, **kwargs):\n"
+                 "    return [np.bool_(c == 'x') for c in completions]\n")
+    prompts, responses, cols = ["p1", "p2"], ["x", "yyyyy"], {"solution": ["x", "z"]}
+    call = lambda name, **kw: call_reward_function(load_reward_function(f"{f}:{name}"), prompts, responses,
+                                                   columns=cols, **kw)
+    assert call("accuracy") == [1.0, 0.0]
+    assert call("reward_len") == [-4.0, 0.0]
+    assert call("ids", completion_ids=[[5, 6], [7]]) == [2.0, 1.0]
+    assert call("ours") == [3.0, 7.0]
+    assert call("np_bools") == [1.0, 0.0]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from turborlhf.rewards.functions import RewardFunctionError, call_reward_function
+from turborlhf.rewards.functions import RewardFunctionError, call_reward_function, callable_kwargs
 
 __all__ = ["RewardCallables", "PromptColumns", "CallableSource", "callable_kwargs"]
 
@@ -116,37 +116,6 @@ class RewardCallables(dict):
         return CallableSource(self[key], name, self.columns)
 
 
-def callable_kwargs(fn: Callable, prompts: list[str], completions: list[str], columns: Mapping[str, list],
-                    name: str) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` to call `fn` with (module docstring: keyword call as TRL, columns by name).
-
-    Raises:
-        RewardFunctionError: `fn` names a column (a parameter without a default) the data lacks.
-    """
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):                   # no signature (a builtin): texts only
-        return (prompts, completions), {}
-    P = inspect.Parameter
-    var_kw = any(p.kind is P.VAR_KEYWORD for p in params)
-    named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
-    texts = {"prompts": prompts, "completions": completions}
-    if var_kw or named & set(texts):
-        args: tuple = ()
-        kwargs = {k: v for k, v in texts.items() if var_kw or k in named}
-        taken = set(texts)
-    else:                                             # fn(p, r, ...): the texts positionally
-        args = (prompts, completions)
-        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-        taken = {p.name for p in positional[:2]}
-        kwargs = {}
-    for p in params:
-        if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name not in taken and p.name not in columns \
-                and p.default is P.empty:
-            raise RewardFunctionError(f"{name} needs the column {p.name!r}, which the training data does not have "
-                                      f"(its columns: {', '.join(sorted(columns)) or 'none'})")
-    kwargs.update({k: v for k, v in columns.items() if k not in taken and (var_kw or k in named)})
-    return args, kwargs
 
 
 class CallableSource:
@@ -165,6 +134,6 @@ class CallableSource:
         if cols is None:
             cols = self.columns.lookup(inp.prompt_ids) if self.columns is not None else {}
         label = f"reward function {self.name!r}"
-        args, kwargs = callable_kwargs(self.fn, prompts, completions, cols, label)
-        return torch.tensor(call_reward_function(lambda _p, _c: self.fn(*args, **kwargs), prompts, completions,
-                                                 name=label, allow_none=True))
+        ids = getattr(inp, "response_ids", None)
+        return torch.tensor(call_reward_function(self.fn, prompts, completions, name=label, columns=cols,
+                                                 allow_none=True, completion_ids=ids))

@@ -104,7 +104,8 @@ class _FunctionSource:
         from turborlhf.rewards.functions import call_reward_function
 
         return torch.tensor(call_reward_function(self.fn, *inp.texts(), name=f"reward function {self.spec!r}",
-                                                 columns=inp.columns, allow_none=True))
+                                                 columns=inp.columns, allow_none=True,
+                                                 completion_ids=getattr(inp, "response_ids", None)))
 
 
 class _RemoteSource:

@@ -13,13 +13,17 @@ The function is called once per rollout batch with texts and returns one number 
 - ``prompts[i]`` is the prompt exactly as the policy saw it: the chat-template-rendered text
   (for SmolLM2 ``"<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"``);
 - ``responses[i]`` is the sampled response decoded without special tokens (no EOS);
+- a function that names ``prompts``, ``completions`` or ``completion_ids`` (the responses' token
+  ids) or takes ``**kwargs`` is called by keyword, as TRL's GRPO calls reward functions
+  (``responses`` names the completions too); any other gets ``(prompts, responses)``
+  positionally (`callable_kwargs`);
 - the prompts file's other columns (e.g. ``answer``) are passed by name, each a list aligned
   with the responses (a prompt's value repeated for each of its samples), as TRL's GRPO does:
   all of them to a function with ``**kwargs``, else those it names as parameters (a named
   parameter without a default that the file lacks is an error). A plain two-argument function
   gets no columns;
 - the result is any sequence of ``len(responses)`` finite numbers (a list, tuple, numpy array or
-  1-D tensor; bools count as 0/1), in the same order. As in TRL, ``None`` marks a response the
+  1-D tensor; bools, numpy's too, count as 0/1), in the same order. As in TRL, ``None`` marks a response the
   function does not score (one of several task-specific functions): as a reward source it is
   left out of that row's weighted sum; a row no source scores is an error
   (`turborlhf.rewards.combine.combine_scores`).
@@ -47,7 +51,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from turborlhf.errors import UserError
 
-__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "column_kwargs", "RewardFn"]
+__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "callable_kwargs", "RewardFn"]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -142,34 +146,51 @@ def load_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-def column_kwargs(fn: Callable, columns: Optional[Mapping[str, Sequence]], name: str = "reward function") -> dict:
-    """The columns `fn` receives by name: all of them if it takes ``**kwargs``, else those among
-    its parameters after the first two (prompts, responses).
+def callable_kwargs(fn: Callable, prompts: list[str], completions: list[str], columns: Mapping[str, list],
+                    name: str, completion_ids: Optional[Sequence[Sequence[int]]] = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to call `fn` with: by keyword as TRL's GRPOTrainer calls its reward
+    functions (``prompts``, ``completions``, ``completion_ids``, the columns) where `fn` names one of
+    those texts or takes ``**kwargs`` (a parameter named ``responses`` gets the completions too),
+    else ``(prompts, completions)`` positionally plus the columns it names.
 
     Raises:
-        RewardFunctionError: a parameter without a default names a column that is not there.
+        RewardFunctionError: `fn` names a column (a parameter without a default) the data lacks.
     """
-    columns = dict(columns or {})
     try:
         params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):          # builtins without a signature: texts only
-        return {}
+    except (TypeError, ValueError):                   # no signature (a builtin): texts only
+        return (prompts, completions), {}
     P = inspect.Parameter
-    texts = {p.name for p in [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:2]}
-    wanted = [p for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name not in texts]
-    for p in wanted:
-        if p.name not in columns and p.default is P.empty:
-            raise RewardFunctionError(f"{name} needs the column {p.name!r}, which the prompts file does not have "
+    var_kw = any(p.kind is P.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    texts = {"prompts": prompts, "completions": completions}
+    if completion_ids is not None:
+        texts["completion_ids"] = [list(ids) for ids in completion_ids]
+    if "responses" in named:                           # this module's own name for them
+        texts["responses"] = completions
+    if var_kw or named & set(texts):
+        args: tuple = ()
+        kwargs = {k: v for k, v in texts.items() if k in named or (var_kw and k != "responses")}
+        taken = set(texts)
+    else:                                             # fn(p, r, ...): the texts positionally
+        args = (prompts, completions)
+        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        taken = {p.name for p in positional[:2]}
+        kwargs = {}
+    for p in params:
+        if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name not in taken and p.name not in columns \
+                and p.default is P.empty:
+            raise RewardFunctionError(f"{name} needs the column {p.name!r}, which the training data does not have "
                                       f"(its columns: {', '.join(sorted(columns)) or 'none'})")
-    if any(p.kind is P.VAR_KEYWORD for p in params):   # every column but the texts' names
-        return {k: v for k, v in columns.items() if k not in texts}
-    return {p.name: columns[p.name] for p in wanted if p.name in columns}
+    kwargs.update({k: v for k, v in columns.items() if k not in taken and (var_kw or k in named)})
+    return args, kwargs
 
 
 def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                          name: str = "reward function",
                          columns: Optional[Mapping[str, Sequence]] = None,
-                         allow_none: bool = False) -> list[float]:
+                         allow_none: bool = False,
+                         completion_ids: Optional[Sequence[Sequence[int]]] = None) -> list[float]:
     """Call ``fn(prompts, responses, **columns)`` and check its result.
 
     Args:
@@ -178,7 +199,8 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         responses: response texts (no special tokens), same length as ``prompts``.
         name: how errors name the function (its spec).
         columns: the prompts file's other columns, each a list aligned with ``responses``;
-            passed as `column_kwargs` selects.
+            passed as `callable_kwargs` selects.
+        completion_ids: the responses' token ids, for a function taking TRL's ``completion_ids``.
         allow_none: a ``None`` value (the response not scored, TRL's convention) becomes NaN
             instead of an error.
 
@@ -193,7 +215,8 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         if len(values) != len(responses):
             raise RewardFunctionError(f"{name}: column {key!r} has {len(values)} values for "
                                       f"{len(responses)} responses")
-    out = fn(list(prompts), list(responses), **column_kwargs(fn, columns, name))
+    args, kwargs = callable_kwargs(fn, list(prompts), list(responses), dict(columns or {}), name, completion_ids)
+    out = fn(*args, **kwargs)
     if hasattr(out, "tolist"):  # numpy array or tensor
         out = out.tolist()
     try:
@@ -205,6 +228,8 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         raise RewardFunctionError(f"{name} returned {len(values)} values for {len(responses)} responses")
     scores = []
     for i, v in enumerate(values):
+        if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:      # numpy scalars (np.bool_), 0-d tensors
+            v = v.item()
         if v is None and allow_none:
             scores.append(math.nan)
             continue
