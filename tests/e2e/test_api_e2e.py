@@ -59,7 +59,7 @@ def test_grpo_in_memory_dataset_reward_reads_answer_column(tiny_model, tmp_path)
     for prompts, answers, levels, others in calls:
         for p, a, lv in zip(prompts, answers, levels):     # each row got its own prompt's columns
             assert by_question[p] == (a, lv)
-        assert others == []                                # `prompt` itself is not a column
+        assert others == ["completion_ids"]                # as TRL passes them; `prompt` itself is not a column
     rows_logged = metrics(out)
     assert [r["step"] for r in rows_logged] == [1, 2]
     assert all(math.isfinite(r["rollout/reward_mean"]) and r["rollout/reward_mean"] > 0 for r in rows_logged)
