@@ -267,9 +267,10 @@ def test_conditional_sft_without_a_test_set_drops_an_earlier_runs(tiny_model, ti
     """A fresh run without data.test_file in a directory an earlier run scored a test set in kept
     that scored_test.jsonl, which its --resume then evaluated on."""
     out = tmp_path / "csft"
-    args = ["conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml", f"model.name_or_path={tiny_model}",
-            f"reward_model={tiny_rm}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}",
-            "train.max_steps=1", "log.tensorboard=false"]
+    args = ["conditional-sft", "--config", REPO / "configs/tiny/conditional_sft.yaml",
+            f"model.name_or_path={tiny_model}", f"reward_model={tiny_rm}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={out}", "train.max_steps=1",
+            "log.tensorboard=false"]
     run_cli(*args, f"data.test_file={tiny_data / 'test_pairs.jsonl'}", "data.max_test_samples=4")
     assert (out / "scored_test.jsonl").exists()
     run_cli(*args)

@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["iter_hh_pairs", "load_hh_pairs", "fits_untruncated", "first_user_turn", "write_bench_data", "write_fresh_reward_model"]
+__all__ = ["iter_hh_pairs", "load_hh_pairs", "fits_untruncated", "first_user_turn", "write_bench_data",
+           "write_fresh_reward_model"]
 
 ASSISTANT = "\n\nAssistant:"
 HUMAN = "\n\nHuman: "

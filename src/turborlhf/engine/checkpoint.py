@@ -33,8 +33,8 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state", "plan_digest", "check_plan",
-           "atomic_write_text", "trainer_state", "restore"]
+__all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
+           "plan_digest", "check_plan", "atomic_write_text", "trainer_state", "restore"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
 # younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run

@@ -214,7 +214,8 @@ def final_logit_transform(model: nn.Module) -> tuple[float, Optional[float]]:
 
 def _plain_head_chunk(head: nn.Module, h_nH: torch.Tensor, labels_n: torch.Tensor, temperature: float,
                       with_entropy: bool, entropy_grad: bool,
-                      scale: float = 1.0, softcap: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      scale: float = 1.0,
+                      softcap: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`response_logprobs`' plain path for one chunk of positions: (log-probs, entropies or None).
     The model's logits (`final_logit_transform`: `scale`, `softcap`), then the sampling temperature."""
     logits = head(h_nH).float()                                              # n×V

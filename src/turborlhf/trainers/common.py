@@ -95,7 +95,8 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     try:
         def checkpoint(step: int) -> Path:
-            return save_checkpoint(out, step, {"policy": model}, tokenizer, trainer_state(optim, sched, step, plan_sha256),
+            return save_checkpoint(out, step, {"policy": model}, tokenizer,
+                                   trainer_state(optim, sched, step, plan_sha256),
                                    keep=loop.keep_checkpoints)
 
         for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, tag):

@@ -136,7 +136,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     try:
         def checkpoint(step: int) -> Path:
-            return save_checkpoint(out, step, {"reward_model": model}, tok, trainer_state(optim, sched, step, plan_sha256),
+            return save_checkpoint(out, step, {"reward_model": model}, tok,
+                                   trainer_state(optim, sched, step, plan_sha256),
                                    keep=loop.keep_checkpoints)
 
         # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step
