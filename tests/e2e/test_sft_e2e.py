@@ -94,7 +94,8 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
     from turborlhf.engine.lifecycle import start_run
 
     args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"),
-            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}", "train.max_steps=1", "log.tensorboard=false"]
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}",
+            "train.max_steps=1", "log.tensorboard=false"]
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={out}"]), False, "sft")
     assert (out / "model.safetensors").exists()                # the run's own starting point: kept
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
