@@ -231,3 +231,29 @@ def test_a_bf16_score_head_scores_in_fp32():
     assert scores.dtype == torch.float32
     assert torch.allclose(scores.double(), want.squeeze(-1), rtol=1e-5, atol=1e-5)
     assert not torch.equal(scores, scores.to(torch.bfloat16).float())
+
+
+def test_a_reward_model_saved_with_pad_eos_scores_as_transformers_does(tmp_path):
+    """A reward model trained with pad = EOS (TRL's usual set-up) pools the token before the
+    trailing EOS. Loading it for scoring rewrote its config.pad_token_id to the tokenizer's unk,
+    so serve-rm and PPO's reward source read the EOS: −0.137 where transformers gives 0.076."""
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+    from turborlhf.rewards.server import RMScorer
+
+    tok = make_tiny_tokenizer()
+    assert tok.pad_token_id == tok.eos_token_id
+    cfg = tiny_llama_config(len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, num_labels=1)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    prompt, response = "Human: hi\n\nAssistant:", " hello there"
+    ids = tok(prompt + response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, 0].item()
+    got = RMScorer(str(tmp_path), dtype="fp32", device="cpu")([prompt], [response])[0]
+    assert got == pytest.approx(want, abs=1e-5)

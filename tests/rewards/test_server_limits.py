@@ -396,10 +396,12 @@ def test_expect_100_continue_with_a_large_body_is_refused_first():
 
 
 
-def test_token_limit_uses_the_reward_models_tokenizer(tiny_model):
+def test_token_limit_uses_the_reward_models_tokenizer(tiny_model, tmp_path):
+    from turborlhf.bench.data import write_fresh_reward_model
     from turborlhf.rewards.server import load_rm_scorer
 
-    scorer = load_rm_scorer(str(tiny_model), "fp32", 64, 4)
+    rm = write_fresh_reward_model(tiny_model, tmp_path / "rm")   # serve-rm refuses a causal LM's random head
+    scorer = load_rm_scorer(str(rm), "fp32", 64, 4)
     n = scorer.count_tokens("hello there " * 30)
     assert n > 20
     with _Live(scorer, limits=ServerLimits(max_text_tokens=20), count_tokens=scorer.count_tokens) as live:

@@ -42,11 +42,23 @@ def check_reward_model(name_or_path: str) -> None:
 
 
 def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch.float32, device="cpu"):
-    """`turborlhf.models.load.load_scalar_model` for scoring (on `device`), after `check_reward_model`."""
+    """`turborlhf.models.load.load_scalar_model` for scoring (on `device`), after `check_reward_model`.
+    The checkpoint's own ``pad_token_id`` stays in its config, since the head was trained pooling
+    by it (`turborlhf.models.forward.score_index`): a reward model trained with pad = EOS (TRL's
+    usual set-up) reads the token before the trailing EOS, as transformers scores it; the
+    tokenizer's pad id (`load_tokenizer` may switch it to unk) would make it read the EOS."""
+    from transformers import AutoConfig
+
     from turborlhf.models.load import load_scalar_model
+    from turborlhf.models.zoo import resolve_model_path
 
     check_reward_model(name_or_path)
-    return load_scalar_model(name_or_path, tokenizer, dtype=dtype, device=device)
+    saved = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    saved = saved.get_text_config() if hasattr(saved, "get_text_config") else saved
+    model = load_scalar_model(name_or_path, tokenizer, dtype=dtype, device=device)
+    if getattr(saved, "pad_token_id", None) is not None:
+        model.config.pad_token_id = saved.pad_token_id
+    return model
 
 
 def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:

@@ -544,12 +544,13 @@ class RMScorer:
         import torch
 
         from turborlhf.engine.hardware import compute_dtype, resolve_device
-        from turborlhf.models.load import load_scalar_model, load_tokenizer
+        from turborlhf.models.load import load_tokenizer
+        from turborlhf.rewards.model import load_reward_model
 
         dev = resolve_device(device)
         dtype = compute_dtype(dtype, dev)       # auto: bf16 only where the device computes it natively
         self.tok = load_tokenizer(model_dir)
-        self.model = load_scalar_model(model_dir, self.tok, device=dev,
+        self.model = load_reward_model(model_dir, self.tok, device=dev,     # the checkpoint's pooling pad id
                                        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
         self.model.requires_grad_(False)
         self.dtype, self.max_len, self.batch_size = dtype, max_len, batch_size
