@@ -59,3 +59,28 @@ def test_a_function_returning_none_leaves_its_rows_to_the_other_sources(tmp_path
     with pytest.raises(ValueError, match="'rm' returned NaN"):
         CombinedReward([("rm", 1.0, nan_model), ("m", 1.0, build_reward([spec("math", "m")], None, _Tok())
                                                          .sources[0][2])])(inp)
+
+
+def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
+    """The text path (a reward model whose vocabulary differs from the policy's) cut prompt +
+    response to 1024 tokens from the right, so a long response was scored at a token in its
+    middle, silently. It reads up to the reward model's own context now."""
+    from transformers import LlamaForSequenceClassification
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+    from turborlhf.rewards.combine import _ModelSource
+    from turborlhf.rewards.model import score_texts
+
+    torch.manual_seed(0)
+    tok = make_tiny_tokenizer()
+    cfg = tiny_llama_config(len(tok), pad_token_id=0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            max_position_embeddings=2048, num_labels=1)
+    model = LlamaForSequenceClassification(cfg).eval()
+    src = _ModelSource.__new__(_ModelSource)
+    src.same_vocab, src.tok, src.model, src.dtype, src.chunk = False, tok, model, "fp32", 8
+    prompt_ids = tok.encode("Human: hello there\n\nAssistant:", add_special_tokens=False)
+    response_ids = torch.randint(10, 500, (1200,), generator=torch.Generator().manual_seed(1)).tolist()
+    inp = RewardInputs(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), [prompt_ids], [response_ids], tok)
+    whole = score_texts(model, tok, *inp.texts(), max_len=2048, dtype="fp32")
+    assert torch.allclose(src(inp), whole, atol=1e-6)

@@ -84,8 +84,10 @@ class _ModelSource:
         from turborlhf.models.forward import last_token_scores
         from turborlhf.rewards.model import score_texts
 
-        if not self.same_vocab:
-            return score_texts(self.model, self.tok, *inp.texts(), dtype=self.dtype, batch_size=self.chunk)
+        if not self.same_vocab:         # the texts re-tokenised, up to the reward model's whole context
+            ctx = int(getattr(self.model.config, "max_position_embeddings", None) or 1024)
+            return score_texts(self.model, self.tok, *inp.texts(), max_len=ctx, dtype=self.dtype,
+                               batch_size=self.chunk)
         B = inp.ids_BT.shape[0]
         with autocast(self.dtype, self.model):
             return torch.cat([last_token_scores(self.model, inp.ids_BT[s:s + self.chunk], inp.attn_BT[s:s + self.chunk])
