@@ -102,6 +102,21 @@ def _is_hf_model(obj: Any) -> bool:
     return hasattr(obj, "save_pretrained") and hasattr(obj, "config") and not isinstance(obj, (str, os.PathLike))
 
 
+def _own_tokenizer(model, fallback, what: str):
+    """The tokenizer saved beside `model`'s ``name_or_path`` (a reward model reads its own
+    vocabulary, not the policy's), else `fallback` with a warning."""
+    from turborlhf.models.load import load_tokenizer
+
+    source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    try:
+        return load_tokenizer(source)
+    except Exception:
+        if fallback is not None:
+            warnings.warn(f"{what}: no tokenizer found at the model's name_or_path ({source!r}); it scores token "
+                          "ids of the policy's processing_class, which must be its vocabulary too", stacklevel=3)
+        return fallback
+
+
 def _save_model(model, tokenizer, dest: Path, what: str) -> str:
     """An in-memory model (and its tokenizer) as a HF directory `dest`; returns its path."""
     from turborlhf.models.load import is_lora, load_tokenizer
@@ -455,8 +470,9 @@ class _RLTrainer(_Trainer):
                 kind = "remote" if spec.startswith(("http://", "https://")) else \
                     "function" if (":" in spec or spec in BUILTIN_REWARDS) and not Path(spec).exists() else "model"
                 sources.append({"kind": kind, "path": spec, "weight": weight})
-            elif _is_hf_model(fn):
-                path = _save_model(fn, self._processing_class, out / f"reward_model_{i}", f"reward_funcs[{i}]")
+            elif _is_hf_model(fn):      # with its own tokenizer, as TRL's reward_processing_classes default
+                path = _save_model(fn, _own_tokenizer(fn, self._processing_class, f"reward_funcs[{i}]"),
+                                   out / f"reward_model_{i}", f"reward_funcs[{i}]")
                 sources.append({"kind": "model", "path": path, "weight": weight})
             elif callable(fn):
                 base = getattr(fn, "__name__", "") or type(fn).__name__

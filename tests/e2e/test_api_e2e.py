@@ -363,3 +363,24 @@ def test_a_peft_model_is_refused_in_one_line(tiny_model, tiny_data, tmp_path):
     peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(UserError, match="model: a peft .LoRA. model; pass its merged model"):
         SFTTrainer(model=peft, args={**SFT_ARGS, "output_dir": str(tmp_path / "p")}, train_dataset=_pairs(tiny_data))
+
+
+def test_an_in_memory_reward_model_is_saved_with_its_own_tokenizer(tmp_path):
+    """reward_funcs=[<a loaded reward model>] was saved with the policy's processing_class: a
+    reward model with another vocabulary then scored the policy's token ids as its own."""
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.api import _own_tokenizer, _save_model
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+
+    policy_tok, rm_tok = make_tiny_tokenizer(), make_tiny_tokenizer()
+    rm_tok.add_tokens([f"<rm{i}>" for i in range(8)])
+    cfg = tiny_llama_config(len(rm_tok), pad_token_id=rm_tok.pad_token_id, bos_token_id=rm_tok.bos_token_id,
+                            eos_token_id=rm_tok.eos_token_id, num_labels=1)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(tmp_path / "rm")
+    rm_tok.save_pretrained(tmp_path / "rm")
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    path = _save_model(rm, _own_tokenizer(rm, policy_tok, "reward_funcs[0]"), tmp_path / "saved", "reward_funcs[0]")
+    assert len(load_tokenizer(path)) == len(rm_tok) != len(policy_tok)
