@@ -223,3 +223,20 @@ def test_the_first_token_is_never_in_the_loss_mask(tok):
     assert cut["loss_mask"] == [0] + full["loss_mask"][start + 1:]
     whole = encode_prompt_response(tok, PROMPT, RESP, max_len=4, min_response_tokens=4)
     assert whole["prompt_len"] == 0 and whole["loss_mask"] == [0, 1, 1, 1]
+
+
+def test_a_response_that_writes_its_own_end_token_gets_no_second_one(tok):
+    """Data ending its responses with the EOS / end-of-turn text got a second one appended (both
+    trained), and in a preference pair where only one side wrote it the reward model had a free
+    "two EOS" cue. The end token is appended only when missing, as OpenRLHF and TRL do."""
+    from turborlhf.data.tokenize import encode_conversation, encode_pair, response_end_id
+
+    end = response_end_id(tok, "Q:")
+    end_text = tok.decode([end])
+    plain = encode_prompt_response(tok, "Q:", " hello", 64)["input_ids"]
+    written = encode_prompt_response(tok, "Q:", " hello" + end_text, 64)["input_ids"]
+    assert written == plain and plain[-1] == end and plain[-2] != end
+    pair = encode_pair(tok, "Q:", " hello" + end_text, " bye", 64)
+    assert [e["input_ids"][-2:].count(end) for e in pair.values()] == [1, 1]
+    conv = encode_conversation(tok, [("Q:", " a" + end_text), ("Q2:", " b" + end_text)], 64)["input_ids"]
+    assert conv.count(end) == 2

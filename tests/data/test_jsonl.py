@@ -27,6 +27,16 @@ def test_a_byte_order_mark_and_crlf_lose_nothing(tmp_path):
     assert list(read_jsonl(p)) == [(1, {"a": 1}), (2, {"b": "\ufeffx"})]     # only the file's BOM goes
 
 
+def test_bom_of_joined_files_and_absurd_nesting_are_line_problems(tmp_path):
+    """`cat a.jsonl b.jsonl` of two BOM files lost b's first record; a deeply nested line raised
+    RecursionError (no file, no line) instead of being reported as that line's bad JSON."""
+    p = tmp_path / "joined.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"a": 1}\n\xef\xbb\xbf{"b": 2}\n' + b"[" * 100_000 + b"\n")
+    rows = list(read_jsonl(p))
+    assert rows[:2] == [(1, {"a": 1}), (2, {"b": 2})]
+    assert rows[2][0] == 3 and isinstance(rows[2][1], JsonLineError)
+
+
 def test_write_atomic_round_trip(tmp_path):
     rows = [{"i": i, "t": "é"} for i in range(5)]
     for name in ("out.jsonl", "out.jsonl.gz"):

@@ -63,7 +63,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     with f:
         for line_no, raw in enumerate(_lines(f, path), start=1):
             try:
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")   # a BOM some editors write
+                line = raw.decode("utf-8").removeprefix("\ufeff")    # a BOM (some editors; files joined by cat)
             except UnicodeDecodeError as e:
                 raise DataFileError(f"{path}: line {line_no} is not UTF-8 text (byte {e.start + 1}: {e.reason}); "
                                     "convert the file to UTF-8") from None
@@ -71,8 +71,8 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield line_no, JsonLineError(str(e), line.rstrip("\n"))
+            except (json.JSONDecodeError, RecursionError) as e:     # RecursionError: absurdly nested
+                yield line_no, JsonLineError(str(e) or type(e).__name__, line.rstrip("\n"))
 
 
 def _lines(f, path: Path) -> Iterator[bytes]:

@@ -80,9 +80,7 @@ def encode_prompt_response(
     Raises ``ValueError`` if ``max_len < 1``, or ``add_eos`` and the tokenizer has no EOS token.
     """
     p_ids, bos = _prompt_ids(tokenizer, prompt)
-    r_ids = _ids(tokenizer, response)
-    if add_eos:
-        r_ids.append(response_end_id(tokenizer, prompt))
+    r_ids = _closed(tokenizer, _ids(tokenizer, response), prompt) if add_eos else _ids(tokenizer, response)
     return _fit(p_ids, [0] * len(p_ids), r_ids, bos, max_len, min_response_tokens)
 
 
@@ -105,7 +103,7 @@ def encode_conversation(tokenizer, turns: Sequence[tuple[str, str]], max_len: in
         raise ValueError("a conversation needs at least one (context, response) turn")
     p_ids, p_mask = [], []
     for ctx, resp in turns[:-1]:
-        c_ids, r_ids = _ids(tokenizer, ctx), _ids(tokenizer, resp) + [response_end_id(tokenizer, ctx)]
+        c_ids, r_ids = _ids(tokenizer, ctx), _closed(tokenizer, _ids(tokenizer, resp), ctx)
         p_ids += c_ids + r_ids
         p_mask += [0] * len(c_ids) + [1] * len(r_ids)
     ctx, resp = turns[-1]
@@ -114,7 +112,7 @@ def encode_conversation(tokenizer, turns: Sequence[tuple[str, str]], max_len: in
     bos = _bos(tokenizer)
     if bos is not None and p_ids[:1] != [bos]:
         p_ids, p_mask = [bos] + p_ids, [0] + p_mask
-    r_ids = _ids(tokenizer, resp) + ([response_end_id(tokenizer, ctx)] if add_eos else [])
+    r_ids = _closed(tokenizer, _ids(tokenizer, resp), ctx) if add_eos else _ids(tokenizer, resp)
     return _fit(p_ids, p_mask, r_ids, bos, max_len, min_response_tokens)
 
 
@@ -141,6 +139,14 @@ def _fit(p_ids: list[int], p_mask: list[int], r_ids: list[int], bos: int | None,
         "prompt_truncated": p_keep < len(p_ids),
         "response_truncated": r_keep < len(r_ids),
     }
+
+
+def _closed(tokenizer, r_ids: list[int], prompt: str) -> list[int]:
+    """`r_ids` closed by `response_end_id`, unless the response text already ended with it (data
+    that writes the EOS or end-of-turn token itself: a second one would be trained, and in a
+    preference pair would mark a side), as OpenRLHF and TRL append it only when missing."""
+    end = response_end_id(tokenizer, prompt)
+    return r_ids if r_ids[-1:] == [end] else r_ids + [end]
 
 
 def response_end_id(tokenizer, prompt: str) -> int:
