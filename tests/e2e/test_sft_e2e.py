@@ -98,6 +98,10 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
             "train.max_steps=1", "log.tensorboard=false"]
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={out}"]), False, "sft")
     assert (out / "model.safetensors").exists()                # the run's own starting point: kept
+    step = out / "checkpoints" / "step-000001" / "policy"      # an earlier checkpoint: kept, not deleted
+    assert step.exists()
+    start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={step}"]), False, "sft")
+    assert step.exists()
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
     assert not (out / "model.safetensors").exists()
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()

@@ -156,12 +156,15 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
         logger.warning(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
     if ckpt is not None:
         _check_resume_config(cfg, out, ckpt, tag)
-    if not resume:
+    if not resume and _reads_from(cfg, out):
+        logger.warning(f"[{tag}] a fresh run in {out} that starts from files inside it: the earlier run's "
+                       "checkpoints and export are kept (the new run overwrites them as it goes)")
+    elif not resume:
         n = clear_checkpoints(out)
         if n:
             logger.warning(f"[{tag}] a fresh run in {out}: removed {n} checkpoint(s) of an earlier run there "
                            "(--resume continues a run instead)")
-        gone = [] if _reads_from(cfg, out) else clear_export(out)
+        gone = clear_export(out)
         if gone:
             logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported weights "
                            f"({', '.join(gone)})")
@@ -169,8 +172,8 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
 
 
 def _reads_from(cfg: Cfg, out: Path) -> bool:
-    """Whether a path in `cfg` (a model, reference, reward model...) is the directory `out` itself:
-    a fresh run that starts from its own earlier export must keep it."""
+    """Whether a path in `cfg` (a model, reference, reward model...) is the directory `out` or lies
+    inside it (an earlier run's export or checkpoint): a fresh run must not delete what it reads."""
     target = out.resolve()
 
     def strings(node: Any) -> Iterator[str]:
@@ -183,7 +186,7 @@ def _reads_from(cfg: Cfg, out: Path) -> bool:
             yield node
 
     tree = {k: v for k, v in config_to_dict(cfg).items() if k != "output_dir"}
-    return any(Path(v).resolve() == target for v in strings(tree))
+    return any(Path(v).resolve() == target or target in Path(v).resolve().parents for v in strings(tree))
 
 
 class _StopOnSignal:
