@@ -70,6 +70,12 @@ class LoraCfg(Cfg):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="module names that get adapters")
 
+    @model_validator(mode="after")
+    def _check_targets(self):
+        if self.rank > 0 and not self.target_modules:
+            raise ValueError("target_modules is empty: name the modules that get adapters (or set lora.rank=0)")
+        return self
+
 
 class ModelCfg(Cfg):
     name_or_path: str = Field(
@@ -104,12 +110,26 @@ class ModelCfg(Cfg):
 class OptimCfg(Cfg):
     lr: float = Field(1e-5, gt=0, description="peak learning rate of AdamW")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (optimizer steps)")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of lr (cosine/linear)")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; 0 disables")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_are_numbers(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and any(isinstance(b, bool) for b in v):
+            raise ValueError(f"expected two numbers, got {list(v)}")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
     state_dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="dtype of AdamW's exp_avg/exp_avg_sq: bf16 (stochastic rounding, fp32 update and "
                             "master weights; 4 B/param instead of 8: docs/memory.md) or fp32 (torch's fused AdamW); "
@@ -313,10 +333,10 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         True, description="with n_samples_per_prompt > 1, the actor's and reference's forwards compute each prompt "
         "once for its G responses (same results; CPU training attention only), and mini-batches are drawn as whole "
         "groups so the update's micro-batches share their prompts too")
-    eps_clip: float = Field(0.2, gt=0, description="policy ratio clip ε (low side)")
-    eps_clip_high: Optional[float] = Field(None, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
-    dual_clip: Optional[float] = Field(None, description="dual-clip constant c > 1 for negative advantages")
-    value_clip: Optional[float] = Field(0.2, description="value clip ε_v; None disables value clipping")
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="policy ratio clip ε (low side: the ratio is kept >= 1-ε)")
+    eps_clip_high: Optional[float] = Field(None, gt=0, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
+    dual_clip: Optional[float] = Field(None, gt=1, description="dual-clip constant c > 1 for negative advantages")
+    value_clip: Optional[float] = Field(0.2, gt=0, description="value clip ε_v; None disables value clipping")
     gamma: float = Field(1.0, ge=0, le=1, description="discount γ (GAE, reinforce_pp); group estimators need 1")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
     kl_coef: float = Field(0.05, ge=0, description="initial KL coefficient β; 0 (and no kl_target) = no reference model")
@@ -324,7 +344,7 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
                                                                       "k1 for the reward, k3 typical for kl_use_loss")
     kl_use_loss: bool = Field(False, description="KL(actor‖ref) as a loss term β·reduce(kl) with the current "
                                                  "log-probs (GRPO) instead of a per-token reward penalty")
-    kl_target: Optional[float] = Field(None, description="adaptive KL (Ziegler et al.) target; None = fixed β")
+    kl_target: Optional[float] = Field(None, gt=0, description="adaptive KL (Ziegler et al.) target; None = fixed β")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL horizon (samples)")
     reward_clip: float = Field(10.0, gt=0, description="clip combined scores to [-c, c] (before any group baseline)")
     normalize_reward: bool = Field(False, description="scale scores by running mean/std of the combined score")
@@ -355,6 +375,9 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         if est in GROUP_ESTIMATORS and self.gamma != 1.0:
             raise ValueError(f"advantage_estimator={est} needs gamma=1 (the baseline is on the whole-response "
                              f"score); got gamma={self.gamma}")
+        if self.kl_target is not None and self.kl_coef <= 0:
+            raise ValueError(f"kl_target={self.kl_target} adapts kl_coef multiplicatively, so it needs an initial "
+                             "kl_coef > 0 (got 0)")
         if not self.needs_critic and self.critic_warmup_steps:
             raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps} but advantage_estimator={est} "
                              "trains no critic")
@@ -615,6 +638,14 @@ class CSFTTagCfg(Cfg):
                                  "message, or before the whole prompt text")
     separator: str = Field(" ", description="text between the tag and the message content")
     generation_bin: Optional[int] = Field(None, ge=0, description="bin used at generation; None = the best (n_bins-1)")
+
+    @model_validator(mode="after")
+    def _check_tags(self):
+        if "{k}" not in self.format:     # without it every bin gets the same tag: nothing conditions
+            raise ValueError(f"format {self.format!r} has no {{k}} for the bin index: every bin would get the same tag")
+        if self.generation_bin is not None and self.generation_bin >= self.n_bins:
+            raise ValueError(f"generation_bin={self.generation_bin} must be < n_bins={self.n_bins}")
+        return self
 
 
 class ConditionalSFTConfig(Cfg):

@@ -31,7 +31,7 @@ class Cfg(BaseModel):
     never stands for a number nor a number for true/false (pydantic's lax mode reads ``true`` as 1
     and 1 as true)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
     # device/precision choices made for this host by `turborlhf.engine.run.resolve_hardware`
     # (field → {value, reason}); not a field: never in YAML, saved as the run's hardware.json
     _hardware: dict = PrivateAttr(default_factory=dict)

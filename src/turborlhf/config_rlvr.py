@@ -14,7 +14,7 @@ __all__ = ["RLVRAlgoFields", "check_rlvr"]
 class RLVRAlgoFields(BaseModel):
     """Policy-loss variants and the tricks used for reinforcement learning with verifiable rewards."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
 
     policy_loss: Literal["ppo", "gspo", "cispo"] = Field(
         "ppo", description="ppo: token-ratio clipped surrogate; gspo: sequence-level ratio (geometric mean of the "

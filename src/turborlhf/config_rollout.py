@@ -17,7 +17,7 @@ SYNC_TOLERANCE = {"fp32": 1e-3, "bf16": 0.025}
 class RolloutFields(BaseModel):
     """Rollout engine and sampling settings (`turborlhf.rollout.make_engine`, docs/rollout.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
 
     engine: Literal["auto", "hf", "fast", "vllm"] = Field(
         "auto", description="rollout engine: auto = the embedded fast engine on the CPU, HF generate on a GPU "
@@ -54,6 +54,12 @@ class RolloutFields(BaseModel):
                                 "averaged over the canary rows; default (None) = by rollout.dtype, measured noise x "
                                 "margin: " + ", ".join(f"{k} {v:g}" for k, v in SYNC_TOLERANCE.items())
                                 + " (docs/rollout.md)")
+
+    @model_validator(mode="after")
+    def _check_new_tokens(self):
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} must be <= max_new_tokens={self.max_new_tokens}")
+        return self
 
     @model_validator(mode="after")
     def _check_weight_dtype(self):

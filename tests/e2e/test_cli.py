@@ -80,6 +80,28 @@ def test_strict_overrides_name_the_field(argv, field, capsys):
     assert err.startswith("error: ") and field in err
 
 
+@pytest.mark.parametrize("cmd, overrides, field", [
+    ("sft", ["optim.betas=[0.9,1.5]"], "optim.betas"),           # was torch's "invalid betas" traceback
+    ("sft", ["optim.betas=[true,0.9]"], "optim.betas"),          # was beta1 = 1.0
+    ("sft", ["train.epochs=.inf"], "train.epochs"),              # was an OverflowError traceback
+    ("sft", ["optim.lr=nan"], "optim.lr"),
+    ("ppo", ["algo.eps_clip=1.5"], "algo.eps_clip"),             # the rest failed inside a worker, after start-up
+    ("ppo", ["algo.dual_clip=0.5"], "algo.dual_clip"),
+    ("ppo", ["algo.value_clip=-1"], "algo.value_clip"),
+    ("ppo", ["algo.eps_clip_high=0"], "algo.eps_clip_high"),
+    ("ppo", ["algo.kl_coef=0", "algo.kl_target=1"], "kl_target"),
+    ("ppo", ["rollout.min_new_tokens=65", "rollout.max_new_tokens=64"], "min_new_tokens"),
+    ("conditional-sft", ["tags.format=<good>"], "tags"),          # was accepted: one tag for every bin
+    ("conditional-sft", ["tags.n_bins=3", "tags.generation_bin=3"], "generation_bin"),
+])
+def test_values_that_fail_late_are_refused_at_load(cmd, overrides, field, capsys):
+    required = {"sft": ["data.train_file=x"], "ppo": ["reward_model=r", "data.prompts_file=p"],
+                "conditional-sft": ["reward_model=r", "data.train_file=x"]}[cmd]
+    assert main([cmd, *required, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err, err
+
+
 @pytest.mark.parametrize("override, field", [("data.test_prompts_file=t.jsonl", "data.test_prompts_file"),
                                              ("train.eval_every=5", "train.eval_every")])
 def test_ppo_refuses_the_fields_it_never_read(override, field, capsys):

@@ -47,6 +47,19 @@ def test_load_trainable_lora_trains_only_adapters(tiny_model):
         load_trainable("value", LORA, tok, init=str(tiny_model))
 
 
+def test_lora_targets_must_name_modules_of_the_model(tiny_model):
+    """An unknown or empty target list was peft's traceback at load time: a config error naming the field
+    and the model's linear layers now; peft's dotted-suffix names still match."""
+    tok = load_tokenizer(str(tiny_model))
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: nope not in .*q_proj"):
+        load_trainable("causal", LORA.model_copy(update={"lora": LoraCfg(rank=4, target_modules=["q_proj", "nope"])}),
+                       tok, init=str(tiny_model))
+    dotted = LORA.model_copy(update={"lora": LoraCfg(rank=4, target_modules=["self_attn.q_proj"])})
+    assert is_lora(load_trainable("causal", dotted, tok, init=str(tiny_model)))
+    with pytest.raises(ConfigError, match=r"model\.lora: .*target_modules is empty"):
+        load_config(SFTConfig, None, ["data.train_file=x", "model.lora.rank=4", "model.lora.target_modules=[]"])
+
+
 def test_merged_weights_equal_the_adapted_model_and_share_the_rest(tiny_model):
     tok = load_tokenizer(str(tiny_model))
     m = load_trainable("causal", LORA, tok, init=str(tiny_model))

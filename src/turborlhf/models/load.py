@@ -302,7 +302,17 @@ def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), task_type=task,
                       modules_to_save=["score"] if task == "SEQ_CLS" else None)
+    names = [n for n, _ in model.named_modules()]      # peft matches a name or a dotted suffix of it
+    if missing := [t for t in pcfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]:
+        from turborlhf.config import ConfigError
+
+        raise ConfigError(f"lora.target_modules: {', '.join(sorted(missing))} not in {type(model).__name__} (its "
+                          f"linear layers: {', '.join(sorted(_linear_names(model)))})")
     return get_peft_model(model, pcfg)
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 def merge_lora_for_save(model: nn.Module) -> nn.Module:
