@@ -101,6 +101,23 @@ def default_tree(cls: type[Cfg]) -> dict:
     return tree
 
 
+def read_yaml(path: str | Path) -> dict:
+    """The mapping a YAML config file holds; `ConfigError` naming the file when it is missing, not
+    YAML, or not a mapping."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return data
+
+
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = (),
                 base: dict | None = None) -> C:
     """Build `cls` from a YAML file (optional), a base dict, then ``key.sub=value`` overrides.
@@ -111,16 +128,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     tree: dict = default_tree(cls)
     _deep_update(tree, json.loads(json.dumps(base)) if base else {})
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: top level must be a mapping")
-        _deep_update(tree, data)
+        _deep_update(tree, read_yaml(path))
     for ov in overrides:
         key, value = parse_override(ov, cls)
         _set_dotted(tree, key, value)

@@ -119,6 +119,7 @@ class Role:
     notes: list[str] = field(default_factory=list)
     offloaded: bool = False          # weights live in host memory between uses (ref_reward_offload)
     sleeps: bool = False             # rollout engine frees its weights while training (rollout_sleep)
+    reserves: Optional[float] = None  # vLLM: the share of its device it takes whatever it needs
 
 
 @dataclass
@@ -153,6 +154,18 @@ class Plan:
         return {"command": self.command, "stage": self.stage, "assumptions": self.assumptions,
                 "roles": [asdict(r) for r in self.roles],
                 "devices": [{**asdict(d), "fits": d.fits} for d in self.devices]}
+
+
+def _vllm_reserve(engine: Role, roll, shares_device: bool, engines_per_host: int = 1) -> None:
+    """A vLLM engine takes ``gpu_memory_utilization`` of its device up front (weights and a KV pool
+    sized to fill it) however small the model: `_assemble` counts that share instead of its
+    weights and KV cache (`turborlhf.rollout.backends.vllm_kwargs` chooses it as the run does)."""
+    from turborlhf.rollout.backends import vllm_kwargs
+
+    kw = vllm_kwargs(roll, shares_gpu=shares_device, engines_per_host=engines_per_host)
+    if kw:
+        engine.reserves = kw["llm_kwargs"]["gpu_memory_utilization"]
+        engine.notes.append(f"vLLM reserves {engine.reserves:g} of its device (gpu_memory_utilization)")
 
 
 def _train_role(name: str, shape: ModelShape, model_cfg, optim_cfg, scalar: bool, device_kind: str) -> Role:
@@ -389,6 +402,8 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
                + gen_rows * prompt_len ** 2)
     engine.activations = prefill
     engine.notes.append(f"KV cache for {gen_rows} rows × {prompt_len}+{roll.max_new_tokens} tokens")
+    dist = cfg.distributed
+    _vllm_reserve(engine, roll, dist.backend == "local" or dist.colocate_all_models, dist.rollout.devices_per_node)
     roles["rollout"] = engine
     if sequential:   # one forward at a time: kept graphs stay, each no-grad forward's activations go
         kept = {r: b for r, b in exp.items() if (r == "actor" and fused_a) or (r == "critic" and fused_c)}
@@ -400,9 +415,13 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     last_step = "critic step" if "actor step" in phases else "optimizer step"
     phases = {"generate": {"rollout": engine.kv_cache + prefill},
               ("experience" if fused_a or fused_c else "experience (no grad)"): exp, **phases, last_step: step}
-    return _Spec(roles, phases, [f"rollout batch {rows} sequences, micro-batch {mb} × ({prompt_len} prompt + "
-                                 f"{roll.max_new_tokens} response tokens), responses at max_new_tokens (worst case)"
-                                 + (f"; {data['note']}" if data else "")])
+    notes = [f"rollout batch {rows} sequences, micro-batch {mb} × ({prompt_len} prompt + {roll.max_new_tokens} "
+             "response tokens), responses at max_new_tokens (worst case)" + (f"; {data['note']}" if data else "")]
+    if roll.max_staleness > 0:    # the next steps' rollouts generate while this one trains (async_rollout)
+        for parts in phases.values():
+            parts.setdefault("rollout", engine.kv_cache + prefill)
+        notes.append(f"rollout.max_staleness={roll.max_staleness}: generation overlaps every phase")
+    return _Spec(roles, phases, notes)
 
 
 def _fused_update(cfg, rows: int, role: str, kind: str) -> bool:
@@ -436,6 +455,7 @@ def _spec_rs(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     rows = min(cfg.algo.prompts_per_round * cfg.algo.n_samples_per_prompt, roll.batch_size)
     engine = Role(name="rollout", model=s.name, weights=_engine_weight_bytes(roll) * s.params,
                   kv_cache=kv_cache_bytes(s, rows, roll.max_prompt_len, roll.max_new_tokens, roll.dtype))
+    _vllm_reserve(engine, roll, shares_device=True)
     sp.roles["rollout"] = engine
     L = roll.max_prompt_len + roll.max_new_tokens
     sp.phases = {"generate": {"rollout": engine.kv_cache + inference_activation_bytes(
@@ -476,6 +496,7 @@ def _trainer_phases(command: str, spec: _Spec, cfg) -> _Spec:
 
 SPECS = {"sft": _spec_sft, "rm": _spec_rm, "dpo": lambda c, r, k, d=None: _spec_pref(c, r, k, "dpo", d),
          "kto": lambda c, r, k, d=None: _spec_pref(c, r, k, "kto", d), "ppo": _spec_ppo,
+         "grpo": _spec_ppo, "rloo": _spec_ppo,       # `ppo` with the presets' defaults (presets.py)
          "rejection-sampling": _spec_rs, "conditional-sft": _spec_csft}
 
 
@@ -523,10 +544,17 @@ def _assemble(command: str, spec: _Spec, cfg, device_memory: Optional[int], host
     for gname, members, workers in groups:
         shard = workers if opts["fsdp"] else 1
         persistent, host_extra = 0, 0
+        cap = device_memory if device_memory is not None else (host_memory if kind == "cpu" else None)
         for r in members:
             role = spec.roles[r]
             role.offloaded = opts["offload"] and (r == "reference" or r.startswith("reward"))
             role.sleeps = opts["sleep"] and r == "rollout"
+            if role.reserves is not None and cap is not None:
+                # its share of the device, held throughout (while asleep: during generation only)
+                role.weights, role.kv_cache, role.activations = int(role.reserves * cap), 0, 0
+                for parts in spec.phases.values():
+                    if r in parts:
+                        parts[r] = 0
             if opts["fsdp"] and r in trained and role.optimizer_host:
                 # optim.offload under FSDP (CPUOffloadPolicy): the weight and gradient shards live in
                 # host memory too, beside the moments; the device holds a gathered unit at a time
@@ -553,7 +581,6 @@ def _assemble(command: str, spec: _Spec, cfg, device_memory: Optional[int], host
         if kind == "cpu":
             retained = int(CPU_ALLOCATOR_RETENTION * max((spec.roles[r].activations for r in members), default=0))
         peak_phase, peak_extra = max(phases.items(), key=lambda kv: kv[1]) if phases else ("idle", 0)
-        cap = device_memory if device_memory is not None else (host_memory if kind == "cpu" else None)
         label = f"{kind}:{gname}" + (f" (each of {workers} workers)" if workers > 1 else "")
         dev = Device(name=label, kind=kind, capacity=cap, roles=members, processes=processes,
                      persistent=persistent + overhead, phases=phases, peak_phase=peak_phase, allocator=retained)
@@ -615,8 +642,9 @@ def guess_command(path: Optional[str], tree: dict) -> str:
     keys = set(tree)
     if {"run_dir", "stages"} & keys:
         return "pipeline"
-    if "actor" in keys:
-        return "ppo"
+    if "actor" in keys:      # a grpo/rloo file that leaves the estimator to the preset is for that command
+        preset = next((c for c in ("grpo", "rloo") if c in Path(path or "").stem.lower()), None)
+        return preset if preset and "advantage_estimator" not in (tree.get("algo") or {}) else "ppo"
     if "tags" in keys:
         return "conditional-sft"
     algo = tree.get("algo") or {}
@@ -629,7 +657,7 @@ def guess_command(path: Optional[str], tree: dict) -> str:
     stem = Path(path).stem.lower().replace("_", "-") if path else ""
     for cmd in ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo"):
         if stem == cmd or stem.startswith(cmd + "-") or stem.endswith("-" + cmd):
-            return "ppo" if cmd in ("grpo", "rloo") else cmd
+            return cmd
     if "pairs_per_step" in (tree.get("train") or {}):
         return "rm"
     if "sequences_per_step" in (tree.get("train") or {}):
@@ -666,7 +694,7 @@ def plan_config(command: str, cfg, device_memory: Optional[int] = None, model_co
     kind = _device_kind(cfg)
     data = None
     if from_data:
-        model = cfg.actor.name_or_path if command == "ppo" else cfg.model.name_or_path
+        model = cfg.actor.name_or_path if hasattr(cfg, "actor") else cfg.model.name_or_path
         tok_path = model if _has_tokenizer(model) else (model_config or model)
         data = batches_from_data(command, cfg, tok_path)
     spec = _trainer_phases(command, SPECS[command](cfg, resolve, kind, data), cfg)
@@ -726,7 +754,7 @@ def main(argv: list[str]) -> int:
                                 "before launching a run (reads only model configs, no weights)")
     p.add_argument("--config", required=True, help="the YAML file the training command would get")
     p.add_argument("--command", choices=sorted(SPECS) + ["pipeline"], help="which command the config is for "
-                   "(default: guessed from its keys and file name)")
+                   "(default: guessed from its keys and file name; the plan's header names it)")
     p.add_argument("--device-memory", help="memory of one device, e.g. 24GiB or 80GB (default: this machine's "
                    "RAM for CPU placements)")
     p.add_argument("--model-config", help="model (zoo name or directory) whose config.json stands in for model "
@@ -737,13 +765,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     args, rest = p.parse_known_args(argv)
     try:
-        import yaml
+        from turborlhf.config_io import read_yaml
 
-        tree = yaml.safe_load(Path(args.config).read_text()) or {}
-        command = args.command or guess_command(args.config, tree)
+        command = args.command or guess_command(args.config, read_yaml(args.config))
         cls = getattr(C, TRAIN_COMMANDS[command][2])
         cfg = C.load_config(cls, args.config, _split_overrides(rest))
         dev = parse_bytes(args.device_memory) if args.device_memory else None
+        if dev is not None and dev <= 0:
+            raise ValueError(f"--device-memory {args.device_memory}: must be more than 0 bytes")
         plans = plan_config(command, cfg, dev, args.model_config, from_data=args.from_data)
     except (C.ConfigError, ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -83,7 +83,7 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
             packed = pack_shared_prefix([enc[i]["chosen"] for i in b], [enc[i]["rejected"] for i in b], 0)
             cands.append({"rows": len(b), "row_len": packed.ids_BL.shape[1], "resp": 0})
         unit = "pair rows"
-    elif command == "ppo":
+    elif command in ("ppo", "grpo", "rloo"):
         from turborlhf.data.loaders import load_prompts
         from turborlhf.data.tokenize import encode_prompt
 

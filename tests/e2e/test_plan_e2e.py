@@ -306,3 +306,79 @@ def test_plan_sizes_a_gpu_run_from_a_host_without_one(tiny_model, tiny_data, cap
     assert [d["name"].split(" ")[0] for d in plan["devices"]] == ["gpu:local"]
     with pytest.raises(HardwareError, match="device=cuda"):
         resolve_hardware(load_config(SFTConfig, overrides=["data.train_file=x", "model.device=cuda"]), show=False)
+
+
+def test_a_grpo_or_rloo_file_is_planned_with_its_preset(tiny_model, tmp_path, capsys):
+    """A file for `turborlhf grpo` that leaves the estimator to the preset was planned as `ppo`: with a
+    critic and one sample per prompt. It is planned as `grpo` now (guessed from its name, or
+    --command grpo, which was refused); a file that sets the estimator stays `ppo`, as it runs."""
+    from turborlhf.plan import guess_command
+
+    f = tmp_path / "my_grpo.yaml"
+    f.write_text(f"actor: {{name_or_path: {tiny_model}}}\nreward_model: {tiny_model}\n"
+                 "data: {prompts_file: p.jsonl}\nalgo: {prompts_per_step: 2}\n")
+    assert guess_command(str(f), {"actor": {}, "algo": {}}) == "grpo"
+    assert guess_command(str(f), {"actor": {}, "algo": {"advantage_estimator": "grpo"}}) == "ppo"
+    for args in ([], ["--command", "grpo"]):
+        rc, [plan] = _plan(capsys, "--config", f, *args)
+        assert rc == 0 and plan["command"] == "grpo"
+        assert "critic" not in {r["name"] for r in plan["roles"]}
+        assert "rollout batch 8 sequences" in plan["assumptions"][0]     # 2 prompts × the preset's 4 samples
+    rc, [plan] = _plan(capsys, "--config", f, "--command", "rloo")
+    assert rc == 0 and plan["command"] == "rloo"
+
+
+def test_plan_counts_vllm_reservation_and_async_generation(tiny_model):
+    """vLLM takes gpu_memory_utilization of its device whatever the model needs (it was planned as
+    the model's weights and KV cache); with rollout.max_staleness the next rollouts generate while
+    this step trains on the local backend, so generation memory adds to every phase."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.plan import plan_config
+
+    gib = 2 ** 30
+    base = [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x",
+            "distributed.device=gpu"]
+    hf, vllm = (plan_config("ppo", load_config(PPOConfig, TINY / "ppo.yaml", base + [f"rollout.engine={e}"]),
+                            device_memory=8 * gib)[0] for e in ("hf", "vllm"))
+    engine = next(r for r in vllm.roles if r.name == "rollout")
+    assert engine.weights == int(0.5 * 8 * gib) and engine.kv_cache == 0      # local backend: verl's 0.5
+    assert vllm.devices[0].peak - hf.devices[0].peak > 3.9 * gib
+
+    cpu = [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x",
+           "algo.advantage_estimator=grpo", "algo.n_samples_per_prompt=4", "algo.rollout_is=tis",
+           "rollout.max_new_tokens=256"]
+    sync, ahead = (plan_config("ppo", load_config(PPOConfig, TINY / "ppo.yaml", cpu + [f"rollout.max_staleness={k}"]))[0]
+                   .devices[0] for k in (0, 1))
+    gen = sync.phases["generate"]
+    assert ahead.phases["train actor"] == sync.phases["train actor"] + gen
+    assert ahead.peak > sync.peak
+
+
+@pytest.mark.parametrize("content, args, message", [
+    ("model: {name_or_path: x\n", [], "not valid YAML at line 2, column 1"),    # was a yaml traceback
+    ("- a\n- b\n", [], "top level must be a mapping"),                          # was an AttributeError
+    ("model: {name_or_path: x}\ndata: {train_file: t}\n", ["--command", "sft", "--device-memory", "0"],
+     "--device-memory 0: must be more than 0"),
+])
+def test_plan_reports_bad_input_in_one_line(tmp_path, capsys, content, args, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(content)
+    assert main(["plan", "--config", str(f), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_model_shape_reads_a_hub_id_from_the_cache(monkeypatch, tiny_model):
+    """`org/name` that is not a local directory is a hub id, which training loads from the HF cache:
+    plan refused it as a local path without config.json."""
+    import transformers
+
+    from turborlhf.models.memory import model_shape
+
+    asked = []
+    real = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda name, *a, **k: asked.append(name) or real(str(tiny_model)))
+    assert model_shape("acme/tiny-llama").params > 0 and asked == ["acme/tiny-llama"]
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        model_shape("./runs/not-trained-yet")

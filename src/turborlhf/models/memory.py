@@ -67,7 +67,9 @@ def model_shape(name_or_path: str, lora_targets: tuple[str, ...] = ()) -> ModelS
     from turborlhf.models.zoo import is_zoo_name, resolve_model_path
 
     path = resolve_model_path(name_or_path, fetch=False) if is_zoo_name(name_or_path) else name_or_path
-    if (os.sep in str(path) or str(path).startswith(".")) and not (Path(path) / "config.json").exists():
+    text = str(path)
+    hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).exists()
+    if (os.sep in text or text.startswith(".")) and not hub_id and not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{name_or_path}: no config.json there (not trained yet?)")
     cfg = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
