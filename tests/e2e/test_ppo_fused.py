@@ -105,6 +105,13 @@ def test_fused_update_modes(tiny_model):
     assert use_fused_update(cfg("algo.fused_update=both"), 4, Critic)
     assert not use_fused_update(cfg("algo.fused_update=both"), 8, Critic)
     assert use_fused_update(cfg("algo.fused_update=always"), 8, Critic)
+    # data parallel: a rank given no rows (fewer micro-batches than ranks) has no graph to take, so the
+    # update ran `train(kept=...)` there and failed ("kept no experience forward")
+    class Pair(Actor):
+        world_size = 2
+    assert use_fused_update(cfg("algo.fused_update=always"), 8, Pair)          # 2 micro-batches: one per rank
+    for mode in ("auto", "always"):
+        assert not use_fused_update(cfg(f"algo.fused_update={mode}"), 4, Pair)  # 1 micro-batch: rank 1 idle
 
 
 def test_kept_forward_is_named_by_the_driver():

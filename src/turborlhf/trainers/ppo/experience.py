@@ -143,7 +143,8 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
     - ``both``: as auto for the actor and the critic;
     - ``always``: both, whenever the schedule allows (a rank's whole share of activations at once);
     - ``never``.
-    Never under FSDP (its parameters are resharded between the calls), nor for a model with LoRA
+    Never under FSDP (its parameters are resharded between the calls), nor where a data-parallel
+    rank gets no rows (a batch of fewer micro-batches than ranks), nor for a model with LoRA
     dropout (a forward in training mode is a dropout sample, not the policy's log-probs: the
     experience runs in eval mode, the update in training mode)."""
     A = cfg.algo
@@ -159,6 +160,8 @@ def use_fused_update(cfg: PPOConfig, B: int, group) -> bool:
         return False
     if group.world_size > 1 and cfg.distributed.dp_strategy == "fsdp":
         return False
+    if len(row_shards(B, cfg.train.micro_batch_size, group.world_size)) < group.world_size:
+        return False       # a rank given no rows keeps no experience graph for its update to take
     return A.fused_update == "always" or B <= cfg.train.micro_batch_size * group.world_size
 
 
