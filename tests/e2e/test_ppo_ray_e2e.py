@@ -76,6 +76,23 @@ def test_ppo_ray_fsdp_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path, we
     assert all(r["critic/loss"] > 0 for r in metrics(tmp_path / "ray"))
 
 
+def test_fsdp_refuses_a_short_step_that_cannot_split_over_its_workers(tiny_model, tiny_rm, tiny_data, tmp_path,
+                                                                        capsys):
+    """5 prompts with prompts_per_step 8 make one short step of 5 rows, whose second mini-batch (2 rows,
+    one micro-batch) leaves one of the two FSDP workers without work: the workers' collectives no
+    longer matched (a gloo abort). A config error naming the fields now, before any worker starts."""
+    from turborlhf.cli import main
+
+    fsdp = ["distributed.backend=ray", "distributed.dp_strategy=fsdp", "distributed.actor.devices_per_node=2",
+            "algo.advantage_estimator=reinforce_pp", "algo.kl_coef=0", "algo.prompts_per_step=8",
+            "algo.num_mini_batches=2", "train.micro_batch_size=2"]
+    args = _args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "run", *fsdp)
+    assert main([*args, "data.max_samples=5"]) == 2
+    err = capsys.readouterr().err
+    assert "data.prompts_file: 5 prompts" in err and "algo.prompts_per_step 8" in err and "micro-batch" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_grpo_ray_colocated_matches_local(tiny_model, tiny_rm, tiny_data, tmp_path):
     """All roles colocated on 2 workers (actor DP=2 + reference/reward offload + sleeping engines),
     CPU slots on any host (two GPU workers would need two GPUs)."""

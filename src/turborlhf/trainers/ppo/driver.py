@@ -429,6 +429,7 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
     _check_context(cfg, max(map(len, prompt_ids)))
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
+    _check_short_steps(cfg, len(plan[0]))
     for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
         if rm_path:
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
@@ -439,6 +440,23 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
         return (yield from _run(cfg, cluster, tok, prompt_ids, plan, out, ckpt, [r["columns"] for r in records]))
     finally:
         cluster.shutdown()
+
+
+def _check_short_steps(cfg: PPOConfig, prompts: int) -> None:
+    """Fewer prompts than ``algo.prompts_per_step`` make short steps (`plan_steps`), whose rows FSDP
+    must still split evenly over its workers (`check_fsdp_batches` checked the full step only):
+    ConfigError naming the fields, where uneven splits left the workers' collectives mismatched."""
+    from turborlhf.distributed.roles import check_fsdp_batches
+
+    if prompts >= cfg.algo.prompts_per_step:
+        return
+    try:
+        check_fsdp_batches(cfg.distributed, cfg.algo.model_copy(update={"prompts_per_step": prompts}),
+                           cfg.train.micro_batch_size)
+    except ValueError as e:
+        raise ConfigError(f"data.prompts_file: {prompts} prompts (after data.max_samples) are fewer than "
+                          f"algo.prompts_per_step {cfg.algo.prompts_per_step}, so every step trains those {prompts}: "
+                          f"{e}") from None
 
 
 def share_trunks(cluster, cfg: PPOConfig) -> str:
