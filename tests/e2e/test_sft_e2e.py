@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
 
 
@@ -84,7 +86,9 @@ def test_resume_refuses_a_changed_step_plan(tiny_model, tiny_data, tmp_path):
 def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_model, tiny_data, tmp_path):
     """A fresh run in a used output_dir left the earlier run's model.safetensors beside its own
     config.yaml until it exported: stopped early, the directory loaded as the old model. A run
-    that starts from that very directory keeps it (it reads those weights)."""
+    that starts from a checkpoint inside it keeps them; one whose model IS that directory is
+    refused (its export would overwrite its input, and each --resume of a finished LoRA run added
+    its adapters to the merged export again: base + 2·delta)."""
     from turborlhf.cli import main
 
     out = tmp_path / "sft"
@@ -96,12 +100,20 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
     args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"),
             f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=16", f"output_dir={out}",
             "train.max_steps=1", "log.tensorboard=false"]
-    start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={out}"]), False, "sft")
-    assert (out / "model.safetensors").exists()                # the run's own starting point: kept
+    from turborlhf.config import ConfigError
+    for resume in (False, True):
+        with pytest.raises(ConfigError, match=r"output_dir .* is also model\.name_or_path"):
+            start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={out}"]), resume, "sft")
+    assert (out / "model.safetensors").exists()                # nothing touched
     step = out / "checkpoints" / "step-000001" / "policy"      # an earlier checkpoint: kept, not deleted
     assert step.exists()
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={step}"]), False, "sft")
     assert step.exists()
+    # ...and its rotation keeps it: it was deleted at the new run's first save, and --resume then failed
+    from_step = args + [f"model.name_or_path={step}", "train.max_steps=3", "train.save_every=2",
+                        "train.keep_checkpoints=1"]
+    assert main(from_step) == 0 and step.exists()
+    assert main(from_step + ["--resume"]) == 0
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
     assert not (out / "model.safetensors").exists()
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()

@@ -211,3 +211,20 @@ def test_a_signal_in_the_final_evaluation_finds_the_last_checkpoint(name, hook, 
     run_cli(*args, "--resume")
     run_cli(*_with_output(base, tmp_path / "ref"))
     assert max_weight_diff(weights(tmp_path / "run"), weights(tmp_path / "ref")) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["sft", "ppo"])
+def test_a_signal_while_the_last_checkpoint_is_written_keeps_it(name, tiny_model, tiny_rm, tiny_data, tmp_path):
+    """The last step's checkpoint was written after the step loop, with the default handlers back:
+    a SIGTERM while it was being written (here right after its trainer state, before it is moved in
+    place) killed the run, and with ``save_every=0`` nothing was kept. It is written inside the loop
+    now: the run stops with the checkpoint complete, and --resume finishes it."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    args = _with_output(_commands(name, tiny_model, tiny_rm, tiny_data), tmp_path / "run")
+    last_state = "str(a[1]).endswith('trainer_state.pt') and 'step-000003' in str(a[1])"   # once, mid-write
+    res = _signalled_run(args, hook=("torch", "save", last_state))
+    assert res.returncode == 143 and "after the last step 3" in res.stderr, (res.stdout + res.stderr)[-3000:]
+    assert load_trainer_state(latest_checkpoint(tmp_path / "run"))["step"] == 3
+    run_cli(*args, "--resume")
+    assert (tmp_path / "run" / "model.safetensors").exists()

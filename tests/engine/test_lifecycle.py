@@ -20,12 +20,25 @@ def test_config_changes_names_fields_and_skips_exempt_ones():
     assert config_changes(old, old) == {}
 
 
-def test_checkpointed_steps_saves_periodically_and_not_after_the_last_step():
+def test_checkpointed_steps_saves_periodically_and_after_the_last_step():
+    """The last step's checkpoint is written inside the loop, under its signal handlers (it was the
+    caller's, after them: a SIGTERM while writing it lost the run)."""
     saved = []
     steps = list(checkpointed_steps(0, 5, lambda d: saved.append(d) or f"ckpt-{d}", 2, "t"))
-    assert steps == [0, 1, 2, 3, 4] and saved == [2, 4]
+    assert steps == [0, 1, 2, 3, 4] and saved == [2, 4, 5]
     saved.clear()
-    assert list(checkpointed_steps(3, 5, lambda d: saved.append(d), 0, "t")) == [3, 4] and saved == []
+    assert list(checkpointed_steps(3, 5, lambda d: saved.append(d), 0, "t")) == [3, 4] and saved == [5]
+    saved.clear()
+    assert list(checkpointed_steps(5, 5, lambda d: saved.append(d), 1, "t")) == [] and saved == []  # resumed at end
+
+
+def test_a_signal_while_the_last_checkpoint_is_written_stops_after_it():
+    def save(done):
+        if done == 3:
+            os.kill(os.getpid(), signal.SIGTERM)          # arrives mid-write: the write still completes
+        return f"ckpt-{done}"
+    with pytest.raises(RunInterrupted, match=r"SIGTERM after the last step 3: kept checkpoint ckpt-3"):
+        list(checkpointed_steps(0, 3, save, 0, "t"))
 
 
 def test_signal_finishes_the_step_saves_and_raises_then_handlers_are_restored():

@@ -137,6 +137,17 @@ def save_hf_dir(model, tokenizer, out_dir: str | Path, extra_config: Optional[di
     return out
 
 
+_PROTECTED: set[Path] = set()   # paths the running run reads (`protect_inputs`): never rotated away
+
+
+def protect_inputs(paths) -> None:
+    """Checkpoint rotation in this process keeps any checkpoint that holds one of `paths` (resolved):
+    a fresh run that starts from an earlier checkpoint in its own output_dir deleted it at its first
+    save, so it could never be resumed. Replaces the previous run's set."""
+    _PROTECTED.clear()
+    _PROTECTED.update(Path(p).resolve() for p in paths)
+
+
 def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], tokenizer,
                     state: dict[str, Any], keep: int = 1) -> Path:
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
@@ -169,7 +180,8 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     others = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name != name
                      and (p / "trainer_state.pt").exists()), key=_step_number)
     for old in others[:max(0, len(others) - (keep - 1))]:
-        _remove_dir(old)
+        if not any(p == old.resolve() or old.resolve() in p.parents for p in _PROTECTED):
+            _remove_dir(old)
     _remove_stale_staging(root)
     _remove_dead_leftovers(root, keep=root / name, min_age_s=0.0)
     return root / name

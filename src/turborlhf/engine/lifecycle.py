@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import clear_checkpoints, latest_checkpoint
+from turborlhf.engine.checkpoint import clear_checkpoints, latest_checkpoint, protect_inputs
 from turborlhf.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -143,14 +143,17 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     `UserError`) naming the fields, unless `allow_config_change` is active. Without `resume`,
     checkpoints an earlier run left in the directory are removed, with a warning: they would
     outrank the new run's in rotation and be what a later ``--resume`` continues (as ``config.yaml``
-    and the outputs, they belong to the run now starting there). The resolved config is written to
-    ``config.yaml`` only after these checks.
+    and the outputs, they belong to the run now starting there). An output_dir that is itself one
+    of the run's inputs (its model, reference...) raises `ConfigError`. The resolved config is
+    written to ``config.yaml`` only after these checks.
     """
     from turborlhf.engine.run import clear_export, setup_run
     from turborlhf.metrics import console_logging
 
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
+    _check_not_an_input(cfg, out)
+    protect_inputs(p for _, p in _config_paths(cfg))
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:
         logger.warning(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
@@ -171,22 +174,38 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     return setup_run(cfg, str(out)), ckpt
 
 
-def _reads_from(cfg: Cfg, out: Path) -> bool:
-    """Whether a path in `cfg` (a model, reference, reward model...) is the directory `out` or lies
-    inside it (an earlier run's export or checkpoint): a fresh run must not delete what it reads."""
-    target = out.resolve()
-
-    def strings(node: Any) -> Iterator[str]:
+def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
+    """(dotted field, resolved path) of every text value of `cfg` but ``output_dir``."""
+    def walk(node: Any, key: str) -> Iterator[tuple[str, Path]]:
         if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, list):
-            for v in node:
-                yield from strings(v)
+            for k, v in node.items():
+                yield from walk(v, f"{key}.{k}" if key else k)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{key}[{i}]")
         elif isinstance(node, str) and node:
-            yield node
+            yield key, Path(node).resolve()
 
-    tree = {k: v for k, v in config_to_dict(cfg).items() if k != "output_dir"}
-    return any(Path(v).resolve() == target or target in Path(v).resolve().parents for v in strings(tree))
+    yield from walk({k: v for k, v in config_to_dict(cfg).items() if k != "output_dir"}, "")
+
+
+def _reads_from(cfg: Cfg, out: Path) -> bool:
+    """Whether a path in `cfg` (a model, reference, reward model...) lies inside the directory `out`
+    (an earlier run's checkpoint): a fresh run must not delete what it reads."""
+    target = out.resolve()
+    return any(target in p.parents for _, p in _config_paths(cfg))
+
+
+def _check_not_an_input(cfg: Cfg, out: Path) -> None:
+    """ConfigError when `out` is itself a directory the run reads (its model, reference, reward
+    model): the final export would overwrite it, and a --resume would start from the trained
+    weights (a LoRA run's adapters added again; DPO's reference recomputed from the policy)."""
+    target = out.resolve()
+    if same := [k for k, p in _config_paths(cfg) if p == target and not k.startswith("data.")]:
+        from turborlhf.config import ConfigError
+
+        raise ConfigError(f"output_dir {out} is also {same[0]}: the run's export would overwrite what it reads; "
+                          "use another output_dir")
 
 
 class _StopOnSignal:
@@ -249,8 +268,9 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
       checkpoint and the signal (raised from the loop's ``for``); also after the last step, so that
       a run stopped there keeps its steps (``--resume`` then runs only the final evaluation and
       export, which the caller does after the loop with the default signal handlers back);
-    - otherwise every `save_every` steps (0 = never) before the last: ``save(done)`` (the caller
-      saves the final checkpoint itself).
+    - otherwise every `save_every` steps (0 = never), and after the last step whatever
+      `save_every` is: that checkpoint is written while the handlers still turn a signal into a
+      stop after it (a SIGTERM during it killed the run with no checkpoint at all).
 
     `save(done)` writes a resumable checkpoint after `done` steps and returns its directory. The
     signal handlers are installed when the loop starts and restored when it ends (also on errors).
@@ -266,8 +286,11 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
                 name = signal.Signals(stop.signum).name if stop.signum is not None else "close()"
                 raise RunInterrupted(f"{name} at step {done}/{total}: kept checkpoint {path}; "
                                      "continue with --resume", stop.signum or signal.SIGTERM)
-            if save_every and done % save_every == 0 and done < total:
-                save(done)
+            if done == total or (save_every and done % save_every == 0):
+                path = save(done)
+                if done == total and stop.signum is not None:     # received while writing it: complete, stop
+                    raise RunInterrupted(f"{signal.Signals(stop.signum).name} after the last step {total}: kept "
+                                         f"checkpoint {path}; continue with --resume", stop.signum)
 
 
 def eval_due(done: int, total: int, eval_every: int, has_eval_data: bool) -> bool:

@@ -116,8 +116,7 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        checkpoint(len(plan))       # before the final evaluation: a signal during it finds the checkpoint
-        if test_enc:
+        if test_enc:     # after the last step's checkpoint (`checkpointed_steps`): a signal here finds it
             log.log(len(plan), {M.EVAL_LOSS: evaluate_nll(model, tokenizer, test_enc, cfg.model.dtype,
                                                           loop.micro_batch_size)})
         export_model(model, tokenizer, out)

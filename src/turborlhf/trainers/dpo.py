@@ -246,9 +246,8 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 7. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation on the
-        #    test pairs, exported HF policy
-        checkpoint(len(plan))
+        # 7. (the loop wrote the last step's checkpoint: a signal during the evaluation finds it) final
+        #    evaluation on the test pairs, exported HF policy
         if test_enc:
             ev = evaluate(model, tok, test_enc, ref, cfg)
             log.log(len(plan), _eval_metrics(ev))

@@ -239,9 +239,8 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 7. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation, exported
-        #    HF policy
-        checkpoint(len(plan))
+        # 7. (the loop wrote the last step's checkpoint: a signal during the evaluation finds it) final
+        #    evaluation, exported HF policy
         if test_enc:
             ev = evaluate(model, tok, test_enc, test_kl, ref, cfg)
             log.log(len(plan), {k: v for k, v in ev.items() if k != "n"})

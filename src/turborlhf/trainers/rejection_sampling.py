@@ -352,8 +352,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
             atomic_write_text(rdir / "metrics.json", json.dumps(metrics, indent=2))
             log.log(k, metrics)
 
-        # 5. the last round's checkpoint; the final policy as an HF directory in output_dir
-        checkpoint(A.rounds)
+        # 5. (the loop wrote the last round's checkpoint) the final policy as an HF directory in output_dir
         export_model(model, tok, out)
     finally:
         log.close()   # trackers and callbacks end whatever stops the run

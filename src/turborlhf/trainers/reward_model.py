@@ -170,9 +170,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
                 log.log(done, metrics)
             yield done, len(plan), metrics
 
-        # 6. resumable checkpoint (first: a signal during the evaluation finds it), final evaluation (stored
-        #    in the model config as reward_mean/std, like OpenRLHF), export
-        checkpoint(len(plan))
+        # 6. (the loop wrote the last step's checkpoint: a signal during the evaluation finds it) final
+        #    evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
         extra = {}
         if test_enc:
             from turborlhf.evaluate import length_strata

@@ -556,8 +556,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
             done, metrics = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log,
                                   samples_f, canary, columns, pipe)
             yield done, len(plan), metrics
-        checkpoint(len(plan))
-        cluster["actor"].run("export", str(out))
+        cluster["actor"].run("export", str(out))      # after the last step's checkpoint (the loop's)
     except WorkerError as e:
         last = latest_checkpoint(out)
         raise WorkerError(f"{e}\n[ppo] run stopped; last complete checkpoint: "
