@@ -91,7 +91,7 @@ def test_every_tracker_gets_the_metrics(tmp_path, monkeypatch):
     assert [(r["step"], r["train/loss"], r["policy/kl"]) for r in logs] == want
 
 
-def test_report_to_config_and_tensorboard_flag(tmp_path, monkeypatch):
+def test_report_to_config_and_tensorboard_flag(tmp_path, monkeypatch, capsys):
     from turborlhf.metrics import tracker_kwargs
 
     def trackers(*ov):
@@ -110,6 +110,22 @@ def test_report_to_config_and_tensorboard_flag(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)   # not installed
     with pytest.raises(ImportError, match=r"turborlhf\[wandb\]"):
         MetricsLogger(tmp_path / "a", "t", 1, report_to=["wandb"])
+    # from the command line: one line, exit 2, before the data or model loads (it was a traceback
+    # after them); the model path here does not exist, so loading anything would fail differently
+    from turborlhf.cli import main
+    assert main(["sft", "data.train_file=x", "model.name_or_path=/nonexistent", f"output_dir={tmp_path / 'c'}",
+                 "log.report_to=[wandb]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: log.report_to: wandb needs") and err.count("\n") == 1
+
+    class Broken:                                      # a tracker whose library refuses to start
+        def __init__(self, *a, **k):
+            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+    import turborlhf.trackers as T
+    monkeypatch.setitem(T._CLASSES, "wandb", Broken)
+    with pytest.raises(T.TrackerUnavailable, match=r"wandb failed to start: RuntimeError: api_key not configured "
+                                                   r"\(no-tty\) \(W&B without an account: WANDB_MODE=offline\)"):
+        T.make_trackers(["wandb"], tmp_path)
     log = MetricsLogger(tmp_path / "b", "t", 1, tensorboard=False, progress=False)
     log.log(1, {"train/loss": 1.0})
     log.close()

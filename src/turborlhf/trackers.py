@@ -21,7 +21,9 @@ trackio      a Trackio run in project ``project``      ``TRACKIO_DIR`` (local SQ
 
 Every tracker gets the run's whole config once (flattened dotted keys for MLflow) and, per logged
 step, the finite numeric metrics under their canonical names (``train/loss``, ``policy/kl``...).
-A requested tracker whose package is missing raises ``ImportError`` naming the extra to install.
+A requested tracker whose package is missing raises `TrackerUnavailable` (a `UserError` and an
+``ImportError``) naming the extra to install, when the run starts (`check_installed`), before any
+data or model loads; one that fails to start (W&B without an API key) raises it naming the tracker.
 """
 from __future__ import annotations
 
@@ -30,9 +32,28 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["TRACKERS", "Tracker", "make_trackers", "flatten"]
+from turborlhf.errors import UserError
+
+__all__ = ["TRACKERS", "Tracker", "TrackerUnavailable", "make_trackers", "check_installed", "flatten"]
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+_INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install 'turborlhf[wandb]'",
+            "mlflow": "pip install 'turborlhf[mlflow]'", "trackio": "pip install 'turborlhf[trackio]'"}
+
+
+class TrackerUnavailable(UserError, ImportError):
+    """A tracker of `log.report_to` cannot be used here (package missing, or it failed to start)."""
+
+
+def check_installed(names: Sequence[str]) -> None:
+    """`TrackerUnavailable` for the first tracker of `names` whose package is not installed (checked
+    without importing it, so at the start of a run rather than after its models load)."""
+    import sys
+    from importlib.util import find_spec
+
+    for n in names:
+        if n in _INSTALL and (sys.modules[n] is None if n in sys.modules else find_spec(n) is None):
+            raise TrackerUnavailable(f"log.report_to: {n} needs the {n!r} package ({_INSTALL[n]})")
 
 
 class Tracker:
@@ -51,8 +72,7 @@ def _need(module: str, name: str, package: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"log.report_to: {name} needs the {package!r} package "
-                          f"(pip install 'turborlhf[{name}]')") from e
+        raise TrackerUnavailable(f"log.report_to: {name} needs the {package!r} package ({_INSTALL[name]})") from e
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -144,8 +164,8 @@ def make_trackers(names: Sequence[str], out: Path, project: str = "turborlhf", r
     """One ``Tracker`` per name of ``TRACKERS`` (``run_name`` defaults to the output directory's name).
     `purge_step` (a resumed run's first step): TensorBoard discards its events from that step on.
 
-    Raises ``ValueError`` for an unknown name, ``ImportError`` for a missing package; a tracker
-    that fails to start closes those already started.
+    Raises ``ValueError`` for an unknown name, `TrackerUnavailable` for a missing package or a
+    tracker that fails to start (after closing those already started).
     """
     unknown = [n for n in names if n not in _CLASSES]
     if unknown:
@@ -154,8 +174,16 @@ def make_trackers(names: Sequence[str], out: Path, project: str = "turborlhf", r
     try:
         for n in dict.fromkeys(names):
             extra = {"purge_step": purge_step} if n == "tensorboard" else {}
-            started.append(_CLASSES[n](out, project=project, run_name=run_name or out.resolve().name,
-                                       config=config or {}, **extra))
+            try:
+                started.append(_CLASSES[n](out, project=project, run_name=run_name or out.resolve().name,
+                                           config=config or {}, **extra))
+            except (TrackerUnavailable, KeyboardInterrupt):
+                raise
+            except Exception as e:      # e.g. W&B without an API key: the library's own message, one line
+                hint = " (W&B without an account: WANDB_MODE=offline)" if n == "wandb" else ""
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise TrackerUnavailable(f"log.report_to: {n} failed to start: {type(e).__name__}: {first}{hint}") \
+                    from e
     except BaseException:
         for t in started:
             t.close()

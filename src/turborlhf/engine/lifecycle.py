@@ -153,6 +153,9 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     _check_not_an_input(cfg, out)
+    if getattr(cfg, "log", None) is not None and cfg.log.report_to:
+        from turborlhf.trackers import check_installed
+        check_installed(cfg.log.report_to)      # before the data and models load
     protect_inputs(p for _, p in _config_paths(cfg))
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:
