@@ -217,6 +217,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        import errno
+
+        if debug or e.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT):
+            raise
+        # a run directory that is read-only, full or not ours: the path and the reason, not a traceback;
+        # checkpoints are written whole or not at all, so the last one is intact
+        print(f"error: {e.filename or 'a file'}: {e.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:     # a second SIGINT/SIGTERM, or one outside a training loop
         if debug:
             raise

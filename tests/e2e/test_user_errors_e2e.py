@@ -177,3 +177,27 @@ def test_evaluation_counts_out_of_range_are_refused(tmp_path, capsys, name, args
     with pytest.raises(SystemExit) as exit_:
         main(name, need + args)
     assert exit_.value.code == 2 and f"{flag} is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code, reason", [("EROFS", "Read-only file system"), ("ENOSPC", "No space left on device")])
+def test_a_read_only_or_full_run_directory_is_one_line(code, reason, tiny_model, tiny_data, tmp_path, monkeypatch,
+                                                       capsys):
+    """An output_dir on a read-only or full disk printed OSError's traceback: the path and the reason
+    now (exit 1; checkpoints are written whole or not at all). Other OSErrors keep their traceback."""
+    import errno
+
+    import turborlhf.engine.run as run
+    from turborlhf.cli import main
+
+    where = tmp_path / "out" / "config.yaml"
+
+    def refuse(*a, **k):
+        raise OSError(getattr(errno, code), reason, str(where))
+    monkeypatch.setattr(run, "setup_run", refuse)
+    args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"output_dir={tmp_path / 'out'}"]
+    assert main(args) == 1
+    assert capsys.readouterr().err == f"error: {where}: {reason}\n"
+    monkeypatch.setattr(run, "setup_run", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        main(args)

@@ -174,6 +174,26 @@ def test_keep_prunes_oldest(tmp_path):
     assert load_trainer_state(latest_checkpoint(tmp_path))["step"] == 4
 
 
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
+    """torch's writer says only "unexpected pos" when the disk fills: an ENOSPC OSError naming the
+    checkpoint now (one line on the command line); the staging directory goes, the last one stays."""
+    import errno
+    from collections import namedtuple
+
+    save_checkpoint(tmp_path, 1, {"actor": _writer("1")}, None, {"step": 1})
+    monkeypatch.setattr(C.torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 4096))
+    with pytest.raises(OSError, match="No space left on device") as e:
+        save_checkpoint(tmp_path, 2, {"actor": _writer("2")}, None, {"step": 2})
+    assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("step-000002")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == ["step-000001"]
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: usage(10 << 30, 1 << 30, 9 << 30))
+    with pytest.raises(RuntimeError, match="unexpected pos"):      # with room to spare: torch's own error
+        save_checkpoint(tmp_path, 2, {"actor": _writer("2")}, None, {"step": 2})
+
+
 def test_keep_counts_by_step_number_and_never_prunes_the_checkpoint_just_written(tmp_path):
     """A checkpoint of a higher step than the one being written (an earlier run's, in the same
     directory) was kept instead of the new one, by name order; a 7-digit step sorted before a

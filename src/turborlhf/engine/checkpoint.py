@@ -172,8 +172,13 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
                 model(staged / mname)
         torch.save(state, staged / "trainer_state.pt")
         _replace_dir(staged, root / name)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staged, ignore_errors=True)
+        if isinstance(e, RuntimeError) and shutil.disk_usage(root).free < (64 << 20):
+            # torch's writer says only "unexpected pos" when the disk fills: name the disk and the path
+            import errno
+            raise OSError(errno.ENOSPC, "No space left on device (checkpoint not written; the previous one is "
+                                        "intact)", str(root / name)) from e
         raise
     atomic_write_text(root / "latest", name)
     # the `keep` newest by step number, the one just written always among them
