@@ -114,6 +114,7 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
                         "train.keep_checkpoints=1"]
     assert main(from_step) == 0 and step.exists()
     assert main(from_step + ["--resume"]) == 0
+    (out / "eval.json").write_text("{}")        # an earlier run's final evaluation (rm, dpo, kto write one)
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
-    assert not (out / "model.safetensors").exists()
+    assert not (out / "model.safetensors").exists() and not (out / "eval.json").exists()
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()

@@ -174,6 +174,20 @@ def test_keep_prunes_oldest(tmp_path):
     assert load_trainer_state(latest_checkpoint(tmp_path))["step"] == 4
 
 
+def test_checkpoints_and_written_files_get_the_umask_permissions(tmp_path):
+    """tempfile makes 0600 files and 0700 directories: config.yaml, `latest` and every checkpoint
+    (and `export --output`'s directory) were unreadable to anyone but their owner."""
+    old = os.umask(0o022)
+    try:
+        ckpt = save_checkpoint(tmp_path, 1, {"actor": _writer("1")}, None, {"step": 1})
+        C.atomic_write_text(tmp_path / "config.yaml", "a: 1\n")
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777      # noqa: E731
+    assert mode(ckpt) == 0o755 and mode(tmp_path / "checkpoints" / "latest") == 0o644
+    assert mode(tmp_path / "config.yaml") == 0o644 and mode(ckpt / "trainer_state.pt") == 0o644
+
+
 def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
     """torch's writer says only "unexpected pos" when the disk fills: an ENOSPC OSError naming the
     checkpoint now (one line on the command line); the staging directory goes, the last one stays."""

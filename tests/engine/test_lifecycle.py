@@ -52,3 +52,30 @@ def test_signal_finishes_the_step_saves_and_raises_then_handlers_are_restored():
                 ran.append("after kill")
     assert ran == [0, 1, "after kill"] and saved == [2] and e.value.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_run_on_a_used_output_dir_is_refused(tmp_path):
+    """Nothing stopped a second run on the output_dir of a running one: it deleted the first run's
+    checkpoints and both wrote one metrics.jsonl. The directory is locked for the run's process now;
+    the same process may take it again (a Python session that trains, then resumes)."""
+    import subprocess
+    import sys
+
+    from turborlhf.engine.lifecycle import lock_output_dir
+    from turborlhf.errors import UserError
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from turborlhf.engine.lifecycle import lock_output_dir; "
+                               f"lock_output_dir(Path({str(out)!r})); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=rf"output_dir {out} is in use by a running turborlhf run "
+                                            rf"\(pid {holder.pid}\)"):
+            lock_output_dir(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_output_dir(out)            # the holder is gone: free
+    lock_output_dir(out)            # and this process may take it again

@@ -37,10 +37,17 @@ def _open_text(path: Path, mode: str, gz: bool) -> io.TextIOBase:
 
 def _publish(tmp: str, path: Path) -> None:
     """Give the temp file normal permissions (mkstemp makes it 0600), then move it into place."""
+    usual_mode(tmp)
+    os.replace(tmp, path)
+
+
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give a file or directory made by ``tempfile`` (0600 / 0700) the permissions an ordinary one
+    gets under the umask, before it is renamed into place (a run's config, checkpoints and export
+    were unreadable to anyone else: a serving process, a teammate)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

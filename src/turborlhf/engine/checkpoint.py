@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from turborlhf.data.jsonl import usual_mode
 from turborlhf.engine.train import rng_state, set_rng_state
 from turborlhf.models.load import is_lora, merge_lora_for_save
 
@@ -74,6 +75,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    usual_mode(tmp)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -128,6 +130,7 @@ def save_hf_dir(model, tokenizer, out_dir: str | Path, extra_config: Optional[di
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    usual_mode(staged)
     try:
         _write_hf(model, tokenizer, staged, extra_config)
         _replace_dir(staged, out)
@@ -164,6 +167,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
     staged = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
+    usual_mode(staged)
     try:
         for mname, model in models.items():
             if isinstance(model, torch.nn.Module) or not callable(model):

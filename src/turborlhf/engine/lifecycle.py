@@ -1,6 +1,7 @@
 """How every training command starts and stops: one implementation shared by all trainers.
 
-Start (`start_run`): the run directory, the checkpoint to resume from, and on ``--resume`` a check
+Start (`start_run`): the run directory (locked: one run at a time in it), the checkpoint to resume
+from, and on ``--resume`` a check
 that the config is the one the checkpoint was trained with. A changed config is refused, naming the
 changed fields, unless the caller allows it (``--resume-changed``, `allow_config_change`);
 ``config.yaml`` is written only after that check passed. ``--resume`` with no checkpoint says so in
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import signal
 import sys
 import threading
@@ -153,6 +155,7 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     _check_not_an_input(cfg, out)
+    lock_output_dir(out)
     if getattr(cfg, "log", None) is not None and cfg.log.report_to:
         from turborlhf.trackers import check_installed
         check_installed(cfg.log.report_to)      # before the data and models load
@@ -175,6 +178,40 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
             logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported weights "
                            f"({', '.join(gone)})")
     return setup_run(cfg, str(out)), ckpt
+
+
+_LOCKS: dict[Path, Any] = {}     # output_dir → the open lock file this process holds (until it exits)
+
+
+def lock_output_dir(out: Path) -> None:
+    """Hold an exclusive lock on ``<out>/.turborlhf.lock`` for the rest of this process: a second run
+    started on the same output_dir (another process) deleted the first one's checkpoints and both
+    appended to one metrics.jsonl. `UserError` naming the holder's pid. Runs in this process may
+    share it (a Python session that trains, then resumes). Without ``fcntl`` (Windows) nothing."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    key = out.resolve()
+    if key in _LOCKS:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".turborlhf.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"output_dir {out} is in use by a running turborlhf run ({holder}); wait for it, or use "
+                        "another output_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    _LOCKS[key] = f
+    import atexit
+    atexit.register(f.close)
 
 
 def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:

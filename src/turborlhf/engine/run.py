@@ -247,14 +247,16 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
 def clear_export(output_dir: str | Path) -> list[str]:
     """Remove the weights an earlier run exported into `output_dir` (``model*.safetensors``, their
     index, a peft adapter's, ``pytorch_model*.bin``), so that until the new run exports, the
-    directory cannot load as the old model beside the new run's config. Returns the names removed."""
+    directory cannot load as the old model beside the new run's config, and its final evaluation
+    (``eval.json``: a new run without a test set would leave the old one beside its model).
+    Returns the names removed."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
     gone = []
     for f in sorted(out.iterdir()):
         if f.is_file() and (f.name in ("model.safetensors.index.json", "adapter_model.safetensors",
-                                       "adapter_config.json")
+                                       "adapter_config.json", "eval.json")
                             or (f.name.startswith("model") and f.name.endswith(".safetensors"))
                             or (f.name.startswith("pytorch_model") and f.name.endswith((".bin", ".bin.index.json")))):
             f.unlink()

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from turborlhf.data.jsonl import usual_mode
 from turborlhf.models.forward import sequence_logps
 from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm
 from turborlhf.models.zoo import ModelFetchError, resolve_model_path
@@ -99,6 +100,7 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{REF_CACHE}.")
     os.close(fd)
     torch.save({"key": key, "reference": reference, "dtype": dtype, "logps": logps}, tmp)
+    usual_mode(tmp)
     os.replace(tmp, path)
     logger.info(f"[{tag}] reference log-probs of {n} sequences in {time.perf_counter() - t0:.1f}s → {path}")
     return logps
