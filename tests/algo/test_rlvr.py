@@ -160,3 +160,32 @@ def test_rollout_mismatch_stats():
     same = rollout_mismatch_stats(IS_OLD, IS_OLD, IS_MASK)
     assert same == {"kl": 0.0, "k1": 0.0, "max_ratio": 1.0, "min_ratio": 1.0}
     assert rollout_mismatch_stats(IS_OLD, IS_ROLL, torch.zeros(2, 3))["max_ratio"] == 1.0
+
+
+def test_dynamic_sampling_counts_each_engines_items_once_per_round(monkeypatch):
+    """Each kept group carried its round's per-engine counts and the batch summed them: 2 rounds of
+    2 items on each of 2 engines were logged as 8 each (4 kept groups × 2), rounds whose groups
+    were all dropped as nothing."""
+    from types import SimpleNamespace as NS
+
+    import turborlhf.trainers.ppo.rlvr as rlvr
+
+    G, rounds = 2, []
+
+    def generate(cluster, cfg, tok, prompts, step, attempt):
+        rounds.append(attempt)
+        B = len(prompts) * G
+        return [[5, 6]] * B, [True] * B, [2, 2], [[-0.1, -0.2]] * B, None
+
+    def score_rows(cluster, cfg, ids, attn, prompts, responses, columns):
+        s = (torch.tensor([1.0, 0.0] * 2 + [1.0, 1.0] * 2) if len(rounds) == 1      # round 1: 2 of 4 groups live
+             else torch.tensor([1.0, 0.0] * (len(responses) // 2)))
+        return lambda: (s, {"r": s})
+    monkeypatch.setattr(rlvr, "generate", generate)
+    monkeypatch.setattr(rlvr, "score_rows", score_rows)
+    cfg = NS(algo=NS(n_samples_per_prompt=G, dynamic_sampling=True, dynamic_sampling_max_tries=5,
+                     dynamic_sampling_fill=True, normalize_reward=False, overlong_buffer_len=0,
+                     missing_eos_penalty=None, reward_clip=10.0), rollout=NS(max_new_tokens=8), train=NS(seed=1))
+    ro = rlvr.collect_rollouts(None, cfg, NS(pad_token_id=0), [[1, 2]] * 10, [0, 1, 2, 3], 0)
+    assert len(rounds) == 2 and ro.metrics["rollout/groups_trained"] == 4
+    assert ro.per_engine == [4, 4]

@@ -136,7 +136,9 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     kept: list[Rollouts] = []
     dropped: list[Rollouts] = []
     n_dropped = n_kept = rounds = 0
+    served = [0] * len(ro.per_engine)        # work items per engine over all rounds
     while True:
+        served = [a + b for a, b in zip(served, ro.per_engine)]
         ids, attn, _, _ = assemble_prompt_response(ro.prompts, ro.responses, tok.pad_token_id)
         ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
                                [columns[i] for i in ro.prompt_index] if columns else None)()
@@ -158,6 +160,7 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
                       f"(algo.dynamic_sampling_max_tries); filling the batch with {filled} dropped groups",
                       RuntimeWarning, stacklevel=2)
     out = _concat(kept[:N] + (dropped[-filled:] if filled else []))
+    out.per_engine = served      # (each group carried its round's counts: summed per kept group, none for the rest)
     out.metrics = {"rollout/groups_dropped": float(n_dropped), "rollout/sampling_rounds": float(rounds),
                    "rollout/groups_filled": float(filled), "rollout/groups_trained": float(min(n_kept, N) + filled)}
     return out
