@@ -56,6 +56,17 @@ def test_gsm8k_accuracy_strict_and_flexible():
         gsm8k_accuracy([""], ["#### 1"])
 
 
+@pytest.mark.parametrize("fn", [gsm8k_accuracy, gsm8k_strict_accuracy])
+def test_a_reference_without_a_number_warns(fn, recwarn):
+    """A reference the verifier cannot read scored every response 0 without a word (math_accuracy
+    warns): a GRPO group with no signal, dropped by dynamic sampling, and a run that learns nothing."""
+    for bad in (None, "seventy-two", "72 apples"):
+        with pytest.warns(UserWarning, match=rf"{fn.__name__}: cannot read a number from the reference answer"):
+            assert fn([""], ["#### 72"], answer=[bad]) == [0.0]
+    fn([""] * 3, ["#### 72"] * 3, answer=["72", "#### 72", 72])
+    assert not [w for w in recwarn if "reference" in str(w.message)]
+
+
 @pytest.mark.parametrize("completion, ok", [
     ("reasoning\n#### 72", 1.0), ("reasoning\n#### 1,080\n", 1.0), ("#### -2.5.", 1.0), ("#### **12**", 1.0),
     ("#### 72\nand then more text", 0.0),        # not the last line

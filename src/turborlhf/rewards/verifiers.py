@@ -93,6 +93,16 @@ def _reference(answer: Any) -> Optional[str]:
     return extract_hash_answer(text) or text.strip()
 
 
+def _reference_number(name: str, answer: Any) -> Optional[str]:
+    """`_reference`, with a warning when it holds no number (None, "seventy-two", "72 apples"):
+    every response to it scores 0, so its GRPO group has no signal (and dynamic sampling drops it)."""
+    ref = _reference(answer)
+    if _to_decimal(ref) is None:
+        warnings.warn(f"{name}: cannot read a number from the reference answer {answer!r}; every response to it "
+                      "scores 0", stacklevel=3)
+    return ref
+
+
 def _require(name: str, answer: Optional[Sequence], n: int) -> Sequence:
     if answer is None:
         raise ValueError(f"{name} needs an 'answer' column in the prompts file "
@@ -116,7 +126,7 @@ def gsm8k_accuracy(prompts: list[str], completions: list[str], answer: Optional[
     out = []
     for c, a in zip(completions, answer):
         pred = extract_hash_answer(c) or extract_last_number(c)
-        out.append(float(numbers_equal(pred, _reference(a))))
+        out.append(float(numbers_equal(pred, _reference_number("gsm8k_accuracy", a))))
     return out
 
 
@@ -125,7 +135,8 @@ def gsm8k_strict_accuracy(prompts: list[str], completions: list[str], answer: Op
     """1.0 where the last ``#### <number>`` of the response equals the reference (no fallback:
     lm-evaluation-harness's "strict-match"); else 0.0. Raises as `gsm8k_accuracy`."""
     answer = _require("gsm8k_strict_accuracy", answer, len(completions))
-    return [float(numbers_equal(extract_hash_answer(c), _reference(a))) for c, a in zip(completions, answer)]
+    return [float(numbers_equal(extract_hash_answer(c), _reference_number("gsm8k_strict_accuracy", a)))
+            for c, a in zip(completions, answer)]
 
 
 def gsm8k_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
