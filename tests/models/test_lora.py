@@ -124,7 +124,7 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(tiny_model, tmp_path
     assert torch.equal(_logp(m, batch), _logp(r, batch))
 
 
-def test_qlora_is_refused_with_a_clear_error_where_it_cannot_run(tiny_model):
+def test_qlora_is_refused_with_a_clear_error_where_it_cannot_run(tiny_model, tiny_data, tmp_path, capsys):
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(SFTConfig, None, ["data.train_file=x", "model.load_in_4bit=true"])
     cfg = ModelCfg(name_or_path=str(tiny_model), lora=LoraCfg(rank=4), load_in_4bit=True)
@@ -132,6 +132,14 @@ def test_qlora_is_refused_with_a_clear_error_where_it_cannot_run(tiny_model):
         pytest.skip("a CUDA device is present: the guard does not apply")
     with pytest.raises(RuntimeError, match="CUDA GPU with bitsandbytes"):
         load_trainable("causal", cfg, None)
+    # from the command line: one line naming the field, before output_dir is written (was a traceback
+    # after it, with exit code 1)
+    from turborlhf.cli import main
+    out = tmp_path / "q"
+    assert main(["sft", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", f"model.name_or_path={tiny_model}",
+                 "model.lora.rank=4", "model.load_in_4bit=true", f"output_dir={out}"]) == 2
+    assert capsys.readouterr().err.startswith("error: model.load_in_4bit (QLoRA) needs a CUDA GPU")
+    assert not out.exists()
 
 
 class Params4bit(torch.nn.Parameter):

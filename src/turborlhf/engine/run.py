@@ -95,6 +95,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
             where = f"{path}{field}"
             if isinstance(value, ModelCfg):
                 dev = _device_of(value, cfg, check_devices)
+                if value.load_in_4bit and check_devices:       # before anything is written or loaded
+                    from turborlhf.models.load import quantization_config_4bit
+                    quantization_config_4bit(f"{where}.load_in_4bit")
                 if dist is not None and value.device not in ("auto", dev):
                     raise ConfigError(f"{where}.device={value.device}: ppo places every model by distributed.device, "
                                       f"a CPU slot or one CUDA GPU (here {cfg.distributed.device}); leave "

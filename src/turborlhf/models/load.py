@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from turborlhf.errors import UserError
 from turborlhf.models.attention import use_training_attention
 from turborlhf.models.fused import use_fused_layers
 from turborlhf.models.zoo import resolve_model_path
@@ -63,11 +64,16 @@ def _sync_special_ids(model, tok) -> None:
         model.generation_config.pad_token_id = tok.pad_token_id
 
 
-def quantization_config_4bit():
+class QLoRAUnavailable(UserError, RuntimeError):
+    """``load_in_4bit`` on a machine that cannot run it: one line naming the field."""
+
+
+def quantization_config_4bit(field: str = "model.load_in_4bit"):
     """`transformers.BitsAndBytesConfig` of QLoRA (Dettmers et al. 2023): NF4 weights, double
-    quantisation of the block constants, bf16 compute. Raises RuntimeError when this machine cannot
-    run it (no CUDA device, or bitsandbytes not installed): bitsandbytes' 4-bit kernels are CUDA
-    only in the versions documented for transformers' `load_in_4bit`."""
+    quantisation of the block constants, bf16 compute. Raises `QLoRAUnavailable` (a RuntimeError
+    and a `UserError` naming `field`) when this machine cannot run it (no CUDA device, or
+    bitsandbytes not installed): bitsandbytes' 4-bit kernels are CUDA only in the versions
+    documented for transformers' `load_in_4bit`."""
     import importlib.util
 
     problems = []
@@ -76,8 +82,8 @@ def quantization_config_4bit():
     if importlib.util.find_spec("bitsandbytes") is None:
         problems.append("bitsandbytes is not installed (pip install 'turborlhf[qlora]')")
     if problems:
-        raise RuntimeError("model.load_in_4bit (QLoRA) needs a CUDA GPU with bitsandbytes: " + "; ".join(problems)
-                           + ". Use LoRA without load_in_4bit on this machine.")
+        raise QLoRAUnavailable(f"{field} (QLoRA) needs a CUDA GPU with bitsandbytes: " + "; ".join(problems)
+                               + ". Use LoRA without load_in_4bit on this machine.")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
