@@ -73,6 +73,10 @@ def test_arrow_and_json_array_files(tok, tmp_path):
     csv.write_text("question,answer\nWhat?,This\n")
     assert list(load_sft(csv, tok, keys={"prompt": "question", "response": "answer"})) == [
         {"prompt": "What?", "response": "This"}]
+    numeric = tmp_path / "numeric.csv"   # datasets types an all-number column as int64: each row was refused
+    numeric.write_text("question,answer\nHow many?,72\nHow much?,2.5\n")
+    assert list(load_sft(numeric, tok, keys={"prompt": "question", "response": "answer"})) == [
+        {"prompt": "How many?", "response": "72"}, {"prompt": "How much?", "response": "2.5"}]
     lines = tmp_path / "lines.json"       # a .json file holding JSON lines is read line by line
     lines.write_text("\n".join(json.dumps(r) for r in PAIRS) + "\n")
     with pytest.warns(DataWarning, match="at line 2"):

@@ -10,6 +10,7 @@ rollouts stop at either (`stop_ids`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 Message = dict[str, str]
@@ -50,10 +51,14 @@ def response_text(x: Any) -> str | None:
     """A response given as a string or as one assistant message -> its text, else ``None``.
 
     Accepts ``"text"`` and ``[{"role": "assistant", "content": "text"}]`` (TRL's conversational
-    explicit-prompt style).
+    explicit-prompt style), and a plain finite number as its text (``42`` -> ``"42"``; a whole
+    float as an integer, ``72.0`` -> ``"72"``: a CSV column of numeric answers arrives typed as
+    numbers, as floats once one of them has a decimal point).
     """
     if isinstance(x, str):
         return x
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+        return str(int(x)) if float(x).is_integer() else str(x)
     if is_messages(x) and len(x) == 1 and x[0]["role"] == "assistant":
         return x[0]["content"]
     return None
