@@ -115,6 +115,9 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
     assert main(from_step) == 0 and step.exists()
     assert main(from_step + ["--resume"]) == 0
     (out / "eval.json").write_text("{}")        # an earlier run's final evaluation (rm, dpo, kto write one)
+    (out / "ema").mkdir()                       # and PPO's EMA export (algo.ema_beta)
+    (out / "ema" / "config.json").write_text("{}")
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
     assert not (out / "model.safetensors").exists() and not (out / "eval.json").exists()
+    assert not (out / "ema").exists()
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()

@@ -251,7 +251,8 @@ def clear_export(output_dir: str | Path) -> list[str]:
     """Remove the weights an earlier run exported into `output_dir` (``model*.safetensors``, their
     index, a peft adapter's, ``pytorch_model*.bin``), so that until the new run exports, the
     directory cannot load as the old model beside the new run's config, and its final evaluation
-    (``eval.json``: a new run without a test set would leave the old one beside its model).
+    (``eval.json``: a new run without a test set would leave the old one beside its model), and
+    PPO's ``ema/`` export (a new run without ``algo.ema_beta`` left the old EMA as its own).
     Returns the names removed."""
     out = Path(output_dir)
     if not out.is_dir():
@@ -264,6 +265,10 @@ def clear_export(output_dir: str | Path) -> list[str]:
                             or (f.name.startswith("pytorch_model") and f.name.endswith((".bin", ".bin.index.json")))):
             f.unlink()
             gone.append(f.name)
+    ema = out / "ema"          # PPO's exported EMA of the actor (algo.ema_beta)
+    if ema.is_dir() and (ema / "config.json").exists():
+        shutil.rmtree(ema)
+        gone.append("ema/")
     return gone
 
 
