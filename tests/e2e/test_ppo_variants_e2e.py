@@ -195,11 +195,13 @@ def test_a_batch_is_cut_into_exactly_the_mini_batches_it_can_hold(B, G, n_mini, 
 # PPO-ptx + EMA with a critic, and exact resume of both
 # ----------------------------------------------------------------------------------------------
 
-def test_ptx_and_ema_export_and_resume(tiny_model, tiny_rm, tiny_data, tmp_path):
+def test_ptx_and_ema_export_and_resume(tiny_model, tiny_rm, tiny_data, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ptx_ema"
-    extra = [f"reward_model={tiny_rm}", "algo.ptx_coef=0.5", f"data.ptx_file={tiny_data / 'train_pairs.jsonl'}",
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text((tiny_data / "train_pairs.jsonl").read_text())
+    extra = [f"reward_model={tiny_rm}", "algo.ptx_coef=0.5", f"data.ptx_file={ptx}",
              "data.ptx_max_len=64", "algo.ema_beta=0.5", "train.keep_checkpoints=3", "train.max_steps=2",
              "train.save_every=1"]
     rows = _run(REPO / "configs/tiny/ppo.yaml", tiny_model, tiny_data, out, extra)
@@ -214,6 +216,13 @@ def test_ptx_and_ema_export_and_resume(tiny_model, tiny_rm, tiny_data, tmp_path)
     _run(REPO / "configs/tiny/ppo.yaml", tiny_model, tiny_data, out, extra, "--resume")
     assert max_weight_diff(actor, weights(out)) < 1e-5
     assert max_weight_diff(ema, weights(out / "ema")) < 1e-5
+    # the ptx file edited in place (same path, same config) was resumed silently with another example stream
+    ptx.write_text("".join(reversed(ptx.read_text().splitlines(True))))
+    rewind_to(out, 1)
+    capsys.readouterr()
+    assert main(["ppo", "--config", str(REPO / "configs/tiny/ppo.yaml"), *map(str, _args(tiny_model, tiny_data, out,
+                                                                                         extra)), "--resume"]) == 2
+    assert "the examples of each step differ" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -222,7 +222,13 @@ class ActorWorker(Trainable):
             self._restore_rng(st)
 
     def info(self) -> dict:
-        return {"ptx_examples": len(self.ptx.examples) if self.ptx else 0, "lr": self.sched.get_last_lr()[0]}
+        """Start-up facts for the driver: the PPO-ptx examples' count and digest (a resumed run
+        compares it with the checkpoint's, as it does the prompts), the current learning rate."""
+        from turborlhf.engine.checkpoint import plan_digest
+
+        ptx = self.ptx.examples if self.ptx else []
+        return {"ptx_examples": len(ptx), "lr": self.sched.get_last_lr()[0],
+                "ptx_sha256": plan_digest([list(range(len(ptx)))], ptx) if ptx else None}
 
     def logprobs(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, mask_BR: torch.Tensor, P: int,
                  keep_as: Optional[str] = None) -> torch.Tensor:

@@ -516,8 +516,11 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     reward_stats = RunningMoments() if A.normalize_reward else None
     gen = torch.Generator().manual_seed(cfg.train.seed)
     start, st = 0, {}
-    # the prompts of each step and their reward columns: an edited prompts file is refused on resume
+    # the prompts of each step and their reward columns (and the PPO-ptx examples): an edited prompts
+    # or ptx file is refused on resume
     plan_sha256 = plan_digest(plan, list(zip(prompt_ids, columns or [None] * len(prompt_ids))))
+    if info.get("ptx_sha256"):
+        plan_sha256 = plan_digest([[0, 1]], [plan_sha256, info["ptx_sha256"]])
     if ckpt:
         st = load_trainer_state(ckpt)
         check_plan(st, plan_sha256, ckpt, "ppo")
