@@ -18,6 +18,9 @@ def test_config_changes_names_fields_and_skips_exempt_ones():
            "reference": "x"}
     assert config_changes(old, new) == {"train.max_steps": (6, 12), "reference": ("<unset>", "x")}
     assert config_changes(old, old) == {}
+    # distributed.* is placement, except the rollout work item size, which sets the sampling seeds
+    assert config_changes({"distributed": {"rollout_chunk": 0}}, {"distributed": {"rollout_chunk": 4}}) == {
+        "distributed.rollout_chunk": (0, 4)}
 
 
 def test_checkpointed_steps_saves_periodically_and_after_the_last_step():

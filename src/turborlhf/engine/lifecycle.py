@@ -44,6 +44,9 @@ __all__ = ["RunInterrupted", "ConfigChanged", "start_run", "checkpointed_steps",
 # with ".".
 RESUME_EXEMPT = ("output_dir", "log.", "distributed.", "train.threads", "train.save_every",
                  "train.keep_checkpoints", "train.eval_every")
+# ...except these, which change the numbers: a rollout work item's size sets which prompts share a
+# sampling seed (`turborlhf.trainers.ppo.rollout.rollout_items`)
+RESUME_COMPARED = ("distributed.rollout_chunk",)
 
 _ALLOW_CHANGED: contextvars.ContextVar[bool] = contextvars.ContextVar("turborlhf_allow_config_change",
                                                                       default=False)
@@ -93,7 +96,8 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     a, b = _flatten(old), _flatten(new)
     out = {}
     for key in sorted(a.keys() | b.keys()):
-        if any(key == e or (e.endswith(".") and key.startswith(e)) for e in RESUME_EXEMPT):
+        if key not in RESUME_COMPARED and any(key == e or (e.endswith(".") and key.startswith(e))
+                                              for e in RESUME_EXEMPT):
             continue
         if a.get(key, "<unset>") != b.get(key, "<unset>"):
             out[key] = (a.get(key, "<unset>"), b.get(key, "<unset>"))
