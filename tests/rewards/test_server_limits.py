@@ -117,6 +117,20 @@ def test_too_many_texts_and_too_long_texts_get_413():
         assert splitting.health()["requests"] - before == 3
 
 
+def test_a_response_past_the_models_max_len_gets_413():
+    """serve-rm cut a response longer than --max-len without a word: its end, where the reward model
+    reads its score, was gone. 413 now; a long prompt is still cut from the left, as in training."""
+    limits = ServerLimits(max_text_tokens=500, max_response_tokens=30)
+    with _Live(limits=limits, count_tokens=lambda t: len(t.split())) as live:
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=10, retries=0)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413\): responses\[1\] has 31 tokens: with its EOS it "
+                                                    r"does not fit the model's --max-len"):
+            client.score(["p", "p"], ["short", "w " * 31])
+        assert client.score(["w " * 400], ["w " * 30]) == [60.0]        # a long prompt and a response that fits
+    with pytest.raises(ValueError, match="max_response_tokens must be > 0"):
+        ServerLimits(max_response_tokens=0)
+
+
 def test_deep_json_gets_400():
     with _Live() as live:
         for body in (b"[" * 100_000, b'{"prompts": ' + b"[" * 100_000 + b"]" * 100_000 + b', "responses": []}'):

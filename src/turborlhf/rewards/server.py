@@ -23,6 +23,9 @@ Limits (`ServerLimits`; errors are JSON ``{"error": ...}`` with a 4xx/5xx code):
   body is read; no ``Content-Length`` gets 411; the connection is then closed.
 - ``max_texts`` (1024) prompt/response pairs per request, ``max_text_tokens`` (8192) tokens per
   prompt or response: 413 naming the limit (the client splits larger batches itself).
+- ``max_response_tokens`` (``serve-rm``: ``--max-len`` − 2): a response that would not fit the
+  scored sequence with its BOS and EOS gets 413 (its end, where the reward is read, would be cut;
+  a prompt is cut from the left instead, as in training).
 - ``read_timeout_s`` (30 s): the whole request (headers and body) must arrive within this time
   of the connection being ready; a slow or half-open client is disconnected (408 when the headers
   had arrived), an idle keep-alive connection closed. Sends are bounded by the same timeout.
@@ -75,10 +78,11 @@ class ServerLimits:
     read_timeout_s: float = 30.0
     max_connections: int = 64
     score_timeout_s: float = 300.0
+    max_response_tokens: Optional[int] = None   # a longer response would lose its end (where the reward is read)
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
-            if not v > 0:
+            if v is not None and not v > 0:
                 raise ValueError(f"serve-rm limit {k} must be > 0, got {v}")
 
 
@@ -301,9 +305,10 @@ class RewardHTTPServer(HTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of `text` (a token is at least one byte, so short texts are not tokenised)."""
-        if self._count_tokens is None or len(text.encode()) <= self.limits.max_text_tokens:
+    def count_tokens(self, text: str, limit: Optional[int] = None) -> int:
+        """Tokens of `text`, or 0 when it cannot exceed `limit` (default ``max_text_tokens``): a
+        token is at least one byte, so short texts are not tokenised."""
+        if self._count_tokens is None or len(text.encode()) <= (limit or self.limits.max_text_tokens):
             return 0
         with self._count_lock:               # one tokenizer shared by all connection threads
             return self._count_tokens(text)
@@ -488,11 +493,17 @@ class _Handler(BaseHTTPRequestHandler):
                                       f"per request (--max-texts); split the request"})
             return None
         for name, texts in (("prompts", prompts), ("responses", responses)):
+            limit = min(lim.max_text_tokens, (name == "responses" and lim.max_response_tokens) or lim.max_text_tokens)
             for i, t in enumerate(texts):
-                n = self.server.count_tokens(t)
+                n = self.server.count_tokens(t, limit)
                 if n > lim.max_text_tokens:
                     self._send(413, {"error": f"{name}[{i}] has {n} tokens, over the limit of {lim.max_text_tokens} "
                                               f"per text (--max-text-tokens)"})
+                    return None
+                if name == "responses" and lim.max_response_tokens and n > lim.max_response_tokens:
+                    self._send(413, {"error": f"responses[{i}] has {n} tokens: with its EOS it does not fit the "
+                                              f"model's --max-len, so its end (where the reward is read) would be "
+                                              f"cut; at most {lim.max_response_tokens} tokens"})
                     return None
         return prompts, responses
 
@@ -582,7 +593,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "arguments are visible to other users of the machine)")
     p.add_argument("--max-batch-size", type=int, default=16, help="items per model call (gathered across requests)")
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="how long a batch waits for more requests")
-    p.add_argument("--max-len", type=int, default=1024, help="tokens per scored sequence (prompt cut from the left)")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per scored sequence (prompt cut from the left; "
+                   "a response that does not fit gets 413)")
     p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body (MiB)")
     p.add_argument("--max-texts", type=int, default=d.max_texts, help="prompt/response pairs per request")
     p.add_argument("--max-text-tokens", type=int, default=d.max_text_tokens, help="tokens per prompt or response")
@@ -599,7 +611,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     try:
         limits = ServerLimits(int(a.max_body_mb * 2**20), a.max_texts, a.max_text_tokens, a.read_timeout_s,
-                              a.max_connections, a.score_timeout_s)
+                              a.max_connections, a.score_timeout_s, max_response_tokens=max(1, a.max_len - 2))
         check_bind(a.host, a.token)
     except ValueError as e:
         print(f"serve-rm: error: {e}", file=sys.stderr)
