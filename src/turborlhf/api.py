@@ -34,7 +34,9 @@ Arguments (each trainer):
 - RL trainers: ``reward_funcs`` (one or a list): Python callables
   (`turborlhf.rewards.callables`: called as ``fn(prompts=, completions=, **columns)`` with the
   dataset's other columns, as TRL does), reward-model directories, ``path/to/file.py:function``
-  specs or ``http(s)://`` `turborlhf serve-rm` URLs; ``reward_weights`` weighs them (TRL's name).
+  specs or ``http(s)://`` `turborlhf serve-rm` URLs, or loaded reward models; ``reward_weights``
+  weighs them and ``reward_processing_classes`` gives a loaded reward model its tokenizer
+  (default: the one beside its ``name_or_path``) (TRL's names).
   Callables travel to Ray workers (``distributed.backend=ray``) with cloudpickle, by value.
 
 ``.train()`` runs every step (or the rest, after ``.step()`` calls) and returns a `TrainResult`;
@@ -440,11 +442,20 @@ class _RLTrainer(_Trainer):
     def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None,
                  reward_weights: Optional[Sequence[float]] = None, ref_model: Any = None,
-                 reward_model: Any = None, value_model: Any = None) -> None:
+                 reward_model: Any = None, value_model: Any = None,
+                 reward_processing_classes: Any = None) -> None:
         funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
                                                  else [reward_funcs])
+        # TRL's reward_processing_classes: one tokenizer per reward function (None: the model's own), or one
+        # for a single function; used for reward models passed as objects
+        toks = reward_processing_classes
+        toks = [None] * len(funcs) if toks is None else (list(toks) if isinstance(toks, (list, tuple)) else [toks])
+        if len(toks) != len(funcs):
+            raise UserError(f"reward_processing_classes: {len(toks)} for {len(funcs)} reward functions")
         if reward_model is not None:
             funcs.insert(0, reward_model)
+            toks.insert(0, None)
+        self._reward_tokenizers = toks
         if reward_weights is not None and len(reward_weights) != len(funcs):
             raise UserError(f"reward_weights: {len(reward_weights)} weights for {len(funcs)} reward functions")
         self._funcs, self._weights = funcs, reward_weights
@@ -470,9 +481,9 @@ class _RLTrainer(_Trainer):
                 kind = "remote" if spec.startswith(("http://", "https://")) else \
                     "function" if (":" in spec or spec in BUILTIN_REWARDS) and not Path(spec).exists() else "model"
                 sources.append({"kind": kind, "path": spec, "weight": weight})
-            elif _is_hf_model(fn):      # with its own tokenizer, as TRL's reward_processing_classes default
-                path = _save_model(fn, _own_tokenizer(fn, self._processing_class, f"reward_funcs[{i}]"),
-                                   out / f"reward_model_{i}", f"reward_funcs[{i}]")
+            elif _is_hf_model(fn):      # reward_processing_classes[i], else its own tokenizer (TRL's default)
+                tok = self._reward_tokenizers[i] or _own_tokenizer(fn, self._processing_class, f"reward_funcs[{i}]")
+                path = _save_model(fn, tok, out / f"reward_model_{i}", f"reward_funcs[{i}]")
                 sources.append({"kind": "model", "path": path, "weight": weight})
             elif callable(fn):
                 base = getattr(fn, "__name__", "") or type(fn).__name__

@@ -384,3 +384,30 @@ def test_an_in_memory_reward_model_is_saved_with_its_own_tokenizer(tmp_path):
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
     path = _save_model(rm, _own_tokenizer(rm, policy_tok, "reward_funcs[0]"), tmp_path / "saved", "reward_funcs[0]")
     assert len(load_tokenizer(path)) == len(rm_tok) != len(policy_tok)
+
+
+
+def test_reward_processing_classes_give_an_in_memory_reward_model_its_tokenizer(tiny_model, tmp_path):
+    """TRL's reward_processing_classes was not accepted: a reward model built in memory (no directory,
+    so no tokenizer of its own) could only be saved with the policy's tokenizer."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf import GRPOTrainer
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.errors import UserError
+    from turborlhf.models.load import load_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+
+    rm_tok = make_tiny_tokenizer()
+    rm_tok.add_tokens([f"<rm{i}>" for i in range(8)])
+    rm = AutoModelForSequenceClassification.from_config(tiny_llama_config(
+        len(rm_tok), pad_token_id=rm_tok.pad_token_id, bos_token_id=rm_tok.bos_token_id,
+        eos_token_id=rm_tok.eos_token_id, num_labels=1))
+    out = tmp_path / "grpo"
+    kw = dict(model=str(tiny_model), train_dataset=Dataset.from_list(_questions()),
+              args={"train": {"max_steps": 1}, "output_dir": str(out), **QUIET})
+    GRPOTrainer(reward_funcs=[rm, exact_answer], reward_processing_classes=[rm_tok, None], **kw)
+    assert len(load_tokenizer(out / "reward_model_0")) == len(rm_tok) != len(load_tokenizer(str(tiny_model)))
+    with pytest.raises(UserError, match="reward_processing_classes: 1 for 2 reward functions"):
+        GRPOTrainer(reward_funcs=[rm, exact_answer], reward_processing_classes=[rm_tok], **kw)
