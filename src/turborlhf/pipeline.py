@@ -203,10 +203,12 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
                         args=(stage, cfg, resume, config_change_allowed(), keeps_freed_memory(), send))
     sys.stdout.flush()            # the child writes to the same stdout and stderr
     sys.stderr.flush()
-    child.start()
-    send.close()
+    forwarded: list[int] = []
 
     def forward(signum, frame):
+        forwarded.append(signum)
+        if child.pid is None:      # not started yet: passed on once it is
+            return
         try:
             os.kill(child.pid, signum)
         except ProcessLookupError:
@@ -215,6 +217,10 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
     in_main_thread = threading.current_thread() is threading.main_thread()       # where handlers can be set
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
+        child.start()
+        send.close()
+        for signum in forwarded:   # received while the child was being started
+            os.kill(child.pid, signum)
         while child.is_alive():
             child.join(0.5)
     finally:
@@ -229,6 +235,14 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
         if exit_code is not None:
             err.exit_code = exit_code
         raise err
+    if child.exitcode is not None and child.exitcode < 0 and -child.exitcode in forwarded:
+        # the signal the pipeline got and passed on, arriving before the stage's own handlers were
+        # installed (it was still starting up): a stop asked for, not a crash
+        from turborlhf.engine.lifecycle import RunInterrupted
+
+        name = signal.Signals(-child.exitcode).name
+        raise RunInterrupted(f"[pipeline] {name} while the {stage} stage was starting; --resume continues from its "
+                             "last checkpoint", -child.exitcode)
     if child.exitcode != 0:
         from turborlhf.errors import RunError
 

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import time
 
 from tests.e2e.helpers import REPO, run_cli
 
@@ -195,3 +196,20 @@ def test_pipeline_reports_a_killed_stage_in_one_line(tiny_model, tmp_path):
     assert p.returncode == 1, out[-3000:]
     err = [l for l in out.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "sft stage's process ended with code -9" in err[0] and "Traceback" not in out, out[-3000:]
+
+
+def test_pipeline_stopped_while_a_stage_starts_is_a_stop_not_a_crash(tiny_model, tmp_path):
+    """SIGTERM forwarded to a stage still starting up (before its handlers) killed it at once, and the
+    pipeline called that a crash, perhaps by the OOM killer (exit 1): a stop (exit 143) now."""
+    import signal
+
+    cmd = _pipeline_cli(tiny_model, tmp_path / "pipe", "stages=[prepare,sft]", "sft.train.max_steps=400")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
+    for line in p.stdout:
+        if "===== sft =====" in line:          # the stage's process is being spawned: torch not imported yet
+            time.sleep(0.3)
+            p.send_signal(signal.SIGTERM)
+            break
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped:" in out and "OOM" not in out and "Traceback" not in out, out[-3000:]
