@@ -37,6 +37,18 @@ def test_bom_of_joined_files_and_absurd_nesting_are_line_problems(tmp_path):
     assert rows[2][0] == 3 and isinstance(rows[2][1], JsonLineError)
 
 
+def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path):
+    """JSON's "\\ud83d" alone parses to a string no encoder takes: it passed the loaders and failed
+    later in tokenisation with no file or line. A bad line now; a whole pair (an emoji) is text."""
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"prompt": "a\\ud83d", "response": "b"}\n{"prompt": "\\ud83d\\ude00 ok", "response": "b"}\n'
+                 '{"x": ["\\udc00"]}\n')
+    rows = list(read_jsonl(p))
+    assert isinstance(rows[0][1], JsonLineError) and "surrogate" in rows[0][1].message
+    assert rows[1] == (2, {"prompt": "\U0001F600 ok", "response": "b"})
+    assert isinstance(rows[2][1], JsonLineError)
+
+
 def test_write_atomic_round_trip(tmp_path):
     rows = [{"i": i, "t": "é"} for i in range(5)]
     for name in ("out.jsonl", "out.jsonl.gz"):

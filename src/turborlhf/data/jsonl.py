@@ -77,9 +77,29 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line)
+                obj = json.loads(line)
             except (json.JSONDecodeError, RecursionError) as e:     # RecursionError: absurdly nested
-                yield line_no, JsonLineError(str(e) or type(e).__name__, line.rstrip("\n"))
+                obj = JsonLineError(str(e) or type(e).__name__, line.rstrip("\n"))
+            if "\\u" in line and _has_lone_surrogate(obj):          # "\ud83d" alone: no text a tokenizer takes
+                obj = JsonLineError("a \\uD800-\\uDFFF escape that is not half of a surrogate pair (not text)",
+                                    line.rstrip("\n"))
+            yield line_no, obj
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether a parsed JSON value holds a string with an unpaired UTF-16 surrogate (JSON's
+    ``"\\ud83d"`` alone parses, then fails to encode, later and far from its line)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
 
 
 def _lines(f, path: Path) -> Iterator[bytes]:
