@@ -347,8 +347,8 @@ def test_plan_counts_vllm_reservation_and_async_generation(tiny_model):
     cpu = [f"actor.name_or_path={tiny_model}", f"reward_model={tiny_model}", "data.prompts_file=x",
            "algo.advantage_estimator=grpo", "algo.n_samples_per_prompt=4", "algo.rollout_is=tis",
            "rollout.max_new_tokens=256"]
-    sync, ahead = (plan_config("ppo", load_config(PPOConfig, TINY / "ppo.yaml", cpu + [f"rollout.max_staleness={k}"]))[0]
-                   .devices[0] for k in (0, 1))
+    sync, ahead = (plan_config("ppo", load_config(PPOConfig, TINY / "ppo.yaml",
+                                                  cpu + [f"rollout.max_staleness={k}"]))[0].devices[0] for k in (0, 1))
     gen = sync.phases["generate"]
     assert ahead.phases["train actor"] == sync.phases["train actor"] + gen
     assert ahead.peak > sync.peak
