@@ -222,3 +222,15 @@ def test_hub_loader_without_datasets(monkeypatch, tok, tmp_path):
         next(load_hh_from_hub("Anthropic/hh-rlhf"))
     with pytest.raises(ImportError, match="datasets"):
         prepare_hh("Anthropic/hh-rlhf", tmp_path / "out", tok)
+
+
+def test_a_hub_id_that_cannot_load_is_one_line(monkeypatch, tok, tmp_path):
+    """prepare-data hh-rlhf printed datasets' traceback for a hub id it could not load (offline here)."""
+    import datasets
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'Anthropic/hh-rlhf' on the Hub (OfflineModeIsEnabled)\nmore")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"^Anthropic/hh-rlhf: no such file, and loading it as a Hugging Face hub "
+                                        r"dataset failed \(ConnectionError: Couldn't reach .* \(OfflineModeIsEnabled\)\)"):
+        prepare_hh("Anthropic/hh-rlhf", tmp_path / "out", tok)

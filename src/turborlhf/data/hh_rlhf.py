@@ -204,7 +204,8 @@ def load_hh_from_hub(hub_id: str, split: str = "train", data_dir: str | None = N
 
     ``hub_id`` e.g. ``"Anthropic/hh-rlhf"``; ``data_dir`` selects a subset such as
     ``"harmless-base"``; ``split`` is any ``datasets`` split expression (``"train"``,
-    ``"test"``, ``"train+test"``). Raises ``ImportError`` if ``datasets`` is not installed.
+    ``"test"``, ``"train+test"``). Raises ``ImportError`` if ``datasets`` is not installed,
+    ``DataError`` (one line) when the hub id cannot be loaded (offline, unknown, no such split).
     """
     try:
         import datasets  # lazy: optional dependency
@@ -213,7 +214,12 @@ def load_hh_from_hub(hub_id: str, split: str = "train", data_dir: str | None = N
             f"loading {hub_id!r} from the hub needs the 'datasets' package (pip install datasets); "
             "or download the .jsonl.gz file and pass its path"
         ) from e
-    ds = datasets.load_dataset(hub_id, data_dir=data_dir, split=split)
+    try:
+        ds = datasets.load_dataset(hub_id, data_dir=data_dir, split=split)
+    except Exception as e:        # offline, unknown id, bad split: datasets' own reason, one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{hub_id}: no such file, and loading it as a Hugging Face hub dataset failed "
+                        f"({type(e).__name__}: {reason}); or download the .jsonl.gz file and pass its path") from None
     for row in ds:
         yield dict(row)
 
