@@ -214,3 +214,38 @@ def test_kto_mismatched_pairs_rotation():
     assert mismatch_sources(["a", "a"]) == [1, 0]  # no mismatch possible: fall back to the rotation
     with pytest.raises(ValueError):
         mismatch_sources(["a"])
+
+
+def test_a_reference_of_another_vocabulary_is_refused_and_the_cache_is_never_unpickled(tiny_model, tiny_data,
+                                                                                       tmp_path, capsys):
+    """A reference with another tokenizer scored the policy's token ids as its own (meaningless
+    log-probs, or an IndexError for a smaller embedding); `ref_logps.pt` found in output_dir was
+    unpickled with code execution allowed, on a fresh run too."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf.cli import main
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+
+    other_tok = make_tiny_tokenizer()
+    other_tok.add_tokens([f"<ref{i}>" for i in range(8)])
+    AutoModelForCausalLM.from_config(tiny_llama_config(len(other_tok))).save_pretrained(tmp_path / "other")
+    other_tok.save_pretrained(tmp_path / "other")
+    AutoModelForCausalLM.from_config(tiny_llama_config(16)).save_pretrained(tmp_path / "small")   # no tokenizer
+    base = ["dpo", "--config", str(REPO / "configs/tiny/dpo.yaml"), f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=8", "train.max_steps=1",
+            "train.threads=1", "log.tensorboard=false"]
+    for ref, why in (("other", "its tokenizer .* differs from the policy's"), ("small", "its embedding has 16 rows")):
+        assert main(base + [f"reference={tmp_path / ref}", f"output_dir={tmp_path / ref}_run"]) == 2
+        assert __import__("re").search(f"error: reference .*{ref}: {why}", capsys.readouterr().err)
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+    (tmp_path / "run").mkdir()
+    torch.save({"key": Planted()}, tmp_path / "run" / "ref_logps.pt")
+    assert main(base + [f"output_dir={tmp_path / 'run'}"]) == 0
+    assert not (tmp_path / "ran").exists()

@@ -26,13 +26,14 @@ import torch
 
 from turborlhf.data.jsonl import usual_mode
 from turborlhf.models.forward import sequence_logps
-from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm
+from turborlhf.errors import UserError
+from turborlhf.models.load import adapters_disabled, is_lora, load_causal_lm, load_tokenizer
 from turborlhf.models.zoo import ModelFetchError, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps", "LoraReference", "reference_view",
-           "same_model", "reuses_policy"]
+           "same_model", "reuses_policy", "check_reference_vocabulary"]
 
 REF_CACHE = "ref_logps.pt"
 
@@ -58,6 +59,30 @@ def compute_reference_logps(model, pad_id: int, seq_sets: dict[str, Sequence[dic
     return {name: sequence_logps(model, pad_id, seqs, dtype, batch_size) for name, seqs in seq_sets.items()}
 
 
+def check_reference_vocabulary(reference: str, tokenizer, field: str = "reference") -> None:
+    """`UserError` naming `field` when the model directory `reference` has a tokenizer whose
+    vocabulary differs from the policy's `tokenizer`: a reference scores the policy's token ids,
+    so another vocabulary gives meaningless log-probs (a larger one, silently) or an index error
+    (a smaller one). A directory without a tokenizer of its own is read with the policy's, as the
+    loaders do: its embedding must cover the policy's token ids."""
+    try:
+        own = load_tokenizer(reference)
+    except Exception:            # no tokenizer files there
+        from transformers import AutoConfig
+        try:
+            size = getattr(AutoConfig.from_pretrained(resolve_model_path(reference, fetch=False)), "vocab_size", None)
+        except Exception:
+            return               # not readable here: the model load names the problem
+        if size is not None and size < len(tokenizer):
+            raise UserError(f"{field} {reference}: its embedding has {size} rows for the policy's {len(tokenizer)} "
+                            "token ids; a reference model must share the policy's vocabulary") from None
+        return
+    if own.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"{field} {reference}: its tokenizer ({len(own)} tokens) differs from the policy's "
+                        f"({len(tokenizer)}); a reference model scores the policy's token ids, so it must share "
+                        "the policy's vocabulary")
+
+
 def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Sequence[dict]], dtype: str,
                     batch_size: int, initial_policy=None, tag: str = "dpo", device: str = "auto") -> dict[str, torch.Tensor]:
     """Reference log-probs for `seq_sets`, computed once and cached in ``<out>/ref_logps.pt``.
@@ -80,10 +105,17 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
         name → ``N`` fp32 tensor, in the order of ``seq_sets[name]``.
     """
     t0 = time.perf_counter()
+    if initial_policy is None:
+        check_reference_vocabulary(reference, tokenizer)     # also before a cache made with it is reused
     key = _fingerprint(reference, dtype, seq_sets)
     path = out / REF_CACHE
     if path.exists():
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+        try:     # tensors and plain types only: never unpickle code from a file found in the run directory
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            logger.warning(f"[{tag}] {path} is not a reference cache this version reads ({type(e).__name__}); "
+                           "recomputing")
+            blob = {}
         if blob.get("key") == key:
             logger.info(f"[{tag}] reference log-probs loaded from {path}")
             return blob["logps"]

@@ -59,7 +59,7 @@ from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimi
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import sequence_logps, summed_logps
 from turborlhf.models.load import load_causal_lm, load_tokenizer, load_trainable
-from turborlhf.models.reference import reference_logps, reuses_policy
+from turborlhf.models.reference import check_reference_vocabulary, reference_logps, reuses_policy
 
 __all__ = ["phases", "train", "train_steps", "eval_dpo", "eval_dpo_main", "encode_pair", "dpo_batch_loss",
            "pair_metrics"]
@@ -288,6 +288,7 @@ def eval_dpo(policy: str, reference: str, data: str, beta: float = 0.1, max_len:
     n = len(enc)
     logps = {}
     for name, src in (("policy", policy), ("reference", reference)):
+        check_reference_vocabulary(src, tok, f"--{name}")
         model = load_causal_lm(src, tok, device="auto").eval().requires_grad_(False)
         logps[name] = sequence_logps(model, tok.pad_token_id, seqs, dtype, 2 * batch_size)
         del model

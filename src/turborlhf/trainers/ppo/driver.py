@@ -433,6 +433,9 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
     for rm_path in [cfg.reward_model or ""] + [r.path for r in cfg.rewards if r.kind == "model"]:
         if rm_path:
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
+    if A.needs_reference and cfg.reference:
+        from turborlhf.models.reference import check_reference_vocabulary
+        check_reference_vocabulary(cfg.reference, tok)     # it scores the actor's token ids
 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan), reward_callables)
