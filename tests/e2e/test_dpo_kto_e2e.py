@@ -249,3 +249,13 @@ def test_a_reference_of_another_vocabulary_is_refused_and_the_cache_is_never_unp
     torch.save({"key": Planted()}, tmp_path / "run" / "ref_logps.pt")
     assert main(base + [f"output_dir={tmp_path / 'run'}"]) == 0
     assert not (tmp_path / "ran").exists()
+
+
+def test_kto_refuses_a_one_example_test_set(tiny_model, tiny_data, tmp_path, capsys):
+    """One held-out example gave no eval/* metrics and no eval.json, silently."""
+    from turborlhf.cli import main
+
+    assert main(["kto", "--config", str(REPO / "configs/tiny/kto.yaml"), f"model.name_or_path={tiny_model}",
+                 f"data.train_file={tiny_data / 'train_kto.jsonl'}", f"data.test_file={tiny_data / 'test_kto.jsonl'}",
+                 "data.max_test_samples=1", "train.max_steps=1", f"output_dir={tmp_path / 'k'}"]) == 2
+    assert "data.test_file: KTO's evaluation needs at least 2 examples" in capsys.readouterr().err

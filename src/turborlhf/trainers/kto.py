@@ -178,9 +178,13 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     if cfg.data.test_file:
         test_rows = load_kto(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_rows = test_rows[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_rows
-        if len(test_rows) >= 2:
-            test_enc = _encode(tok, test_rows, cfg.data.max_len)
-            test_kl = _kl_pairs(tok, test_rows, range(len(test_rows)), cfg.data.max_len)
+        if len(test_rows) < 2:     # the KL reference point z0 needs mismatched pairs of two examples
+            from turborlhf.config import ConfigError
+            cap = " (data.max_test_samples)" if cfg.data.max_test_samples else ""
+            raise ConfigError(f"data.test_file: KTO's evaluation needs at least 2 examples (its KL reference point "
+                              f"pairs them), got {len(test_rows)}{cap}")
+        test_enc = _encode(tok, test_rows, cfg.data.max_len)
+        test_kl = _kl_pairs(tok, test_rows, range(len(test_rows)), cfg.data.max_len)
 
     # 3. policy (fp32 master weights; bf16 autocast compute)
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
