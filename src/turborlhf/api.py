@@ -135,6 +135,7 @@ def _save_model(model, tokenizer, dest: Path, what: str) -> str:
         if tokenizer is None:
             raise UserError(f"{what}: an in-memory model whose tokenizer cannot be found from its name_or_path "
                             f"({source!r}); pass processing_class=<its tokenizer>")
+    _replaceable(dest, what)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -147,6 +148,22 @@ def _save_model(model, tokenizer, dest: Path, what: str) -> str:
                       f"{', '.join(sorted(on_device))} ({gib:.2f} GiB): move it to the CPU or delete it to free "
                       "that memory", stacklevel=3)
     return str(dest)
+
+
+_STAGED = ".turborlhf-inputs"     # marks a directory whose staged inputs turborlhf wrote
+
+
+def _replaceable(dest: Path, what: str) -> None:
+    """`UserError` unless `dest` (where an in-memory input is written, inside output_dir) is absent
+    or lies in a turborlhf run directory (a ``config.yaml``, or inputs staged there before): a
+    project folder given as output_dir lost its own ``data/train`` or ``input_model`` to the
+    staging. Marks the directory as one whose inputs turborlhf writes."""
+    run_dir = dest.parent.parent if dest.parent.name == "data" else dest.parent
+    if dest.exists() and not ((run_dir / "config.yaml").exists() or (run_dir / _STAGED).exists()):
+        raise UserError(f"{what}: {dest} exists and was not written by turborlhf (no config.yaml in {run_dir}); "
+                        "use another output_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / _STAGED).touch()
 
 
 def _write_dataset(data: Any, dest: Path, what: str) -> str:
@@ -162,6 +179,10 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
         raise UserError(f"{what}: an IterableDataset is not supported; pass a Dataset, a list of dicts or a path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, datasets.Dataset):
+        files = [Path(f["filename"]).resolve() for f in data.cache_files]
+        if files and dest.is_dir() and all(dest.resolve() in f.parents for f in files):
+            return str(dest)        # loaded from this very directory (load_from_disk): it is the data already
+        _replaceable(dest, what)
         if dest.exists():
             shutil.rmtree(dest)
         data.save_to_disk(str(dest))
@@ -172,9 +193,17 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in data)
         except TypeError as e:
             raise UserError(f"{what}: a list of dicts with a value JSON cannot hold ({e}); pass a datasets.Dataset")
+        _replaceable(path, what)
         path.write_text(text, encoding="utf-8")
         return str(path)
     raise UserError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+
+
+def _path_arg(value: Any, what: str) -> str:
+    """A model argument that is not a model object: a directory, hub id or zoo name."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise UserError(f"{what}: expected a path, a hub id or a transformers model, got {type(value).__name__}")
+    return os.fspath(value)
 
 
 def _plain(value: Any) -> Any:
@@ -220,14 +249,23 @@ class _Trainer:
             # a parent class's object (a PPOConfig given to GRPOTrainer): only its values other than
             # that class's defaults go over this trainer's preset
             tree = config_to_dict(args) if isinstance(args, cls) else args.model_dump(mode="json",
-                                                                                      exclude_defaults=True)
+                                                                                      exclude_unset=True)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)
         tree["output_dir"] = str(out)
+        from turborlhf.engine.lifecycle import lock_output_dir
+
+        lock_output_dir(out)      # before anything is written there: a running run's inputs stay its own
+        for i, cb in enumerate(callbacks or []):
+            if type(cb).__module__.startswith("transformers"):
+                raise UserError(f"callbacks[{i}]: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
+                                "(args, state, control) arguments; write an object with turborlhf's hooks "
+                                "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, "
+                                "on_train_end)")
         if model is not None:
             path = _save_model(model, processing_class, out / "input_model", "model") if _is_hf_model(model) \
-                else os.fspath(model)
+                else _path_arg(model, "model")
             _set(tree, self.model_field, path)
         elif processing_class is not None:
             warnings.warn("processing_class is used with an in-memory model only; the tokenizer is read from the "
@@ -236,7 +274,7 @@ class _Trainer:
             if self.ref_field is None:
                 raise UserError(f"{type(self).__name__} takes no ref_model")
             path = _save_model(ref_model, processing_class, out / "ref_model", "ref_model") \
-                if _is_hf_model(ref_model) else os.fspath(ref_model)
+                if _is_hf_model(ref_model) else _path_arg(ref_model, "ref_model")
             _set(tree, self.ref_field, path)
         if train_dataset is not None:
             _set(tree, self.train_field, _write_dataset(train_dataset, out / "data" / "train", "train_dataset"))
@@ -498,7 +536,7 @@ class _RLTrainer(_Trainer):
             tree["rewards"] = sources
         if self._value_model is not None:
             path = _save_model(self._value_model, self._processing_class, out / "value_model", "value_model") \
-                if _is_hf_model(self._value_model) else os.fspath(self._value_model)
+                if _is_hf_model(self._value_model) else _path_arg(self._value_model, "value_model")
             tree.setdefault("critic", {})["name_or_path"] = path
 
     def _train_steps(self, resume: bool) -> Iterator:

@@ -140,7 +140,8 @@ def test_dpo_with_dict_args_and_errors_naming_fields(tiny_model, tiny_data, tmp_
     with pytest.raises(ConfigError, match="algo.beta"):
         DPOTrainer(model=str(tiny_model), args={**args, "algo": {"beta": "high"}}, train_dataset=rows)
     with pytest.raises(ConfigError, match="train.no_such_field"):
-        DPOTrainer(model=str(tiny_model), args={"train": {"no_such_field": 1}}, train_dataset=rows)
+        DPOTrainer(model=str(tiny_model), args={"train": {"no_such_field": 1}, "output_dir": tmp_path / "bad"},
+                   train_dataset=rows)
 
 
 def test_callbacks_see_every_step_and_the_final_evaluation(tiny_model, tiny_data, tmp_path):
@@ -411,3 +412,52 @@ def test_reward_processing_classes_give_an_in_memory_reward_model_its_tokenizer(
     assert len(load_tokenizer(out / "reward_model_0")) == len(rm_tok) != len(load_tokenizer(str(tiny_model)))
     with pytest.raises(UserError, match="reward_processing_classes: 1 for 2 reward functions"):
         GRPOTrainer(reward_funcs=[rm, exact_answer], reward_processing_classes=[rm_tok], **kw)
+
+
+def test_api_staging_neither_keeps_an_earlier_run_nor_overwrites_what_it_did_not_write(tiny_model, tiny_data,
+                                                                                       tmp_path):
+    """In-memory data staged inside output_dir made every API run count as "starting from files inside
+    it": an earlier run's checkpoints were kept, and a later resume continued them. A project folder
+    given as output_dir lost its own data/train to the staging; a dataset loaded from the staged
+    directory itself was deleted before it was saved."""
+    import datasets
+
+    from turborlhf import SFTTrainer
+    from turborlhf.errors import UserError
+
+    ds = _pairs(tiny_data)
+    out = tmp_path / "run"
+    SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out)}, train_dataset=ds).train()
+    first = weights(out)
+    SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out), "optim": {"lr": 5e-3},
+                                            "train": {**SFT_ARGS["train"], "max_steps": 1}}, train_dataset=ds).train()
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001"]   # run 1's are gone
+    assert max_weight_diff(first, weights(out)) > 0
+    again = datasets.load_from_disk(str(out / "data" / "train"))          # the staged copy, passed back in
+    SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out)}, train_dataset=again).train()
+
+    project = tmp_path / "project"
+    (project / "data" / "train").mkdir(parents=True)
+    (project / "data" / "train" / "my_notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"data/train exists and was not written by turborlhf"):
+        SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(project)}, train_dataset=ds)
+    assert (project / "data" / "train" / "my_notes.txt").read_text() == "mine"
+
+
+def test_api_arguments_a_trl_user_may_pass_wrongly_are_named(tiny_model, tiny_data, tmp_path):
+    from transformers import TrainerCallback as HFCallback
+
+    from turborlhf import GRPOTrainer, SFTTrainer
+    from turborlhf.config import PPOConfig
+    from turborlhf.errors import UserError
+
+    args = {**SFT_ARGS, "output_dir": str(tmp_path / "s")}
+    with pytest.raises(UserError, match=r"callbacks\[0\]: a transformers TrainerCallback"):   # was a TypeError mid-run
+        SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), callbacks=[HFCallback()])
+    with pytest.raises(UserError, match="model: expected a path, a hub id or a transformers model, got int"):
+        SFTTrainer(model=3, args=args, train_dataset=_pairs(tiny_data))
+    # a PPOConfig's explicit values equal to PPO's defaults are kept over GRPO's preset (they were dropped)
+    ppo = PPOConfig(reward_model=str(tiny_model), data={"prompts_file": str(tiny_data / "train_prompts.jsonl")},
+                    algo={"advantage_estimator": "gae", "n_samples_per_prompt": 1}, output_dir=str(tmp_path / "g"))
+    trainer = GRPOTrainer(model=str(tiny_model), args=ppo)
+    assert (trainer.args.algo.advantage_estimator, trainer.args.algo.n_samples_per_prompt) == ("gae", 1)

@@ -234,10 +234,12 @@ def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
 
 
 def _reads_from(cfg: Cfg, out: Path) -> bool:
-    """Whether a path in `cfg` (a model, reference, reward model...) lies inside the directory `out`
-    (an earlier run's checkpoint): a fresh run must not delete what it reads."""
-    target = out.resolve()
-    return any(target in p.parents for _, p in _config_paths(cfg))
+    """Whether a path in `cfg` (a model, reference, reward model...) lies in what a fresh run clears
+    in `out` (an earlier run's checkpoints or ``ema/`` export): it must not delete what it reads.
+    Other files inside `out` (the Python API's staged inputs, ``data/``, ``input_model``) do not
+    count: counting them kept an earlier run's checkpoints, which a later --resume continued."""
+    cleared = (out.resolve() / "checkpoints", out.resolve() / "ema")
+    return any(c == p or c in p.parents for _, p in _config_paths(cfg) for c in cleared)
 
 
 def _check_not_an_input(cfg: Cfg, out: Path) -> None:
