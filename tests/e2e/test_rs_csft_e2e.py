@@ -232,6 +232,9 @@ def test_conditional_sft_policy_samples_only(tiny_model, tiny_rm, tiny_data, tmp
     with pytest.raises(ConfigError, match="data.*policy_samples_per_prompt > 0"):
         load_config(ConditionalSFTConfig, REPO / "configs/tiny/conditional_sft.yaml",
                     ["data.dataset_responses=false", "data.policy_samples_per_prompt=0"])
+    # a LoRA policy samples through its merged weights (the peft model went to the engine: a KeyError)
+    run_cli("conditional-sft", *args[:-1], f"output_dir={tmp_path / 'lora'}", "model.lora.rank=4",
+            "data.policy_samples_per_prompt=1", "data.max_samples=4")
 
 
 def test_eval_policy_kl_from_engine_logprobs(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):

@@ -484,3 +484,23 @@ def test_chunks_are_batched_by_prompt_length(model, monkeypatch):
     out = eng.generate(prompts, sp)
     assert out.response_ids == whole.response_ids and out.finished == whole.finished
     assert chunks == [[2, 2, 2, 2], [3, 3, 4, 4], [5, 5, 7, 7], [8, 8, 9, 9]]
+
+
+def test_fast_engine_reads_the_weights_transformers_reads_and_refuses_longrope(tmp_path):
+    """Every *.safetensors of a directory was read (Mistral repos ship consolidated.safetensors with
+    other names: a KeyError); longrope switches to its long factors past
+    original_max_position_embeddings, which FastEngine's one table ignored (8 nats off)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from turborlhf.models.tiny import save_tiny_causal_lm
+    from turborlhf.rollout.llama_ops import _load_state_dict, unsupported_reason
+
+    path = save_tiny_causal_lm(tmp_path / "m", seed=0)
+    keys = set(_load_state_dict(str(path)))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(path / "consolidated.safetensors"))
+    assert set(_load_state_dict(str(path))) == keys
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, original_max_position_embeddings=32,
+                      max_position_embeddings=128, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                                 "long_factor": [2.0] * 8})
+    assert "longrope" in unsupported_reason(cfg)

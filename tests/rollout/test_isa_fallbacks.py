@@ -78,6 +78,12 @@ def test_backend_choice_per_isa(monkeypatch):
     with pytest.raises(ValueError, match="bf16 kernel linears need avx512_bf16, this CPU has avx2 only"):
         choose_linear_backend("kernel", bf, K(f32), False, False, avx2)
     assert choose_linear_backend("mkldnn", f32, K(f32), False, False, avx2) == "mkldnn"  # fp32 packs anywhere
+    # an odd input width (intermediate_size 129): the bf16 kernel linears cannot take it (a crash at the
+    # first generate); fp32's can
+    assert choose_linear_backend("auto", bf, K(bf, f32), False, False, full, odd_width=True) == "mkldnn"
+    assert choose_linear_backend("auto", f32, K(f32), False, False, avx2, odd_width=True) == "kernel"
+    with pytest.raises(ValueError, match="bf16 kernel linears need even input widths"):
+        choose_linear_backend("kernel", bf, K(bf), False, False, full, odd_width=True)
 
 
 @needs_avx2_host

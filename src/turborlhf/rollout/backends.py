@@ -131,11 +131,12 @@ def kernel_linears_missing(dtype: torch.dtype = torch.float32, feats: Optional[f
 
 
 def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: bool, int8: bool,
-                          feats: Optional[frozenset] = None) -> str:
+                          feats: Optional[frozenset] = None, odd_width: bool = False) -> str:
     """'kernel' | 'mkldnn' | 'dense' for FastEngine's `linear_backend=requested`.
 
     kernels: the loaded `DecodeKernels` or None; compile / int8: the engine's options (the kernel
-    linears need neither). feats: the instruction sets (default `cpu_features()`).
+    linears need neither). feats: the instruction sets (default `cpu_features()`). odd_width: a
+    linear of the model has an odd input width, which the bf16 kernel linears do not take.
     Raises ValueError for an unknown backend or an explicit one this host or configuration cannot
     run; 'auto' warns once when a missing instruction set makes it fall back."""
     if requested not in ("auto", "kernel", "mkldnn", "dense"):
@@ -143,9 +144,12 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: 
     feats = cpu_features() if feats is None else feats
     has = _has(feats)
     k_isa = _missing(_KERNEL_FEATURES.get(dtype, ("<none>",)), feats)
-    kernel_ok = (kernels is not None and dtype in kernels.linear_dtypes and not compile and not int8)
+    odd = odd_width and dtype == torch.bfloat16
+    kernel_ok = (kernels is not None and dtype in kernels.linear_dtypes and not compile and not int8 and not odd)
     if requested == "kernel" and not kernel_ok:
-        why = (f"the {_dt(dtype)} kernel linears need {'/'.join(k_isa)}, this CPU has {has}" if k_isa and
+        why = ("the bf16 kernel linears need even input widths, and a layer of this model has an odd one" if odd
+               and kernels is not None and dtype in kernels.linear_dtypes else
+               f"the {_dt(dtype)} kernel linears need {'/'.join(k_isa)}, this CPU has {has}" if k_isa and
                dtype in _KERNEL_FEATURES else "the kernels did not load" if kernels is None else
                "they exist for bf16 and fp32 only" if dtype not in _KERNEL_FEATURES else
                "they do not combine with compile=True or int8_max_batch" if compile or int8 else

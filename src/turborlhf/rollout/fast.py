@@ -72,7 +72,8 @@ from ._util import check_prompts, resolve_dtype
 from .backends import _ENGINES, choose_linear_backend, kernel_linears_missing, warn_once
 from .base import RolloutOutput, SamplingParams
 from .fast_weights import _DOWN, _GATE, _O, _QKV, _UP, FastEngineWeights, _Layer
-from .llama_ops import _load_state_dict, _rms, _rope_inv_freq, _rope_signed, decode_mask, is_supported
+from .llama_ops import (_load_state_dict, _rms, _rope_inv_freq, _rope_signed, decode_mask, is_supported,
+                        unsupported_reason)
 from .sampling import sample, top_p_filter
 from .tools import Tool, ToolCalls
 
@@ -141,11 +142,6 @@ class FastEngine(FastEngineWeights):
         self.int8_max_batch = int(int8_max_batch)
         if self.int8_max_batch and not hasattr(torch, "_weight_int8pack_mm"):
             raise ValueError("int8_max_batch needs torch._weight_int8pack_mm (torch >= 2.4)")
-        self.linear_backend = choose_linear_backend(linear_backend, self.dtype, self._k, compile,
-                                                    bool(self.int8_max_batch))
-        self._kl, self._mkl = self.linear_backend == "kernel", self.linear_backend == "mkldnn"
-        self.weight_dtype = self._resolve_weight_dtype(weight_dtype, host_lacks_kernels=(
-            linear_backend == "auto" and kernels is not False and not compile and not self.int8_max_batch))
         if isinstance(model_or_path, torch.nn.Module):
             config = copy.deepcopy(model_or_path.config)
             state = model_or_path.state_dict()
@@ -154,8 +150,15 @@ class FastEngine(FastEngineWeights):
             config = AutoConfig.from_pretrained(model_or_path)
             state = _load_state_dict(model_or_path)
         if not is_supported(config):
-            raise ValueError(f"FastEngine does not support {getattr(config, 'architectures', None)} "
-                             f"(model_type {getattr(config, 'model_type', None)!r}); use HFEngine")
+            raise ValueError(f"FastEngine does not support this model ({unsupported_reason(config)}); use HFEngine")
+        widths = (config.hidden_size, config.intermediate_size,
+                  config.num_attention_heads * (getattr(config, "head_dim", None)
+                                                or config.hidden_size // config.num_attention_heads))
+        self.linear_backend = choose_linear_backend(linear_backend, self.dtype, self._k, compile,
+                                                    bool(self.int8_max_batch), odd_width=any(w % 2 for w in widths))
+        self._kl, self._mkl = self.linear_backend == "kernel", self.linear_backend == "mkldnn"
+        self.weight_dtype = self._resolve_weight_dtype(weight_dtype, host_lacks_kernels=(
+            linear_backend == "auto" and kernels is not False and not compile and not self.int8_max_batch))
         self.config = config
         self.max_batch_size = int(max_batch_size)
         self.kv_bucket = int(kv_bucket)

@@ -25,8 +25,10 @@ def unsupported_reason(config) -> Optional[str]:
         return "sliding-window attention (mistral sliding_window) is not implemented"
     if mt == "qwen2" and getattr(config, "use_sliding_window", False):
         return "sliding-window attention (qwen2 use_sliding_window) is not implemented"
-    if _rope_parameters(config).get("rope_type", "default") == "dynamic":
-        return "dynamic RoPE scaling is not implemented"
+    if _rope_parameters(config).get("rope_type", "default") in ("dynamic", "longrope"):
+        # both change their frequencies with the sequence length (longrope: its long factors past
+        # original_max_position_embeddings); FastEngine's table is one fixed set
+        return f"{_rope_parameters(config)['rope_type']} RoPE scaling is not implemented"
     return None
 
 
@@ -98,10 +100,19 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read every *.safetensors (or pytorch_model*.bin) file of an HF directory."""
+    """Read the weights of an HF directory as transformers does: ``model.safetensors``, or the
+    shards its ``model.safetensors.index.json`` lists (never other *.safetensors files there, such as
+    Mistral's ``consolidated.safetensors`` with other names), else ``pytorch_model*.bin``."""
     import glob
+    import json
     import os
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    else:
+        files = [os.path.join(path, "model.safetensors")] if os.path.exists(os.path.join(path, "model.safetensors")) \
+            else []
     state: dict[str, torch.Tensor] = {}
     if files:
         from safetensors.torch import load_file

@@ -44,7 +44,7 @@ from turborlhf.engine.lifecycle import start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import seed_everything, set_threads
 from turborlhf.evaluate import eval_policy
-from turborlhf.models.load import load_tokenizer, load_trainable
+from turborlhf.models.load import load_tokenizer, load_trainable, merge_lora_for_save
 from turborlhf.rewards.model import load_reward_model, score_texts
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.backends import vllm_kwargs
@@ -148,8 +148,8 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     seeded by ``train.seed``, as ``[{prompt, response, source: "policy", finished}]``: on-policy
     examples, so the tags also separate the policy's own good and bad responses."""
     roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
-    engine = make_engine(roll.engine, model, dtype=roll.dtype, device=roll.device, weight_dtype=roll.weight_dtype,
-                         max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
+    engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,    # LoRA merged
+                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
