@@ -149,7 +149,8 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     examples, so the tags also separate the policy's own good and bad responses."""
     roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,    # LoRA merged
-                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
+                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size,
+                         **vllm_kwargs(roll, shares_gpu=True))
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
