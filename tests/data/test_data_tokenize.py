@@ -148,6 +148,24 @@ def test_a_templated_response_ends_with_the_templates_end_of_turn_token():
     assert plain["input_ids"][-1] == base.eos_token_id
 
 
+def test_rollouts_stop_at_every_end_token_of_the_generation_config(tmp_path):
+    """generation_config.json's eos_token_id list (Llama 3.1 Instruct: three ids) was ignored: a
+    rollout ran on past a listed end token and was flagged as truncated; HF generate stops there."""
+    import json
+
+    from turborlhf.data.chat import stop_ids
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    alone = stop_ids(tok)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [alone[0], 5, 7]}))
+    assert stop_ids(tok) == (*alone, 5, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": alone[0]}))
+    assert stop_ids(tok) == alone
+
+
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"},
         {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "what is two and two"},
         {"role": "assistant", "content": "four"}]

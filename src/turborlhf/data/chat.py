@@ -152,7 +152,20 @@ def _find_turn_end(tokenizer) -> tuple[int | None, str | None]:
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
-    """The tokens a rollout of this tokenizer's model stops at: EOS and, where the chat template
-    ends a turn with another special token, that one (`turn_end`)."""
+    """The tokens a rollout of this tokenizer's model stops at: EOS, the chat template's end-of-turn
+    token where it is another special token (`turn_end`), and the end tokens the model directory's
+    ``generation_config.json`` lists (Llama 3.1 Instruct and Qwen2.5 Instruct list several; HF
+    ``generate`` stops at each)."""
+    import json
+    from pathlib import Path
+
     eot, _ = turn_end(tokenizer)
-    return tuple(t for t in (tokenizer.eos_token_id, eot) if t is not None)
+    extra: list = []
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        extra = [eos] if isinstance(eos, int) else [t for t in eos or [] if isinstance(t, int)]
+    return tuple(dict.fromkeys(t for t in (tokenizer.eos_token_id, eot, *extra) if t is not None))
