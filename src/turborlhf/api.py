@@ -348,11 +348,19 @@ class _Trainer:
                 raise
             except BaseException as e:            # an error or a signal: this run object is done
                 self._steps, self._stopped = None, e
+                self._release()
                 raise
 
     def _finish(self, out: Any, metrics: dict) -> None:
         self._steps = None
         self._result = TrainResult(Path(out or self.output_dir), self.state.global_step, metrics)
+        self._release()
+
+    def _release(self) -> None:
+        """Let other processes use ``output_dir`` again (a notebook held it until it exited)."""
+        from turborlhf.engine.lifecycle import unlock_output_dir
+
+        unlock_output_dir(self.output_dir)
 
     def step(self) -> dict:
         """Run one optimizer step (RL trainers: one rollout-and-update step) and return its metrics
@@ -434,6 +442,7 @@ class _Trainer:
             pass
         finally:
             steps.close()
+            self._release()
 
 
 class SFTTrainer(_Trainer):

@@ -429,6 +429,11 @@ def test_api_staging_neither_keeps_an_earlier_run_nor_overwrites_what_it_did_not
     out = tmp_path / "run"
     SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out)}, train_dataset=ds).train()
     first = weights(out)
+    import subprocess
+    import sys
+    free = subprocess.run([sys.executable, "-c", "from pathlib import Path; from turborlhf.engine.lifecycle import "
+                           f"lock_output_dir; lock_output_dir(Path({str(out)!r}))"], capture_output=True, text=True)
+    assert free.returncode == 0, free.stderr          # a finished trainer no longer holds output_dir
     SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(out), "optim": {"lr": 5e-3},
                                             "train": {**SFT_ARGS["train"], "max_steps": 1}}, train_dataset=ds).train()
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001"]   # run 1's are gone

@@ -82,3 +82,8 @@ def test_a_second_run_on_a_used_output_dir_is_refused(tmp_path):
         holder.wait()
     lock_output_dir(out)            # the holder is gone: free
     lock_output_dir(out)            # and this process may take it again
+    from turborlhf.engine.lifecycle import unlock_output_dir
+    unlock_output_dir(out)          # released (a Python session's trainer, once its run ended)
+    other = subprocess.run([sys.executable, "-c", "from pathlib import Path; from turborlhf.engine.lifecycle import "
+                            f"lock_output_dir; lock_output_dir(Path({str(out)!r}))"], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr

@@ -218,6 +218,13 @@ def lock_output_dir(out: Path) -> None:
     atexit.register(f.close)
 
 
+def unlock_output_dir(out: Path) -> None:
+    """Release this process's lock on `out` (`lock_output_dir`); nothing if it holds none."""
+    f = _LOCKS.pop(Path(out).resolve(), None)
+    if f is not None:
+        f.close()
+
+
 def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
     """(dotted field, resolved path) of every text value of `cfg` but ``output_dir``."""
     def walk(node: Any, key: str) -> Iterator[tuple[str, Path]]:
