@@ -27,7 +27,7 @@ from turborlhf.algo import cispo_policy_loss, gspo_policy_loss, kl_estimate, ppo
 from turborlhf.config import PPOConfig
 from turborlhf.data.loaders import load_sft
 from turborlhf.data.tokenize import encode_examples
-from turborlhf.engine.checkpoint import _write_hf
+from turborlhf.engine.checkpoint import _write_hf, plan_digest
 from turborlhf.engine.parallel import dp_rank_world, full_state_dict, is_fsdp, root_forward
 from turborlhf.engine.run import export_model
 from turborlhf.engine.train import autocast, make_optimizer, make_scheduler
@@ -224,8 +224,6 @@ class ActorWorker(Trainable):
     def info(self) -> dict:
         """Start-up facts for the driver: the PPO-ptx examples' count and digest (a resumed run
         compares it with the checkpoint's, as it does the prompts), the current learning rate."""
-        from turborlhf.engine.checkpoint import plan_digest
-
         ptx = self.ptx.examples if self.ptx else []
         return {"ptx_examples": len(ptx), "lr": self.sched.get_last_lr()[0],
                 "ptx_sha256": plan_digest([list(range(len(ptx)))], ptx) if ptx else None}

@@ -61,6 +61,7 @@ from turborlhf.config import ConfigError, PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
 from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import Sibling, WorkerError
+from turborlhf.distributed.roles import check_fsdp_batches
 from turborlhf.distributed.placement import RoleSpec, launch
 from turborlhf.engine.checkpoint import (check_plan, latest_checkpoint, load_trainer_state, plan_digest,
                                          save_checkpoint)
@@ -69,7 +70,7 @@ from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs, trim_jsonl
 from turborlhf.models.load import load_tokenizer
-from turborlhf.models.reference import same_model
+from turborlhf.models.reference import check_reference_vocabulary, same_model
 from turborlhf.models.zoo import resolve_model_path
 from turborlhf.models.trunk import clear_trunk_caches, share_frozen_trunk
 from turborlhf.rewards.model import check_reward_model
@@ -434,7 +435,6 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
         if rm_path:
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
     if A.needs_reference and cfg.reference:
-        from turborlhf.models.reference import check_reference_vocabulary
         check_reference_vocabulary(cfg.reference, tok)     # it scores the actor's token ids
 
     # roles on their workers (this process, or Ray), controllers, resume state
@@ -449,8 +449,6 @@ def _check_short_steps(cfg: PPOConfig, prompts: int) -> None:
     """Fewer prompts than ``algo.prompts_per_step`` make short steps (`plan_steps`), whose rows FSDP
     must still split evenly over its workers (`check_fsdp_batches` checked the full step only):
     ConfigError naming the fields, where uneven splits left the workers' collectives mismatched."""
-    from turborlhf.distributed.roles import check_fsdp_batches
-
     if prompts >= cfg.algo.prompts_per_step:
         return
     try:
