@@ -254,7 +254,8 @@ def _check_not_an_input(cfg: Cfg, out: Path) -> None:
     model): the final export would overwrite it, and a --resume would start from the trained
     weights (a LoRA run's adapters added again; DPO's reference recomputed from the policy)."""
     target = out.resolve()
-    if same := [k for k, p in _config_paths(cfg) if p == target and not k.startswith("data.")]:
+    models = ("name_or_path", "reference", "reward_model", ".path")      # model fields, not data or names
+    if same := [k for k, p in _config_paths(cfg) if p == target and k.endswith(models)]:
         from turborlhf.config import ConfigError
 
         raise ConfigError(f"output_dir {out} is also {same[0]}: the run's export would overwrite what it reads; "
