@@ -256,41 +256,47 @@ class _Trainer:
         tree["output_dir"] = str(out)
         from turborlhf.engine.lifecycle import lock_output_dir
 
-        lock_output_dir(out)      # before anything is written there: a running run's inputs stay its own
-        for i, cb in enumerate(callbacks or []):
-            if type(cb).__module__.startswith("transformers"):
-                raise UserError(f"callbacks[{i}]: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
-                                "(args, state, control) arguments; write an object with turborlhf's hooks "
-                                "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, "
-                                "on_train_end)")
-        if model is not None:
-            path = _save_model(model, processing_class, out / "input_model", "model") if _is_hf_model(model) \
-                else _path_arg(model, "model")
-            _set(tree, self.model_field, path)
-        elif processing_class is not None:
-            warnings.warn("processing_class is used with an in-memory model only; the tokenizer is read from the "
-                          "model directory", stacklevel=2)
-        if ref_model is not None:
-            if self.ref_field is None:
-                raise UserError(f"{type(self).__name__} takes no ref_model")
-            path = _save_model(ref_model, processing_class, out / "ref_model", "ref_model") \
-                if _is_hf_model(ref_model) else _path_arg(ref_model, "ref_model")
-            _set(tree, self.ref_field, path)
-        if train_dataset is not None:
-            _set(tree, self.train_field, _write_dataset(train_dataset, out / "data" / "train", "train_dataset"))
-        if eval_dataset is not None:
-            if self.eval_field is None:
-                raise UserError(f"eval_dataset: {type(self).__name__} has no held-out evaluation during training; "
-                                "evaluate the result with turborlhf.evaluate.eval_policy")
-            _set(tree, self.eval_field, _write_dataset(eval_dataset, out / "data" / "eval", "eval_dataset"))
-        self._extend_tree(tree, out)
-        self.args = load_config(cls, base=tree)           # ConfigError naming the field
-        self.train_dataset = train_dataset
-        self.callbacks: list = list(callbacks or [])
-        self.state = TrainerState()
-        self._steps: Optional[Iterator] = None
-        self._result: Optional[TrainResult] = None
-        self._stopped: Optional[BaseException] = None
+        took = lock_output_dir(out)      # before anything is written there: a running run's inputs stay its own
+        try:
+            for i, cb in enumerate(callbacks or []):
+                if type(cb).__module__.startswith("transformers"):
+                    raise UserError(f"callbacks[{i}]: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
+                                    "(args, state, control) arguments; write an object with turborlhf's hooks "
+                                    "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, "
+                                    "on_train_end)")
+            if model is not None:
+                path = _save_model(model, processing_class, out / "input_model", "model") if _is_hf_model(model) \
+                    else _path_arg(model, "model")
+                _set(tree, self.model_field, path)
+            elif processing_class is not None:
+                warnings.warn("processing_class is used with an in-memory model only; the tokenizer is read from the "
+                              "model directory", stacklevel=2)
+            if ref_model is not None:
+                if self.ref_field is None:
+                    raise UserError(f"{type(self).__name__} takes no ref_model")
+                path = _save_model(ref_model, processing_class, out / "ref_model", "ref_model") \
+                    if _is_hf_model(ref_model) else _path_arg(ref_model, "ref_model")
+                _set(tree, self.ref_field, path)
+            if train_dataset is not None:
+                _set(tree, self.train_field, _write_dataset(train_dataset, out / "data" / "train", "train_dataset"))
+            if eval_dataset is not None:
+                if self.eval_field is None:
+                    raise UserError(f"eval_dataset: {type(self).__name__} has no held-out evaluation during training; "
+                                    "evaluate the result with turborlhf.evaluate.eval_policy")
+                _set(tree, self.eval_field, _write_dataset(eval_dataset, out / "data" / "eval", "eval_dataset"))
+            self._extend_tree(tree, out)
+            self.args = load_config(cls, base=tree)           # ConfigError naming the field
+            self.train_dataset = train_dataset
+            self.callbacks: list = list(callbacks or [])
+            self.state = TrainerState()
+            self._steps: Optional[Iterator] = None
+            self._result: Optional[TrainResult] = None
+            self._stopped: Optional[BaseException] = None
+        except BaseException:
+            if took:                  # a trainer that could not be built holds nothing
+                from turborlhf.engine.lifecycle import unlock_output_dir
+                unlock_output_dir(out)
+            raise
 
     # -- the command behind the object
 

@@ -187,18 +187,19 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
 _LOCKS: dict[Path, Any] = {}     # output_dir → the open lock file this process holds (until it exits)
 
 
-def lock_output_dir(out: Path) -> None:
+def lock_output_dir(out: Path) -> bool:
     """Hold an exclusive lock on ``<out>/.turborlhf.lock`` for the rest of this process: a second run
     started on the same output_dir (another process) deleted the first one's checkpoints and both
     appended to one metrics.jsonl. `UserError` naming the holder's pid. Runs in this process may
-    share it (a Python session that trains, then resumes). Without ``fcntl`` (Windows) nothing."""
+    share it (a Python session that trains, then resumes). Returns whether this call took it (False:
+    held by this process already, or no ``fcntl``: Windows)."""
     try:
         import fcntl
     except ImportError:
-        return
+        return False
     key = out.resolve()
     if key in _LOCKS:
-        return
+        return False
     out.mkdir(parents=True, exist_ok=True)
     f = open(out / ".turborlhf.lock", "a+")
     try:
@@ -216,6 +217,7 @@ def lock_output_dir(out: Path) -> None:
     _LOCKS[key] = f
     import atexit
     atexit.register(f.close)
+    return True
 
 
 def unlock_output_dir(out: Path) -> None:
