@@ -47,7 +47,8 @@ a checkpoint, `turborlhf.engine.lifecycle`); ``.close()`` ends a run before its 
 workers are shut down; ``train(resume_from_checkpoint=True)`` on a new trainer continues from the
 last saved checkpoint).
 
-Not offered: TRL's ``compute_metrics``, ``data_collator``, ``optimizers=`` and
+``.save_model(dir)`` copies the exported model (TRL's call). Not offered: TRL's
+``compute_metrics``, ``data_collator``, ``optimizers=`` and
 ``peft_config=`` (use ``args["model"]["lora"]``); the multi-stage commands (rejection sampling,
 conditional SFT, pipeline) have no trainer object.
 """
@@ -197,6 +198,17 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
         path.write_text(text, encoding="utf-8")
         return str(path)
     raise UserError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+
+
+_EXPORT_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "vocab.json", "model.safetensors.index.json",
+                "adapter_config.json"}
+
+
+def _is_export_file(name: str) -> bool:
+    """A file of a run directory's Hugging Face export (not its config.yaml, metrics or evaluation)."""
+    return name in _EXPORT_JSON or name.endswith((".safetensors", ".model", ".jinja")) or name == "merges.txt" \
+        or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
 
 
 def _path_arg(value: Any, what: str) -> str:
@@ -429,6 +441,22 @@ class _Trainer:
         raise UserError(f"resume_from_checkpoint={str(path)!r}: a run continues from the newest checkpoint of its "
                         f"output_dir ({newest or 'none yet'}); pass True, or that path")
 
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """Write the trained model (weights, config, tokenizer: the export of ``output_dir``) to
+        `output_dir` (TRL's call; default: the run's ``output_dir``, where it is already) and
+        return that directory. RuntimeError before the run has finished (the export comes last)."""
+        if self._result is None:
+            raise RuntimeError(f"{type(self).__name__}.save_model(): the model is exported when the run ends; call "
+                               "train() (or step() to the last step) first")
+        src = Path(self._result.output_dir)
+        dest = Path(output_dir) if output_dir is not None else src
+        if dest.resolve() != src.resolve():
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in src.iterdir():
+                if f.is_file() and _is_export_file(f.name):
+                    shutil.copy2(f, dest / f.name)
+        return dest
+
     def close(self) -> None:
         """End a run that was stepped part-way: a checkpoint of the steps taken is saved (as on
         SIGTERM; a new trainer's ``train(resume_from_checkpoint=True)`` continues from it), its
@@ -439,6 +467,8 @@ class _Trainer:
         steps, self._steps = self._steps, None
         if steps is None:
             return
+        # this object's run is over: train()/step() would start it again from step 0
+        self._stopped = RuntimeError("close() ended it")
         try:
             if self.state.global_step:
                 stop_at_next_step()

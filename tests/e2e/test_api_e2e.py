@@ -311,9 +311,19 @@ def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_d
     assert not (tmp_path / "r" / "model.safetensors").exists()
     assert (tmp_path / "r" / "checkpoints" / "step-000002").is_dir()     # step 2 was not left to redo
     assert ended == [2]                                            # trackers and callbacks were ended
+    for call in (part.step, part.train):                           # they restarted the run from step 0
+        with pytest.raises(RuntimeError, match=r"the run stopped .*close\(\) ended it.*resume_from_checkpoint"):
+            call()
+    with pytest.raises(RuntimeError, match="exported when the run ends"):
+        part.save_model(tmp_path / "copy")
     again = SFTTrainer(model=str(tiny_model), args={**args, "output_dir": str(tmp_path / "r")}, train_dataset=ds)
     assert again.train(resume_from_checkpoint=True).global_step == 3
     assert max_weight_diff(weights(tmp_path / "full"), weights(tmp_path / "r")) < 1e-7
+    # TRL scripts end with save_model(dir): the export, copied (no run files)
+    copy = again.save_model(tmp_path / "copy")
+    assert max_weight_diff(weights(tmp_path / "r"), weights(copy)) == 0
+    assert (copy / "tokenizer_config.json").exists() and not (copy / "config.yaml").exists()
+    assert again.save_model() == tmp_path / "r"
     assert [r["step"] for r in metrics(tmp_path / "r")] == [1, 2, 3]
     # TRL's checkpoint-path form: the newest checkpoint is taken (a finished run reports its steps);
     # another path is refused (it was ignored, and the newest taken)
