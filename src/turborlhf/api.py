@@ -211,6 +211,13 @@ def _is_export_file(name: str) -> bool:
         or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
 
 
+def _end_if_open(ref) -> None:
+    """At interpreter exit: end the run of a trainer (a weak reference) still part-way."""
+    trainer = ref()
+    if trainer is not None and trainer._steps is not None:
+        trainer._end_at_exit()
+
+
 def _path_arg(value: Any, what: str) -> str:
     """A model argument that is not a model object: a directory, hub id or zoo name."""
     if not isinstance(value, (str, os.PathLike)):
@@ -369,6 +376,25 @@ class _Trainer:
                 self._release()
                 raise
 
+    def _start(self, resume: bool) -> None:
+        """Set the run's step generator up. A script that ends with the run part-way (steps taken, no
+        close()) ends it at exit while the modules still exist: the generator was collected at
+        interpreter teardown, its cleanup failed with two "Exception ignored" tracebacks and the
+        callbacks' on_train_end never ran."""
+        import atexit
+        import weakref
+
+        self._steps = self._train_steps(resume)
+        atexit.register(_end_if_open, weakref.ref(self))
+
+    def _end_at_exit(self) -> None:
+        from turborlhf.metrics import use_callbacks
+
+        steps, self._steps = self._steps, None
+        with use_callbacks([_History(self.state), *self.callbacks]):
+            steps.close()          # its finally blocks: loggers and callbacks end, workers stop
+        self._release()
+
     def _finish(self, out: Any, metrics: dict) -> None:
         self._steps = None
         self._result = TrainResult(Path(out or self.output_dir), self.state.global_step, metrics)
@@ -392,7 +418,7 @@ class _Trainer:
             raise RuntimeError(f"{type(self).__name__}: all {self.state.global_step} steps are done; the model "
                                f"is in {self._result.output_dir}")
         if self._steps is None and self._stopped is None:
-            self._steps = self._train_steps(False)
+            self._start(False)
         try:
             return self._next()[2]
         except StopIteration:
@@ -419,7 +445,7 @@ class _Trainer:
         elif not isinstance(resume_from_checkpoint, bool):
             resume_from_checkpoint = self._newest_checkpoint_is(Path(resume_from_checkpoint))
         if self._steps is None and self._stopped is None:
-            self._steps = self._train_steps(resume_from_checkpoint)
+            self._start(resume_from_checkpoint)
         elif resume_from_checkpoint:
             raise RuntimeError("train(resume_from_checkpoint=True) after .step(): the run is going on already")
         while self._result is None:

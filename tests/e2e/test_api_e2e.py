@@ -476,3 +476,23 @@ def test_api_arguments_a_trl_user_may_pass_wrongly_are_named(tiny_model, tiny_da
                     algo={"advantage_estimator": "gae", "n_samples_per_prompt": 1}, output_dir=str(tmp_path / "g"))
     trainer = GRPOTrainer(model=str(tiny_model), args=ppo)
     assert (trainer.args.algo.advantage_estimator, trainer.args.algo.n_samples_per_prompt) == ("gae", 1)
+
+
+def test_a_stepped_trainer_left_open_ends_its_run_at_exit(tiny_model, tiny_data, tmp_path):
+    """A script that steps a trainer and ends without close() printed two "Exception ignored"
+    tracebacks at interpreter exit, and its callbacks' on_train_end never ran."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("import turborlhf as T\n"
+                      "class End:\n    def on_train_end(self, name, step): print('ended', name, step, flush=True)\n"
+                      f"t = T.SFTTrainer(model={str(tiny_model)!r}, args={{'model': {{'dtype': 'fp32'}}, "
+                      f"'output_dir': {str(tmp_path / 'o')!r}, 'train': {{'max_steps': 3, 'sequences_per_step': 4, "
+                      "'micro_batch_size': 2}, 'log': {'tensorboard': False, 'progress': False}}, "
+                      "train_dataset=[{'prompt': f'Q{i}', 'completion': f' a{i}'} for i in range(8)], "
+                      "callbacks=[End()])\n"
+                      "t.step()\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ended sft 1" in r.stdout, r.stderr[-2000:]
+    assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
