@@ -504,3 +504,24 @@ def test_fast_engine_reads_the_weights_transformers_reads_and_refuses_longrope(t
                       max_position_embeddings=128, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
                                                                  "long_factor": [2.0] * 8})
     assert "longrope" in unsupported_reason(cfg)
+
+
+def test_fast_engine_builds_from_a_cached_hub_id(tmp_path):
+    """`generate --model org/name` and PPO's rollout worker failed for a Llama hub id (FastEngine read
+    the id as a folder); HF generate took it from the cache."""
+    import os
+    import subprocess
+    import sys
+
+    from turborlhf.models.tiny import save_tiny_causal_lm
+
+    snap = tmp_path / "hf" / "hub" / "models--tinyorg--tinyllama" / "snapshots" / "abc123"
+    save_tiny_causal_lm(snap, seed=0)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc123")
+    code = ("from turborlhf.rollout import SamplingParams, make_engine\n"
+            "e = make_engine('fast', 'tinyorg/tinyllama', dtype='fp32')\n"
+            "print(e.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=0)).response_ids)\n")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("[["), r.stderr[-2000:]

@@ -100,12 +100,16 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read the weights of an HF directory as transformers does: ``model.safetensors``, or the
-    shards its ``model.safetensors.index.json`` lists (never other *.safetensors files there, such as
-    Mistral's ``consolidated.safetensors`` with other names), else ``pytorch_model*.bin``."""
+    """Read the weights of an HF directory (or a hub id's cached snapshot) as transformers does:
+    ``model.safetensors``, or the shards its ``model.safetensors.index.json`` lists (never other
+    *.safetensors files there, such as Mistral's ``consolidated.safetensors`` with other names),
+    else ``pytorch_model*.bin``."""
     import glob
     import json
     import os
+    if not os.path.isdir(path):         # a hub id, as transformers reads it: from the cache (or the hub)
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "pytorch_model*.bin"])
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
