@@ -50,7 +50,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from turborlhf.models.memory import (ModelShape, fused_layers_for, inference_activation_bytes, kv_cache_bytes,
-                                     model_shape, train_activation_bytes)
+                                     model_shape, shared_prompt_train_bytes, train_activation_bytes)
 from turborlhf.models.zoo import ModelFetchError
 from turborlhf.plan_data import batches_from_data
 
@@ -323,9 +323,15 @@ def _spec_ppo(cfg, resolve, kind, data: Optional[dict] = None) -> _Spec:
     L = prompt_len + roll.max_new_tokens
     roles: dict[str, Role] = {}
     actor = _train_role("actor", actor_s, cfg.actor, cfg.optim, scalar=False, device_kind=kind)
-    act_a = train_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype, "lm",
-                                   gradient_checkpointing=cfg.actor.gradient_checkpointing,
-                                   lora_rank=cfg.actor.lora.rank, fused_layers=fused_layers_for(actor_s, kind))
+    if A.share_prompts and A.n_samples_per_prompt > 1 and kind == "cpu" and not cfg.actor.gradient_checkpointing:
+        # each prompt once per group, the segment attention's own tensors (the CPU training attention)
+        act_a = shared_prompt_train_bytes(actor_s, mb, A.n_samples_per_prompt, prompt_len, roll.max_new_tokens,
+                                          cfg.actor.dtype, lora_rank=cfg.actor.lora.rank,
+                                          fused_layers=fused_layers_for(actor_s, kind))
+    else:
+        act_a = train_activation_bytes(actor_s, mb, L, mb * roll.max_new_tokens, cfg.actor.dtype, "lm",
+                                       gradient_checkpointing=cfg.actor.gradient_checkpointing,
+                                       lora_rank=cfg.actor.lora.rank, fused_layers=fused_layers_for(actor_s, kind))
     actor.activations = act_a["peak"]
     roles["actor"] = actor
     phases: dict[str, dict[str, int]] = {}

@@ -382,3 +382,24 @@ def test_model_shape_reads_a_hub_id_from_the_cache(monkeypatch, tiny_model):
     assert model_shape("acme/tiny-llama").params > 0 and asked == ["acme/tiny-llama"]
     with pytest.raises(FileNotFoundError, match="no config.json"):
         model_shape("./runs/not-trained-yet")
+
+
+def test_grpo_plan_sizes_the_shared_prompt_forward(tiny_model):
+    """With share_prompts (the default) the actor's activations are the shared-prompt forward's
+    (`shared_prompt_train_bytes`), not the unshared formula's."""
+    from turborlhf.config import PPOConfig, load_config
+    from turborlhf.models.memory import shared_prompt_train_bytes
+    from turborlhf.plan import SPECS, _resolver, model_shape
+
+    def actor(share):
+        cfg = load_config(PPOConfig, TINY / "grpo.yaml", [f"actor.name_or_path={tiny_model}", "data.prompts_file=x",
+                                                          f"reward_model={tiny_model}", f"algo.share_prompts={share}",
+                                                          "actor.dtype=fp32", "rollout.max_new_tokens=300"])
+        return SPECS["ppo"](cfg, _resolver(None), "cpu").roles["actor"], cfg
+    shared, cfg = actor("true")
+    unshared, _ = actor("false")
+    mb, G = min(cfg.train.micro_batch_size, cfg.algo.prompts_per_step * cfg.algo.n_samples_per_prompt), \
+        cfg.algo.n_samples_per_prompt
+    want = shared_prompt_train_bytes(model_shape(str(tiny_model)), mb, G, cfg.rollout.max_prompt_len, 300, "fp32",
+                                     fused_layers=True)["peak"]
+    assert shared.activations == want != unshared.activations
