@@ -200,15 +200,15 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
     raise UserError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
 
 
-_EXPORT_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "added_tokens.json", "vocab.json", "model.safetensors.index.json",
-                "adapter_config.json"}
+_EXPORT_METADATA = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt"}
 
 
 def _is_export_file(name: str) -> bool:
     """A file of a run directory's Hugging Face export (not its config.yaml, metrics or evaluation)."""
-    return name in _EXPORT_JSON or name.endswith((".safetensors", ".model", ".jinja")) or name == "merges.txt" \
-        or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+    from turborlhf.engine.run import is_exported_weights
+
+    return is_exported_weights(name) or name in _EXPORT_METADATA or name.endswith((".model", ".jinja"))
 
 
 def _end_if_open(ref) -> None:

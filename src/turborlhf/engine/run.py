@@ -247,6 +247,14 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
     return out
 
 
+def is_exported_weights(name: str) -> bool:
+    """Whether a file name in a run directory is part of its exported weights (``model*.safetensors``
+    and their index, a peft adapter's, ``pytorch_model*.bin``)."""
+    return (name in ("model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json")
+            or (name.startswith("model") and name.endswith(".safetensors"))
+            or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))))
+
+
 def clear_export(output_dir: str | Path) -> list[str]:
     """Remove the weights an earlier run exported into `output_dir` (``model*.safetensors``, their
     index, a peft adapter's, ``pytorch_model*.bin``), so that until the new run exports, the
@@ -259,10 +267,7 @@ def clear_export(output_dir: str | Path) -> list[str]:
         return []
     gone = []
     for f in sorted(out.iterdir()):
-        if f.is_file() and (f.name in ("model.safetensors.index.json", "adapter_model.safetensors",
-                                       "adapter_config.json", "eval.json")
-                            or (f.name.startswith("model") and f.name.endswith(".safetensors"))
-                            or (f.name.startswith("pytorch_model") and f.name.endswith((".bin", ".bin.index.json")))):
+        if f.is_file() and (is_exported_weights(f.name) or f.name == "eval.json"):
             f.unlink()
             gone.append(f.name)
     ema = out / "ema"          # PPO's exported EMA of the actor (algo.ema_beta)
