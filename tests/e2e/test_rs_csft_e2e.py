@@ -279,3 +279,39 @@ def test_conditional_sft_without_a_test_set_drops_an_earlier_runs(tiny_model, ti
     run_cli(*args)
     assert not (out / "scored_test.jsonl").exists()
     assert not any("eval/loss" in r for r in metrics(out))
+
+
+def test_rejection_sampling_and_conditional_sft_refuse_an_edited_data_file_on_resume(tiny_model, tiny_rm, tiny_data,
+                                                                                     tmp_path, capsys):
+    """The data file edited between the runs (same path, same config) resumed silently: rejection
+    sampling drew its later rounds from other prompts, conditional SFT trained on the scores of the
+    old file (the other trainers refuse it)."""
+    from turborlhf.cli import main
+
+    def edit_and_resume(data, args, out, last):
+        shutil.rmtree(out / "checkpoints" / f"step-{last:06d}")
+        (out / "checkpoints" / "latest").write_text(f"step-{last - 1:06d}")
+        lines = data.read_text().splitlines(keepends=True)
+        data.write_text("".join(lines[::-1]))
+        capsys.readouterr()
+        assert main(args + ["--resume"]) == 2
+        assert "the examples of each step differ" in capsys.readouterr().err
+        assert main(args + ["--resume", "--resume-changed"]) == 0
+
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(tiny_data / "train_prompts.jsonl", prompts)
+    out = tmp_path / "rs"
+    rs = ["rejection-sampling", "--config", str(REPO / "configs/tiny/rejection_sampling.yaml"),
+          f"model.name_or_path={tiny_model}", f"reward_model={tiny_rm}", f"data.prompts_file={prompts}",
+          "data.max_samples=16", f"output_dir={out}", "log.tensorboard=false"]
+    assert main(rs) == 0
+    edit_and_resume(prompts, rs, out, 2)
+
+    pairs = tmp_path / "pairs.jsonl"
+    shutil.copy(tiny_data / "train_pairs.jsonl", pairs)
+    out = tmp_path / "csft"
+    csft = ["conditional-sft", "--config", str(REPO / "configs/tiny/conditional_sft.yaml"),
+            f"model.name_or_path={tiny_model}", f"reward_model={tiny_rm}", f"data.train_file={pairs}",
+            f"output_dir={out}", "log.tensorboard=false"]
+    assert main(csft) == 0
+    edit_and_resume(pairs, csft, out, 3)

@@ -39,7 +39,7 @@ from turborlhf.data.chat import set_chat_template, stop_ids
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
 from turborlhf.data.tokenize import encode_examples, encode_prompt
-from turborlhf.engine.checkpoint import atomic_write_text
+from turborlhf.engine.checkpoint import atomic_write_text, check_plan, plan_digest
 from turborlhf.engine.lifecycle import start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import seed_everything, set_threads
@@ -195,12 +195,15 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
     ``scored.jsonl`` / ``scored_test.jsonl`` / the tag file, or read back from them (`reuse`).
     `policy()` returns the starting policy; it is called only to sample, after the data was read."""
     scored, scored_test = out / "scored.jsonl", out / "scored_test.jsonl"
-    if reuse and scored.exists() and (out / TAG_FILE).exists():
-        test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
-        return [obj for _, obj in read_jsonl(scored)], test_rows, load_tag_info(out)
     rows = load_examples(cfg.data.train_file, tok, cfg.data.max_samples, **cfg.data.loader_kwargs())
     test_rows = (load_examples(cfg.data.test_file, tok, cfg.data.max_test_samples, **cfg.data.loader_kwargs())
                  if cfg.data.test_file else [])
+    data_sha256 = plan_digest([list(range(len(rows) + len(test_rows)))], rows + test_rows)
+    if reuse and scored.exists() and (out / TAG_FILE).exists():
+        info = load_tag_info(out)   # scored before: an edited data file would go unnoticed in the reused scores
+        check_plan({"plan_sha256": info.get("data_sha256")}, data_sha256, out, "csft")
+        test_rows = [obj for _, obj in read_jsonl(scored_test)] if scored_test.exists() else []
+        return [obj for _, obj in read_jsonl(scored)], test_rows, info
     t0 = time.perf_counter()
     if cfg.data.policy_samples_per_prompt:
         prompts = list(dict.fromkeys(r["prompt"] for r in rows))
@@ -214,7 +217,7 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
     edges = bin_edges(scores, cfg.tags.n_bins, cfg.tags.binning)
     bins, test_bins = score_bins(scores, edges), score_bins(test_scores, edges)
     info = make_tag_info(cfg.tags, edges, chat_anchors(tok), scores, bins)
-    info.update({"reward_model": cfg.reward_model, "train_file": cfg.data.train_file})
+    info.update({"reward_model": cfg.reward_model, "train_file": cfg.data.train_file, "data_sha256": data_sha256})
     for rs, ss, bs in ((rows, scores, bins), (test_rows, test_scores, test_bins)):
         for r, s, b in zip(rs, ss.tolist(), bs.tolist()):
             r.update({"score": s, "bin": b})

@@ -42,7 +42,8 @@ from turborlhf.data.chat import stop_ids
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
 from turborlhf.data.tokenize import encode_examples, encode_prompt, response_end_id
-from turborlhf.engine.checkpoint import atomic_write_text, load_trainer_state, save_checkpoint
+from turborlhf.engine.checkpoint import (atomic_write_text, check_plan, load_trainer_state, plan_digest,
+                                         save_checkpoint)
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
@@ -297,8 +298,10 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                              ("rm_scores", "token ids" if same_vocab else "re-encoded text")])
     canary = start_sync_check(engine, model, prompt_ids, roll.verify_sync, roll.sync_tolerance)
     start, mid = 0, None
+    plan_sha256 = plan_digest([list(range(len(prompts)))], prompts)   # rounds draw from these prompts
     if ckpt:
         st = load_trainer_state(ckpt)
+        check_plan(st, plan_sha256, ckpt, "rs")       # an edited prompts file: other rounds' prompts
         set_rng_state(st["rng"])
         start, mid = st["round"], st.get("sft")      # mid: stopped inside round start+1's SFT
         logger.info(f"[rs] resumed from {ckpt} after round {start}"
@@ -308,7 +311,8 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                         start_step=start)
     try:
         def checkpoint(k: int) -> Path:
-            return save_checkpoint(out, k, {"policy": model}, tok, {"round": k, "rng": rng_state()},
+            return save_checkpoint(out, k, {"policy": model}, tok,
+                                   {"round": k, "rng": rng_state(), "plan_sha256": plan_sha256},
                                    keep=cfg.train.keep_checkpoints)
 
         # 4. rounds: sample → score → select → SFT → sync (module docstring, steps 1-5); a checkpoint
@@ -332,9 +336,9 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
                                                resume=mid and mid["sft"], should_stop=stop_requested))
                 except SFTStopped as e:
                     signum = stop_requested()
-                    path = save_checkpoint(out, k - 1, {"policy": model}, tok, {
-                        "round": k - 1, "rng": rng_state(), "sft": {"round": k, "sft": e.state, "metrics": metrics,
-                                                                   "t_gen": t_gen, "t_score": t_score}},
+                    mid = {"round": k, "sft": e.state, "metrics": metrics, "t_gen": t_gen, "t_score": t_score}
+                    path = save_checkpoint(out, k - 1, {"policy": model}, tok,
+                                           {"round": k - 1, "rng": rng_state(), "plan_sha256": plan_sha256, "sft": mid},
                                            keep=cfg.train.keep_checkpoints)
                     raise RunInterrupted(f"{signal.Signals(signum).name} in round {k}/{A.rounds} after SFT step "
                                          f"{e.state['step']}: kept checkpoint {path}; continue with --resume",
