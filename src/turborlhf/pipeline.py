@@ -12,9 +12,10 @@ Stage wiring (each stage section of the YAML overrides the command's own config)
   same test prompts and scored by the same RM, each prompt's two answers in one pass
   (`turborlhf.evaluate.eval_policy_pair`); a plot and a summary.
 
-``--resume`` skips stages whose directory holds a ``.done`` marker (a training stage only while
-its config is the one it finished with: a changed one is refused, naming the fields, or with
-``--resume-changed`` trains that stage again) and resumes an interrupted stage from its last
+``--resume`` skips stages whose directory holds a ``.done`` marker, only while the stage's settings
+are the ones it finished with (a training stage's config; the prepare stage's section, raw file and
+tokenizer; the eval section): a changed one is refused, naming the fields, or with
+``--resume-changed`` runs that stage again, and every later one and resumes an interrupted stage from its last
 checkpoint. The stage sections cannot move a stage's output (``output_dir``): the stages find
 each other's models under ``run_dir``.
 
@@ -97,6 +98,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     # validate every stage config before spending minutes on the first one
     stage_cfgs = stage_configs(cfg, model)
     sft_out = str(stage_dirs["sft"]) if "sft" in cfg.stages else model
+    settings = _stage_settings(cfg, model, sft_out)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
     rerun = False                         # a stage ran again: the later ones build on its new output
@@ -104,8 +106,8 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         done = stage_dirs[stage] / ".done"
         again = rerun                     # a finished stage trained again (changed config, or an earlier one did)
         if resume and done.exists() and not rerun:
-            changed = _finished_with_another_config(stage_cfgs[stage], stage_dirs[stage]) if stage in _TRAINERS \
-                else ""
+            changed = (_finished_with_another_config(stage_cfgs[stage], stage_dirs[stage]) if stage in _TRAINERS
+                       else _changed_settings(json.loads(done.read_text()).get("settings"), settings[stage]))
             if not changed:
                 logger.info(f"[pipeline] {stage}: done before, skipped")
                 continue
@@ -132,7 +134,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         timings[stage] = round(time.perf_counter() - t0, 1)
         release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)
-        atomic_write_text(done, json.dumps({"seconds": timings[stage]}))
+        atomic_write_text(done, json.dumps({"seconds": timings[stage], "settings": settings.get(stage)}))
         logger.info(f"[pipeline] {stage} took {format_duration(timings[stage])}")
     total = time.perf_counter() - t_all
     summary_path = run_dir / "summary.json"
@@ -165,6 +167,34 @@ def _finished_with_another_config(cfg, out: Path) -> str:
     changed = {k: v for k, v in config_changes(yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)).items()
                if not (v[0] == "<unset>" and _is_field_default(cfg, k, v[1]))}
     return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+
+
+def _stage_settings(cfg: PipelineConfig, model: str, sft_out: str) -> dict:
+    """What the non-training stages read besides the earlier stages' models (each training stage
+    keeps its own ``config.yaml``): saved in the stage's ``.done`` marker, compared by ``--resume``.
+    The prepare stage's raw file counts by its SHA-256, the tokenizer by the base model's path."""
+    import hashlib
+
+    src = Path(cfg.prepare.input)
+    digest = None
+    if src.is_file():
+        h = hashlib.sha256()
+        with open(src, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        digest = h.hexdigest()
+    return {"prepare": {"model": model, **config_to_dict(cfg.prepare), "input_sha256": digest},
+            "eval": {"policy": sft_out, **config_to_dict(cfg.eval)}}
+
+
+def _changed_settings(saved, now) -> str:
+    """`_finished_with_another_config` for a non-training stage's `_stage_settings` (empty when
+    the marker predates them)."""
+    if saved is None or now is None:
+        return ""
+    from turborlhf.engine.lifecycle import config_changes
+
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in config_changes(saved, now).items())
 
 
 def _prepare(cfg: PipelineConfig, model: str, data: Path) -> None:

@@ -50,6 +50,8 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     from turborlhf.cli import main
 
     assert main([str(a) for a in args] + ["--resume", "sft.optim.lr=0.5"]) == 2        # was skipped, exit 0
+    for change in ("prepare.test_fraction=0.3", "eval.n_prompts=3"):     # skipped: old data, old summary
+        assert main([str(a) for a in args] + ["--resume", change]) == 2
     # --resume-changed trains the stage again, and every stage after it (they built on its old model)
     before = {s: (run_dir / s / ".done").stat().st_mtime_ns for s in ("prepare", "sft", "rm", "ppo", "eval")
               if (run_dir / s / ".done").exists()}
