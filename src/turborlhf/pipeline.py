@@ -15,8 +15,8 @@ Stage wiring (each stage section of the YAML overrides the command's own config)
 ``--resume`` skips stages whose directory holds a ``.done`` marker, only while the stage's settings
 are the ones it finished with (a training stage's config; the prepare stage's section, raw file and
 tokenizer; the eval section): a changed one is refused, naming the fields, or with
-``--resume-changed`` runs that stage again, and every later one and resumes an interrupted stage from its last
-checkpoint. The stage sections cannot move a stage's output (``output_dir``): the stages find
+``--resume-changed`` runs that stage again, and every later one. An interrupted stage resumes from
+its last checkpoint. The stage sections cannot move a stage's output (``output_dir``): the stages find
 each other's models under ``run_dir``.
 
 The training stages (sft, rm, ppo) each run in a fresh process (`run_stage_in_child`), as the
