@@ -173,16 +173,9 @@ def _stage_settings(cfg: PipelineConfig, model: str, sft_out: str) -> dict:
     """What the non-training stages read besides the earlier stages' models (each training stage
     keeps its own ``config.yaml``): saved in the stage's ``.done`` marker, compared by ``--resume``.
     The prepare stage's raw file counts by its SHA-256, the tokenizer by the base model's path."""
-    import hashlib
+    from turborlhf.data.jsonl import file_sha256
 
-    src = Path(cfg.prepare.input)
-    digest = None
-    if src.is_file():
-        h = hashlib.sha256()
-        with open(src, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        digest = h.hexdigest()
+    digest = file_sha256(cfg.prepare.input) if Path(cfg.prepare.input).is_file() else None
     return {"prepare": {"model": model, **config_to_dict(cfg.prepare), "input_sha256": digest},
             "eval": {"policy": sft_out, **config_to_dict(cfg.eval)}}
 
