@@ -210,12 +210,20 @@ def _read_rows(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
-def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep only the rows of JSON-lines file `path` whose ``step`` is at most `last_step` (a run
-    resumed from that step's checkpoint writes the later ones again); atomic; no file, no-op."""
+def trim_jsonl(path: Path, last_step: int, one_row_per_step: bool = False) -> None:
+    """Keep only the rows of JSON-lines file `path` that a run resumed from step `last_step`'s
+    checkpoint does not write again: those of steps up to `last_step`. With `one_row_per_step`
+    (``metrics.jsonl``) only the first row of `last_step` stays: it was logged before the
+    checkpoint, a later one is the final evaluation, which runs after the last checkpoint and
+    again on resume. Atomic; no file, no-op."""
     if not path.exists():
         return
-    keep = [l for l, row in _read_rows(path) if row.get("step", 0) <= last_step]
+    keep, seen_last = [], False
+    for l, row in _read_rows(path):
+        step = row.get("step", 0)
+        if step < last_step or (step == last_step and not (one_row_per_step and seen_last)):
+            keep.append(l)
+        seen_last = seen_last or step == last_step
     tmp = path.with_name(f".{path.name}.resume-tmp")
     tmp.write_text("".join(l + "\n" for l in keep))
     os.replace(tmp, path)
@@ -248,7 +256,7 @@ class MetricsLogger:
         self.name, self.total, self.show, self.progress = name, total_steps, show, progress
         path = self.dir / "metrics.jsonl"
         if resume:  # drop rows past the checkpoint we resume from
-            trim_jsonl(path, start_step)
+            trim_jsonl(path, start_step, one_row_per_step=True)
         names = list(report_to) if report_to is not None else (["tensorboard"] if tensorboard else [])
         self._trackers = []
         if "tensorboard" in names:

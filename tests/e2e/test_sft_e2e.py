@@ -30,6 +30,11 @@ def test_sft_trains_saves_and_resumes(tiny_model, tiny_data, tmp_path):
     _sft(tiny_model, tiny_data, out, "--resume")
     assert max_weight_diff(final, weights(out)) < 1e-6
     assert len([r for r in metrics(out) if "train/loss" in r]) == 4  # steps 1-2 kept, 3-4 appended
+    # stopped in the export, after the final evaluation: resumed, that evaluation's row is not doubled
+    rows = metrics(out)
+    rewind_to(out, 4)
+    _sft(tiny_model, tiny_data, out, "--resume")
+    assert metrics(out) == rows and [r["step"] for r in rows][-2:] == [4, 4]
 
 
 def test_sft_max_test_samples_evaluates_the_test_files_first_examples(tiny_model, tiny_data, tmp_path):
