@@ -41,14 +41,15 @@ def test_load_pairs_bad_lines(tok, tmp_path):
         {"prompt": RENDERED, "chosen": "x", "rejected": "y", "margin": "big"},  # 6
         {"prompt": 3, "chosen": "x", "rejected": "y"},  # 7
         '{"prompt": "a", "chosen": "x", "rejected": "y", "margin": NaN}',  # 8: JSON's NaN made a NaN loss
+        {"prompt": RENDERED, "chosen": "Same.", "rejected": [{"role": "assistant", "content": "Same. "}]},  # 9
     ]
     path = write(tmp_path / "p.jsonl", rows)
-    with pytest.warns(DataWarning, match="skipped 7 bad line"):
+    with pytest.warns(DataWarning, match="skipped 8 bad line"):
         got = load_pairs(path, tok)
     assert len(got) == 1
     assert [(p.line, p.kind) for p in got.problems] == [
         (2, "bad_json"), (3, "missing_key"), (4, "empty_response"), (5, "prompt_mismatch"),
-        (6, "bad_value"), (7, "bad_value"), (8, "bad_value")]
+        (6, "bad_value"), (7, "bad_value"), (8, "bad_value"), (9, "same_response")]
     with pytest.raises(DataError, match=r"prompt_mismatch \(1\) at line 5"):
         load_pairs(path, tok, strict=True)
     with pytest.raises(DataError, match="no usable record"):

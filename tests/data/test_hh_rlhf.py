@@ -40,6 +40,8 @@ CASES = [
      "no_assistant_turn"),  # 10: ends with a human turn
     ("[1, 2]", "missing_key"),  # 11
     (line(hh(("Assistant", "x")), hh(("Assistant", "y"))), "empty_prompt"),  # 12
+    (line(hh(("Human", "A"), ("Assistant", "Same.")), hh(("Human", "A"), ("Assistant", " Same. "))),
+     "same_response"),  # 13: no preference (a constant loss, a tie in accuracy)
 ]
 
 
@@ -87,12 +89,12 @@ def test_convert_pair_every_problem_kind(tmp_path):
 
 def test_prepare_report_lists_problems_with_lines(tok, tmp_path):
     report = prepare_hh(write_cases(tmp_path / "in.jsonl"), tmp_path / "out", tok)
-    assert report["lines_read"] == 11
+    assert report["lines_read"] == 12
     assert sum(report["pairs_written"].values()) == 2
     expect = {"bad_json": [2], "missing_key": [3, 4, 11], "prompt_mismatch": [5], "empty_response": [6],
-              "no_assistant_turn": [7, 10], "empty_prompt": [12]}
+              "no_assistant_turn": [7, 10], "empty_prompt": [12], "same_response": [13]}
     assert {k: v["lines"] for k, v in report["problems"].items() if v["count"]} == expect
-    assert report["problems_total"] == 9
+    assert report["problems_total"] == 10
     assert report["lines_read"] == sum(report["pairs_written"].values()) + report["problems_total"]
     assert json.loads((tmp_path / "out/report.json").read_text()) == report
 

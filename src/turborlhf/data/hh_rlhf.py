@@ -25,7 +25,9 @@ Problems (a line gets exactly one, checked in this order; nothing is dropped sil
 ``bad_json``, ``missing_key`` (chosen/rejected absent or not strings, or not an object),
 ``no_assistant_turn`` (no ``Assistant:`` marker, or a ``Human:`` turn after the last one),
 ``prompt_mismatch`` (rejected does not share chosen's prompt), ``empty_prompt`` (no turn before
-the response), ``empty_response`` (chosen or rejected response empty after strip).
+the response), ``empty_response`` (chosen or rejected response empty after strip),
+``same_response`` (chosen and rejected the same text: no preference; the reward and DPO losses
+are constant on it, and it counts as a tie in accuracies).
 
 Train/test split: ``sha256`` of the canonical prompt (its message list as JSON) mapped to [0, 1);
 below ``test_fraction`` -> test. The same prompt always lands in the same split, whatever the line
@@ -58,8 +60,10 @@ PROBLEM_KINDS = (
     "prompt_mismatch",
     "empty_prompt",
     "empty_response",
+    "same_response",
 )
 SPLITS = ("train", "test")
+SAME_RESPONSE = "chosen and rejected are the same response: no preference to learn"
 
 # A turn marker: "Human:"/"Assistant:" at the start of the text or after a blank line.
 _TURN_RE = re.compile(r"(?:\A|\n\n)(Human|Assistant):")
@@ -161,6 +165,8 @@ def convert_pair(obj: Any, line: int = 0) -> Pair | Problem:
     empty = [k for k, v in (("chosen", chosen), ("rejected", rejected)) if not v]
     if empty:
         return Problem(line, "empty_response", " and ".join(empty) + " response empty")
+    if chosen == rejected:
+        return Problem(line, "same_response", SAME_RESPONSE)
     return Pair(messages, chosen, rejected)
 
 

@@ -50,7 +50,7 @@ from typing import Any
 from turborlhf.data.chat import (has_chat_template, is_messages, render_conversation, render_prompt,
                                  response_text, set_chat_template)
 from turborlhf.data.errors import DataError, Problem, format_problems
-from turborlhf.data.hh_rlhf import convert_pair, prompt_messages_of, split_prompt_response
+from turborlhf.data.hh_rlhf import SAME_RESPONSE, convert_pair, prompt_messages_of, split_prompt_response
 from turborlhf.data.jsonl import JsonLineError
 from turborlhf.data.sources import open_rows
 from turborlhf.data.tokenize import response_end_id
@@ -271,6 +271,8 @@ def load_pairs(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys
 
     def parse(obj: dict) -> list[dict]:
         prompt, chosen, rejected = _pair(obj, tokenizer)
+        if chosen.strip() == rejected.strip():
+            raise _Bad("same_response", SAME_RESPONSE)
         return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": _margin(obj)}]
 
     return _load(path, parse, strict, tokenizer, keys, chat_template)
