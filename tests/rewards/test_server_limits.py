@@ -271,6 +271,39 @@ def test_stuck_model_times_the_request_out():
     assert status == 503 and "not scored within 0.3 s" in answer["error"]
 
 
+def test_a_request_whose_client_left_is_not_scored():
+    """A client that timed out and closed its connection (to retry) had its request scored anyway,
+    after every request queued before it: on a server already too busy, each abandoned copy
+    delayed the retries further."""
+    release, seen = threading.Event(), []
+
+    def score(prompts, responses):
+        seen.append(list(responses))
+        release.wait(10)
+        return [0.0] * len(prompts)
+
+    with _Live(score, max_wait_ms=0) as live:
+        first = threading.Thread(target=live.request, args=("POST", "/score", _score_body(1, "first")))
+        first.start()
+        while not seen:                                   # the model is busy with the first request
+            time.sleep(0.01)
+        body = _score_body(1, "left")
+        gone = live.raw()
+        gone.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)
+        gone.close()                                      # the client gives up while its request waits
+        status, answer = live.request("GET", "/health")   # ... and its copy is dropped, not queued
+        deadline = time.monotonic() + 5
+        while not answer.get("dropped") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status, answer = live.request("GET", "/health")
+        release.set()
+        first.join(5)
+        assert live.request("POST", "/score", body=_score_body(1, "next")) == (200, {"scores": [0.0]})
+    assert seen == [["first"], ["next"]]
+    assert answer["dropped"] == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # authentication and /health
 # ----------------------------------------------------------------------------------------------

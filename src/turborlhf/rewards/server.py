@@ -32,7 +32,9 @@ Limits (`ServerLimits`; errors are JSON ``{"error": ...}`` with a 4xx/5xx code):
 - ``max_connections`` (64) connections served at once; further ones get 503 at once and are
   closed, so threads stay bounded.
 - ``score_timeout_s`` (300 s): a request not scored by then gets 503 and its remaining items are
-  dropped from the queue.
+  dropped from the queue. So are those of a client that closed its connection while it waited (a
+  client timing out and retrying would otherwise have every abandoned copy scored before its
+  retry, on a server already too busy to answer in time).
 - JSON nested too deeply for the parser gets 400.
 
 Authentication: with a token (``--token`` or ``$TURBORLHF_RM_TOKEN``) every request must send
@@ -52,6 +54,7 @@ import ipaddress
 import json
 import os
 import queue
+import select
 import socket
 import sys
 import threading
@@ -111,27 +114,32 @@ class BatchingScorer:
         max_wait_ms: when idle, how long after the first job to wait for more.
 
     Counters (read by ``/health`` and tests): ``requests`` jobs served, ``batches`` calls of
-    ``score_fn``, ``items`` (prompt, response) pairs scored.
+    ``score_fn``, ``items`` (prompt, response) pairs scored, ``dropped`` jobs given up before they
+    were scored (timed out, or their client left).
     """
+    poll_s = 0.2                      # how often a waiting request looks at its deadline and its client
 
     def __init__(self, score_fn: ScoreFn, max_batch_size: int = 16, max_wait_ms: float = 10.0) -> None:
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
         self.score_fn, self.max_batch_size, self.max_wait_s = score_fn, max_batch_size, max_wait_ms / 1000.0
-        self.requests = self.batches = self.items = 0
+        self.requests = self.batches = self.items = self.dropped = 0
         self._q: queue.Queue = queue.Queue()
         self._active: list[_Job] = []
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="rm-batcher", daemon=True)
         self._worker.start()
 
-    def score(self, prompts: list[str], responses: list[str], timeout_s: Optional[float] = None) -> list[float]:
-        """Score one request's items (blocks until all its items are scored).
+    def score(self, prompts: list[str], responses: list[str], timeout_s: Optional[float] = None,
+              abandoned: Callable[[], bool] = lambda: False) -> list[float]:
+        """Score one request's items (blocks until all its items are scored). `abandoned()` is
+        asked every `poll_s` while they wait (the server's: has the client closed its connection?).
 
         Raises:
             RuntimeError: the model call failed (the message is the model's error), or the
                 scorer is closed.
             TimeoutError: not scored within `timeout_s` (its remaining items are dropped).
+            ConnectionAbortedError: `abandoned()` said so (its remaining items are dropped).
         """
         job = _Job(list(prompts), list(responses))
         if not job.prompts:
@@ -139,9 +147,16 @@ class BatchingScorer:
         if self._closed:
             raise RuntimeError("the reward server is shutting down")
         self._q.put(job)
-        if not job.done.wait(timeout_s):
-            job.cancelled = True
-            raise TimeoutError(f"not scored within {timeout_s:g} s (server busy)")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not job.done.wait(self.poll_s if deadline is None else
+                                max(0.0, min(self.poll_s, deadline - time.monotonic()))):
+            gone = abandoned()
+            if gone or (deadline is not None and time.monotonic() >= deadline):
+                job.cancelled = True
+                self.dropped += 1
+                if gone:
+                    raise ConnectionAbortedError("the client closed its connection before it was answered")
+                raise TimeoutError(f"not scored within {timeout_s:g} s (server busy)")
         if job.error is not None:
             raise RuntimeError(job.error)
         return job.scores
@@ -437,6 +452,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         s = self.server.scorer
         self._send(200, {"status": "ok", "requests": s.requests, "batches": s.batches, "items": s.items,
+                         "dropped": s.dropped,
                          "max_batch_size": s.max_batch_size, "max_wait_ms": s.max_wait_s * 1000,
                          "auth": self.server.token is not None, "limits": asdict(self.server.limits)})
 
@@ -507,6 +523,19 @@ class _Handler(BaseHTTPRequestHandler):
                     return None
         return prompts, responses
 
+    def _client_gone(self) -> bool:
+        """Whether the client closed (or reset) the connection while its request waits: the socket
+        reads as end of file. Bytes a client sent meanwhile (its next request) are left unread."""
+        sock = self.connection
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)) == b""
+        except BlockingIOError:
+            return False
+        except OSError:                           # reset by the peer
+            return True
+
     def do_POST(self) -> None:  # noqa: N802
         if not self._authorized(has_body=True):
             return
@@ -520,7 +549,11 @@ class _Handler(BaseHTTPRequestHandler):
         if parsed is None:
             return
         try:
-            scores = self.server.scorer.score(*parsed, timeout_s=self.server.limits.score_timeout_s)
+            scores = self.server.scorer.score(*parsed, timeout_s=self.server.limits.score_timeout_s,
+                                              abandoned=self._client_gone)
+        except ConnectionAbortedError:             # nobody to answer
+            self.close_connection = True
+            return
         except TimeoutError as e:
             self._send(503, {"error": str(e)}, headers=[("Retry-After", "1")])
             return
