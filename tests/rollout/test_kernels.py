@@ -450,6 +450,11 @@ def test_sampler_matches_inverse_cdf_sampling():
     assert torch.allclose(freq, probs, atol=0.015)
     with pytest.raises(ValueError, match="temperature"):
         KERN.sample(logits, 0.0, torch.rand(20000))
+    # a tiny temperature (x/T near 3000): the drawn token's log-prob to 1e-5, never above 0 (scaling
+    # x before subtracting the max left rounding errors of x/T's size: 5e-4 off, above 0 for the top)
+    ids, lp = KERN.sample(x[1:].contiguous(), 1e-3, torch.rand(B - 1, generator=g))
+    want = torch.log_softmax(x[1:].double() / 1e-3, -1).gather(-1, ids[:, None]).squeeze(-1)
+    assert (lp <= 0).all() and torch.allclose(lp.double(), want, atol=1e-5)
 
 
 @LINEAR_DTYPES

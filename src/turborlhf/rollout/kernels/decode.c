@@ -578,29 +578,34 @@ void decode_layers_bf16(bf16 *x, int B, int L, const void *const *w, const bf16 
  * the max, the exp and sums of blocks of 16, then a walk over the block sums to the block where
  * the cumulative sum passes u * total (its 16 exps recomputed, bit-identical), the first column
  * whose cumulative sum exceeds it being drawn. -inf logits have probability 0. u: one uniform in
- * [0, 1) per row. Out: ids (int64), logp = x/T at the id - max - log(total). */
-static inline __m512 block_scaled(const float *xb, int j, int V, __m512 T) {  /* x/T of columns 16j.. (-inf past V) */
+ * [0, 1) per row. Out: ids (int64), logp = (x - max)·(1/T) at the id - log(total) <= 0.
+ * The max is taken over x itself and every exponent is (x - max)·(1/T): the most likely token's is
+ * exactly 0. Scaling first (x/T - max/T) left rounding errors of x/T's size, which -ffast-math's
+ * FMAs kept unrounded in one place and not in another: at T = 1e-3 (x/T near 3000) the drawn
+ * token's log-prob was up to 5e-4 off, above 0 for the most likely token. */
+static inline __m512 block_x(const float *xb, int j, int V) {  /* x of columns 16j.. (-inf past V) */
     const int n = V - 16 * j < 16 ? V - 16 * j : 16;
     const __mmask16 mk = (__mmask16)((1u << n) - 1);
-    return _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j), T);
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, xb + 16 * j);
 }
 
-static inline __m512 block_exp(const float *xb, int j, int V, __m512 T, __m512 M) {  /* exp(x/T - max), 0 at -inf */
-    const __m512 y = block_scaled(xb, j, V, T);
-    return _mm512_mask_mov_ps(exp_ps(_mm512_sub_ps(y, M)),
-                              _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
+static inline __m512 block_exp(const float *xb, int j, int V, __m512 invT, __m512 M) {  /* exp((x - max)/T), 0 at -inf */
+    const __m512 x = block_x(xb, j, V);
+    return _mm512_mask_mov_ps(exp_ps(_mm512_mul_ps(_mm512_sub_ps(x, M), invT)),
+                              _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
 }
 
 void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
                      float *logp) {
     const int nb = (V + 15) / 16;
-    const __m512 T = _mm512_set1_ps(temperature);
+    const float inv_t = 1.f / temperature;
+    const __m512 T = _mm512_set1_ps(inv_t);
     #pragma omp parallel for schedule(static) if (B > 1)
     for (int b = 0; b < B; ++b) {
         const float *xb = x + (size_t)b * V;
         float bsum[nb];
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < nb; ++j) mv = _mm512_max_ps(mv, block_scaled(xb, j, V, T));
+        for (int j = 0; j < nb; ++j) mv = _mm512_max_ps(mv, block_x(xb, j, V));
         const float m = _mm512_reduce_max_ps(mv);
         const __m512 M = _mm512_set1_ps(m);
         float total = 0.f;
@@ -627,7 +632,7 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         if (id < 0)                                      /* rounding: the last column of positive probability */
             for (int k = V - 1; k >= 0 && id < 0; --k) if (xb[k] / temperature > -INFINITY) id = k;
         ids[b] = id;
-        logp[b] = xb[id] / temperature - m - logf(total);
+        logp[b] = fminf((xb[id] - m) * inv_t - logf(total), 0.f);  /* total >= 1: the max's term is 1 */
     }
 }
 int sampler_vectorised(void) { return 1; }
@@ -641,13 +646,12 @@ int sampler_vectorised(void) { return 0; }
  * the integer bits, which -ffast-math cannot fold away. */
 static inline int is_neg_inf(float f) { union { float f; uint32_t u; } v = { f }; return v.u == 0xff800000u; }
 
-static inline float block_exps(const float *xb, int j, int V, float T, float m, float *ev) {
+static inline float block_exps(const float *xb, int j, int V, float inv_t, float m, float *ev) {
     const int n = V - 16 * j < 16 ? V - 16 * j : 16;
     float s = 0.f;
     #pragma omp simd reduction(+:s)
     for (int k = 0; k < n; ++k) {
-        const float y = xb[16 * j + k] / T;
-        ev[k] = is_neg_inf(xb[16 * j + k]) ? 0.f : expf(y - m);
+        ev[k] = is_neg_inf(xb[16 * j + k]) ? 0.f : expf((xb[16 * j + k] - m) * inv_t);
         s += ev[k];
     }
     return s;
@@ -656,15 +660,16 @@ static inline float block_exps(const float *xb, int j, int V, float T, float m, 
 void sample_rows_f32(const float *x, int B, int V, float temperature, const float *u, int64_t *ids,
                      float *logp) {
     const int nb = (V + 15) / 16;
+    const float inv_t = 1.f / temperature;
     #pragma omp parallel for schedule(static) if (B > 1)
     for (int b = 0; b < B; ++b) {
         const float *xb = x + (size_t)b * V;
         float bsum[nb], ev[16];
         float m = -INFINITY;                             /* (at least one finite logit per row) */
         #pragma omp simd reduction(max:m)
-        for (int v = 0; v < V; ++v) { const float y = xb[v] / temperature; m = y > m ? y : m; }
+        for (int v = 0; v < V; ++v) m = xb[v] > m ? xb[v] : m;
         float total = 0.f;
-        for (int j = 0; j < nb; ++j) { bsum[j] = block_exps(xb, j, V, temperature, m, ev); total += bsum[j]; }
+        for (int j = 0; j < nb; ++j) { bsum[j] = block_exps(xb, j, V, inv_t, m, ev); total += bsum[j]; }
         float target = u[b] * total;
         if (target >= total) target = nextafterf(total, 0.f);
         int id = -1;
@@ -672,7 +677,7 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         for (int j = 0; j < nb && id < 0; ++j) {
             if (j < nb - 1 && acc + bsum[j] <= target) { acc += bsum[j]; continue; }
             const int n = V - 16 * j < 16 ? V - 16 * j : 16;
-            block_exps(xb, j, V, temperature, m, ev);
+            block_exps(xb, j, V, inv_t, m, ev);
             for (int k = 0; k < n; ++k) {
                 acc += ev[k];
                 if (ev[k] > 0.f && acc > target) { id = 16 * j + k; break; }
@@ -681,7 +686,7 @@ void sample_rows_f32(const float *x, int B, int V, float temperature, const floa
         if (id < 0)                                      /* rounding: the last column of positive probability */
             for (int k = V - 1; k >= 0 && id < 0; --k) if (!is_neg_inf(xb[k])) id = k;
         ids[b] = id;
-        logp[b] = xb[id] / temperature - m - logf(total);
+        logp[b] = fminf((xb[id] - m) * inv_t - logf(total), 0.f);  /* total >= 1: the max's term is 1 */
     }
 }
 #endif
