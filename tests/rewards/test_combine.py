@@ -82,5 +82,11 @@ def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
     prompt_ids = tok.encode("Human: hello there\n\nAssistant:", add_special_tokens=False)
     response_ids = torch.randint(10, 500, (1200,), generator=torch.Generator().manual_seed(1)).tolist()
     inp = RewardInputs(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), [prompt_ids], [response_ids], tok)
-    whole = score_texts(model, tok, *inp.texts(), max_len=2048, dtype="fp32")
+    whole = score_texts(model, tok, *inp.texts(), max_len=2048, dtype="fp32", add_eos=[False])
     assert torch.allclose(src(inp), whole, atol=1e-6)
+    # a response that ended with a stop token is scored with the reward model's EOS; one cut at
+    # max_new_tokens as cut (every one was scored as finished: the ids path scores it as cut)
+    rows = [response_ids[:20] + [tok.eos_token_id], response_ids[:20]]
+    inp = RewardInputs(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), [prompt_ids] * 2, rows, tok)
+    want = score_texts(model, tok, *inp.texts(), max_len=2048, dtype="fp32", add_eos=[True, False])
+    assert torch.allclose(src(inp), want, atol=1e-6) and not torch.allclose(want[0], want[1])

@@ -5,7 +5,9 @@ directory as a ``model`` source named ``rm`` with weight 1):
 
 - ``model``: a reward-model directory loaded in-process; it scores the token ids the policy
   produced (prompt + response, head at the last response token), exactly as PPO always has. A
-  reward model whose vocabulary differs from the policy's scores the decoded texts instead.
+  reward model whose vocabulary differs from the policy's scores the decoded texts instead, its
+  EOS appended to the responses that ended with a stop token (one cut at `max_new_tokens` is
+  scored as cut, as with the ids).
 - ``function``: ``path/to/module.py:function``, ``package.module:function`` or a built-in
   verifier's name (`turborlhf.rewards.functions`, `turborlhf.rewards.verifiers`), called with
   texts and, by name, the prompts file's other columns (``answer``, ...) as TRL does.
@@ -85,9 +87,13 @@ class _ModelSource:
         from turborlhf.rewards.model import score_texts
 
         if not self.same_vocab:         # the texts re-tokenised, up to the reward model's whole context
+            from turborlhf.data.chat import stop_ids
+
             ctx = int(getattr(self.model.config, "max_position_embeddings", None) or 1024)
+            stops = set(stop_ids(inp.tokenizer))      # a response cut at max_new_tokens is scored as cut
+            finished = [bool(r) and int(r[-1]) in stops for r in inp.response_ids]
             return score_texts(self.model, self.tok, *inp.texts(), max_len=ctx, dtype=self.dtype,
-                               batch_size=self.chunk)
+                               batch_size=self.chunk, add_eos=finished)
         B = inp.ids_BT.shape[0]
         with autocast(self.dtype, self.model):
             return torch.cat([last_token_scores(self.model, inp.ids_BT[s:s + self.chunk], inp.attn_BT[s:s + self.chunk])
