@@ -120,3 +120,30 @@ def test_resume_refuses_an_edited_prompts_file(tiny_model, tiny_rm, tiny_data, t
     prompts.write_text("".join(lines[::-1]))
     assert main(args + ["--resume"]) == 2
     assert main(args + ["--resume", "--resume-changed"]) == 0
+
+
+def test_a_critic_started_from_a_reward_model_of_another_vocabulary_is_refused(tiny_model, tiny_data, tmp_path,
+                                                                                capsys):
+    """The critic (initialised from the reward model unless critic.name_or_path is set) reads the
+    actor's token ids: a reward model of another vocabulary (scored through its texts) gave it
+    meaningless embeddings, or an IndexError mid-step for a smaller one. Refused, naming the field."""
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.cli import main
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+
+    rm_tok = make_tiny_tokenizer()
+    rm_tok.add_tokens([f"<rm{i}>" for i in range(8)])
+    AutoModelForSequenceClassification.from_config(tiny_llama_config(
+        len(rm_tok), pad_token_id=rm_tok.pad_token_id, bos_token_id=rm_tok.bos_token_id,
+        eos_token_id=rm_tok.eos_token_id, num_labels=1)).save_pretrained(tmp_path / "rm")
+    rm_tok.save_pretrained(tmp_path / "rm")
+    args = ["ppo", "--config", str(REPO / "configs/tiny/ppo.yaml"), f"actor.name_or_path={tiny_model}",
+            f"reward_model={tmp_path / 'rm'}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}",
+            f"output_dir={tmp_path / 'ppo'}", "train.max_steps=1", "log.tensorboard=false"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "critic.name_or_path (unset: the critic starts from the reward model)" in err and "vocabulary" in err
+    assert main(args + [f"critic.name_or_path={tiny_model}"]) == 0       # a critic of the policy's vocabulary

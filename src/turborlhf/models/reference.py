@@ -59,12 +59,14 @@ def compute_reference_logps(model, pad_id: int, seq_sets: dict[str, Sequence[dic
     return {name: sequence_logps(model, pad_id, seqs, dtype, batch_size) for name, seqs in seq_sets.items()}
 
 
-def check_reference_vocabulary(reference: str, tokenizer, field: str = "reference") -> None:
+def check_reference_vocabulary(reference: str, tokenizer, field: str = "reference",
+                               role: str = "a reference model") -> None:
     """`UserError` naming `field` when the model directory `reference` has a tokenizer whose
     vocabulary differs from the policy's `tokenizer`: a reference scores the policy's token ids,
     so another vocabulary gives meaningless log-probs (a larger one, silently) or an index error
     (a smaller one). A directory without a tokenizer of its own is read with the policy's, as the
-    loaders do: its embedding must cover the policy's token ids."""
+    loaders do: its embedding must cover the policy's token ids. `role` names the model in the
+    message (PPO's critic, initialised from a reward model, reads the policy's ids too)."""
     try:
         own = load_tokenizer(reference)
     except Exception:            # no tokenizer files there
@@ -75,11 +77,11 @@ def check_reference_vocabulary(reference: str, tokenizer, field: str = "referenc
             return               # not readable here: the model load names the problem
         if size is not None and size < len(tokenizer):
             raise UserError(f"{field} {reference}: its embedding has {size} rows for the policy's {len(tokenizer)} "
-                            "token ids; a reference model must share the policy's vocabulary") from None
+                            f"token ids; {role} must share the policy's vocabulary") from None
         return
     if own.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"{field} {reference}: its tokenizer ({len(own)} tokens) differs from the policy's "
-                        f"({len(tokenizer)}); a reference model scores the policy's token ids, so it must share "
+                        f"({len(tokenizer)}); {role} reads the policy's token ids, so it must share "
                         "the policy's vocabulary")
 
 

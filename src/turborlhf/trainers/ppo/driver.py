@@ -436,6 +436,10 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
             check_reward_model(rm_path)     # a causal LM would score with a random head; before any load
     if A.needs_reference and cfg.reference:
         check_reference_vocabulary(cfg.reference, tok)     # it scores the actor's token ids
+    if A.needs_critic:                                      # so does the critic, whatever it starts from
+        field = ("critic.name_or_path" if cfg.critic is not None else
+                 "critic.name_or_path (unset: the critic starts from the reward model)")
+        check_reference_vocabulary(cfg.critic_init, tok, field, role="the critic")
 
     # roles on their workers (this process, or Ray), controllers, resume state
     cluster = build_roles(cfg, ckpt, len(plan), reward_callables)
