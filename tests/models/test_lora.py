@@ -77,6 +77,25 @@ def test_merged_weights_equal_the_adapted_model_and_share_the_rest(tiny_model):
     assert is_lora(m) and not torch.allclose(_logp(m, batch), _logp(load_causal_lm(str(tiny_model)), batch))
 
 
+def test_an_embedding_adapter_is_merged_and_refused_on_tied_embeddings(tiny_model, tmp_path):
+    """peft keeps an embedding's adapter in ``lora_embedding_A/B``, not ``lora_A/B``: the merge
+    skipped it, so the exported model (and the weights a rollout engine got) kept the base
+    embedding. On tied embeddings the adapter applies to the input side only and cannot be merged
+    into the one shared matrix: refused, as the tied LM head is."""
+    from turborlhf.models.tiny import save_tiny_causal_lm
+
+    untied = save_tiny_causal_lm(tmp_path / "untied", tie_word_embeddings=False)
+    tok = load_tokenizer(str(untied))
+    cfg = LORA.model_copy(update={"lora": LoraCfg(rank=4, target_modules=["q_proj", "embed_tokens"])})
+    m = load_trainable("causal", cfg, tok, init=str(untied))
+    _perturb_adapters(m)
+    batch = _batch()
+    assert torch.allclose(_logp(merge_lora_for_save(m), batch), _logp(m, batch), atol=1e-5)
+    assert not torch.allclose(_logp(m, batch), _logp(load_causal_lm(str(untied)), batch))
+    with pytest.raises(ConfigError, match="lora.target_modules: 'embed_tokens' is the token embedding or the LM head"):
+        load_trainable("causal", cfg, load_tokenizer(str(tiny_model)), init=str(tiny_model))
+
+
 def test_scalar_lora_merge_keeps_the_trained_head(tiny_model):
     tok = load_tokenizer(str(tiny_model))
     m = load_trainable("scalar", LORA, tok, init=str(tiny_model))
@@ -286,6 +305,6 @@ def test_lora_on_the_head_of_a_tied_model_is_refused(tiny_model):
     """The LM head of a tied model is the embedding matrix: its merged adapter was overwritten by
     tie_weights() on export (logits off by 1.36 against the trained model), silently."""
     tok = load_tokenizer(str(tiny_model))
-    with pytest.raises(ConfigError, match="lora.target_modules: 'lm_head' is the LM head of a model with tied"):
+    with pytest.raises(ConfigError, match="lora.target_modules: 'lm_head' is the token embedding or the LM head of a model with tied"):
         load_trainable("causal", ModelCfg(name_or_path=str(tiny_model), device="cpu",
                                           lora=LoraCfg(rank=4, target_modules=["q_proj", "lm_head"])), tok)

@@ -296,15 +296,17 @@ def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
     task = "SEQ_CLS" if hasattr(model, "score") else "CAUSAL_LM"
     head = model.get_output_embeddings() if task == "CAUSAL_LM" else None
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
-        names = {n for n, m in model.named_modules() if m is head}
+        # one matrix for both: an adapter on either side would be merged into both on export
+        tied = (head, model.get_input_embeddings())
+        names = {n for n, m in model.named_modules() if any(m is t for t in tied)}
         targets = [lora_cfg.target_modules] if isinstance(lora_cfg.target_modules, str) else lora_cfg.target_modules
         hit = [t for t in targets if t in names or t in {n.rsplit(".", 1)[-1] for n in names}]
         if hit:
             from turborlhf.config import ConfigError
 
-            raise ConfigError(f"lora.target_modules: {hit[0]!r} is the LM head of a model with tied embeddings (it "
-                              "is the embedding matrix), whose adapter would be lost when the model is saved tied; "
-                              "leave it out")
+            raise ConfigError(f"lora.target_modules: {hit[0]!r} is the token embedding or the LM head of a model "
+                              "with tied embeddings (one matrix for both), whose adapter applies to one side only "
+                              "and would be merged into both when the model is saved tied; leave it out")
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), task_type=task,
                       modules_to_save=["score"] if task == "SEQ_CLS" else None)
@@ -382,7 +384,9 @@ def merged_named_parameters(model: nn.Module):
                 skip.append(pre)
                 layer = module.get_base_layer()
                 w = _dequantized_weight(layer)
-                if adapter in getattr(module, "lora_A", {}) and adapter not in module.merged_adapters:
+                has = (adapter in getattr(module, "lora_A", {})                  # linears
+                       or adapter in getattr(module, "lora_embedding_A", {}))    # an embedding's adapter
+                if has and adapter not in module.merged_adapters:
                     w = w + module.get_delta_weight(adapter).to(w.dtype)
                 yield pre + "weight", w.detach()
                 if getattr(layer, "bias", None) is not None:
