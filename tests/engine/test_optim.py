@@ -259,3 +259,18 @@ def test_choose_state_dtype():
         dt, why = choose_state_dtype(compute, ["cpu", "cpu"])
         assert dt == ("bf16" if has_cc else "fp32") and ("C kernel" in why), compute
     assert choose_state_dtype(["fp32", "fp32"], ["cpu", "cuda"])[0] == "fp32"      # not every model on the CPU
+
+
+def test_no_weight_decay_on_embeddings_whatever_their_name():
+    """The no-decay group was chosen by the substring "embed" in a parameter's name: GPT-2's
+    token and position embeddings (wte, wpe) got weight decay."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from turborlhf.config import OptimCfg
+    from turborlhf.engine.train import make_optimizer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    opt = make_optimizer(model, OptimCfg(weight_decay=0.1, state_dtype="fp32"))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert id(model.transformer.wte.weight) not in decayed and id(model.transformer.wpe.weight) not in decayed
+    assert id(model.transformer.h[0].attn.c_attn.weight) in decayed

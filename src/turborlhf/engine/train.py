@@ -146,11 +146,13 @@ def make_optimizer(model: nn.Module, cfg, lr: float | None = None, force_offload
     two updates on the CPU)."""
     decay, no_decay = [], []
     seen = set()
+    # embeddings by type as well as by name: GPT-2's are wte/wpe (a name test gave them decay)
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.ndim < 2 or "norm" in name or "embed" in name:
+        if p.ndim < 2 or "norm" in name or "embed" in name or id(p) in embeddings:
             no_decay.append(p)
         else:
             decay.append(p)
