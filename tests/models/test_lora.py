@@ -308,3 +308,19 @@ def test_lora_on_the_head_of_a_tied_model_is_refused(tiny_model):
     with pytest.raises(ConfigError, match="lora.target_modules: 'lm_head' is the token embedding or the LM head of a model with tied"):
         load_trainable("causal", ModelCfg(name_or_path=str(tiny_model), device="cpu",
                                           lora=LoraCfg(rank=4, target_modules=["q_proj", "lm_head"])), tok)
+
+
+@pytest.mark.parametrize("kind,rank", [("causal", 0), ("causal", 4), ("scalar", 4)])
+def test_an_export_after_gradient_checkpointing_keeps_use_cache(kind, rank, tiny_model, tmp_path):
+    """Gradient checkpointing turns the config's use_cache off for training; the exported
+    config.json kept it off, so a plain forward of the exported model returned no cache."""
+    import json
+
+    from turborlhf.engine.run import export_model
+
+    tok = load_tokenizer(str(tiny_model))
+    cfg = ModelCfg(name_or_path=str(tiny_model), gradient_checkpointing=True, lora=LoraCfg(rank=rank))
+    m = load_trainable(kind, cfg, tok)
+    export_model(m, tok, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
+    assert (m.get_base_model() if is_lora(m) else m).config.use_cache is False      # training goes on without

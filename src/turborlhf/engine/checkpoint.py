@@ -120,7 +120,16 @@ def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None, 
     if extra_config:
         for k, v in extra_config.items():
             setattr(plain.config, k, v)
-    plain.save_pretrained(out, safe_serialization=True)
+    # gradient checkpointing turned the config's use_cache off for training: saved as it came
+    use_cache = getattr(model, "_use_cache_before_checkpointing", None)
+    trained_with = plain.config.use_cache if use_cache is not None else None
+    try:
+        if use_cache is not None:
+            plain.config.use_cache = use_cache
+        plain.save_pretrained(out, safe_serialization=True)
+    finally:
+        if use_cache is not None:
+            plain.config.use_cache = trained_with
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 
