@@ -456,3 +456,31 @@ def test_token_limit_uses_the_reward_models_tokenizer(tiny_model, tmp_path):
         with pytest.raises(RemoteRewardError, match=rf"prompts\[0\] has {n} tokens, over the limit of 20"):
             client.score(["hello there " * 30], ["ok"])
         assert len(client.score(["hello"], ["ok"])) == 1
+
+
+def test_the_rm_scorer_cuts_the_prompt_not_a_response_that_fits(tmp_path):
+    """serve-rm accepts a response of up to --max-len − 2 tokens (413 past it) and promised to cut
+    the prompt instead; under a long prompt the shared truncation kept half of max_len for the
+    response, so one of 29 tokens (max_len 32) was scored at its 16th token, without its EOS."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.data.tokenize import _ids, response_end_id
+    from turborlhf.models.tiny import tiny_llama_config
+    from turborlhf.rewards.model import score_token_ids
+    from turborlhf.rewards.server import RMScorer
+
+    tok = make_tiny_tokenizer()
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(tiny_llama_config(
+        len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        num_labels=1)).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    scorer = RMScorer(str(tmp_path / "rm"), "fp32", max_len=32, batch_size=4, device="cpu")
+    prompt, response = "tell me a long story about the pen and the ink " * 4, "once upon a time a cat sat on a mat"
+    p_ids, r_ids = _ids(scorer.tok, prompt), _ids(scorer.tok, response)
+    assert len(p_ids) > 32 and 16 < len(r_ids) <= 30
+    whole = r_ids + [response_end_id(scorer.tok, prompt)]
+    want = score_token_ids(scorer.model, scorer.tok.pad_token_id, [p_ids[-(32 - len(whole)):] + whole], "fp32")
+    assert scorer([prompt], [response]) == pytest.approx([float(want[0])], abs=1e-6)

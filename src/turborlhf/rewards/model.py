@@ -114,11 +114,14 @@ def score_token_ids(model, pad_id: int, seqs: Sequence[Sequence[int]], dtype: st
 
 
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int = 1024,
-                dtype: str = "auto", batch_size: int = 16, add_eos: Optional[Sequence[bool]] = None) -> torch.Tensor:
+                dtype: str = "auto", batch_size: int = 16, add_eos: Optional[Sequence[bool]] = None,
+                min_response_tokens: Optional[int] = None) -> torch.Tensor:
     """Scores of (prompt, response) texts; EOS appended to each response, or only where
     `add_eos[i]` (a response cut at a token budget is then scored as cut, as `eval-policy` and
-    `ppo` score it)."""
+    `ppo` score it). A sequence over `max_len` is cut as `encode_prompt_response` cuts it (the
+    response keeps at least `min_response_tokens`, default half of `max_len`; the prompt loses
+    its start)."""
     eos = [True] * len(prompts) if add_eos is None else list(add_eos)
-    seqs = [encode_prompt_response(tokenizer, p, r, max_len, add_eos=e)["input_ids"]
-            for p, r, e in zip(prompts, responses, eos)]
+    seqs = [encode_prompt_response(tokenizer, p, r, max_len, add_eos=e, min_response_tokens=min_response_tokens)
+            ["input_ids"] for p, r, e in zip(prompts, responses, eos)]
     return score_token_ids(model, tokenizer.pad_token_id, seqs, dtype, batch_size)

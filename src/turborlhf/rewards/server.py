@@ -602,7 +602,9 @@ class RMScorer:
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         from turborlhf.rewards.model import score_texts
 
-        return score_texts(self.model, self.tok, prompts, responses, self.max_len, self.dtype, self.batch_size).tolist()
+        # a response that fits (`ServerLimits.max_response_tokens`) is scored whole with its EOS: the prompt is cut
+        return score_texts(self.model, self.tok, prompts, responses, self.max_len, self.dtype, self.batch_size,
+                           min_response_tokens=self.max_len - 1).tolist()
 
     def count_tokens(self, text: str) -> int:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
