@@ -271,6 +271,29 @@ def test_stuck_model_times_the_request_out():
     assert status == 503 and "not scored within 0.3 s" in answer["error"]
 
 
+def test_a_bad_request_fails_alone():
+    """A lone surrogate (valid JSON, "\\ud800") got no answer at all (an exception outside the
+    request parsing); a model call failing on one request's items failed every request batched
+    with it. A 400 for the first; the second is scored again job by job."""
+    def score(prompts, responses):
+        if "boom" in responses:
+            raise ValueError("cannot score boom")
+        return [float(len(r)) for r in responses]
+
+    with _Live(score, max_wait_ms=300) as live:
+        status, answer = live.request("POST", "/score", body=b'{"prompts": ["p"], "responses": ["\\ud800"]}')
+        assert status == 400 and "responses[0] is not valid Unicode" in answer["error"]
+        got = {}
+        threads = [threading.Thread(target=lambda t=t: got.__setitem__(t, live.request(
+            "POST", "/score", body=_score_body(2, t)))) for t in ("boom", "fine")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert got["fine"] == (200, {"scores": [4.0, 4.0]})
+    assert got["boom"][0] == 500 and "cannot score boom" in got["boom"][1]["error"]
+
+
 def test_a_request_whose_client_left_is_not_scored():
     """A client that timed out and closed its connection (to retry) had its request scored anyway,
     after every request queued before it: on a server already too busy, each abandoned copy

@@ -15,7 +15,8 @@ idle it takes the first waiting job and keeps gathering jobs until they hold ``m
 ``max_batch_size`` items, shared fairly among all unfinished jobs (water-filling: each job gets an
 equal share, a job needing less leaves the rest to the others). A large request is therefore
 scored over several calls, and a one-item request that arrives meanwhile rides along in the next
-call instead of waiting for the large one to finish.
+call instead of waiting for the large one to finish. A call that fails is made again job by job,
+so only the request whose items the model cannot score gets the error (500).
 
 Limits (`ServerLimits`; errors are JSON ``{"error": ...}`` with a 4xx/5xx code):
 
@@ -224,6 +225,25 @@ class BatchingScorer:
         if job in self._active:
             self._active.remove(job)
 
+    def _call(self, parts: list[tuple[_Job, int, int]]) -> None:
+        """One model call over `parts` (`_take`); its scores go to their jobs, a finished job is
+        answered. Raises what the model raised (or a RuntimeError for a wrong count of scores)."""
+        prompts = [p for j, s, n in parts for p in j.prompts[s:s + n]]
+        responses = [r for j, s, n in parts for r in j.responses[s:s + n]]
+        scores = [float(x) for x in self.score_fn(prompts, responses)]
+        if len(scores) != len(prompts):
+            raise RuntimeError(f"scorer returned {len(scores)} scores for {len(prompts)} items")
+        self.batches += 1
+        self.items += len(prompts)
+        at = 0
+        for j, s, n in parts:
+            j.scores[s:s + n] = scores[at:at + n]
+            j.handed += n
+            at += n
+            if j.handed == len(j.prompts):
+                self.requests += 1
+                self._finish(j)
+
     def _run(self) -> None:
         while self._admit():
             for j in [j for j in self._active if j.cancelled]:
@@ -231,26 +251,17 @@ class BatchingScorer:
             parts = self._take()
             if not parts:
                 continue
-            prompts = [p for j, s, n in parts for p in j.prompts[s:s + n]]
-            responses = [r for j, s, n in parts for r in j.responses[s:s + n]]
             try:
-                scores = [float(x) for x in self.score_fn(prompts, responses)]
-                if len(scores) != len(prompts):
-                    raise RuntimeError(f"scorer returned {len(scores)} scores for {len(prompts)} items")
-            except Exception as e:  # report to every job of this call, keep serving the others
-                for j, _, _ in parts:
-                    self._finish(j, f"{type(e).__name__}: {e}")
-                continue
-            self.batches += 1
-            self.items += len(prompts)
-            at = 0
-            for j, s, n in parts:
-                j.scores[s:s + n] = scores[at:at + n]
-                j.handed += n
-                at += n
-                if j.handed == len(j.prompts):
-                    self.requests += 1
-                    self._finish(j)
+                self._call(parts)
+            except Exception as e:
+                if len(parts) == 1:
+                    self._finish(parts[0][0], f"{type(e).__name__}: {e}")
+                    continue
+                for part in parts:     # one job's items broke the shared call: each job alone, only its own fails
+                    try:
+                        self._call([part])
+                    except Exception as e1:
+                        self._finish(part[0], f"{type(e1).__name__}: {e1}")
         for j in list(self._active):
             self._finish(j, "the reward server is shutting down")
         while True:
@@ -498,6 +509,12 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError("'prompts' and 'responses' must be lists of strings")
             if len(prompts) != len(responses):
                 raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+            for name, texts in (("prompts", prompts), ("responses", responses)):
+                for i, t in enumerate(texts):
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError:        # JSON's "\ud800": no text a tokenizer can read
+                        raise ValueError(f"{name}[{i}] is not valid Unicode (a lone surrogate escape)") from None
         except RecursionError:
             self._send(400, {"error": "bad request: JSON nested too deeply"})
             return None
