@@ -30,6 +30,11 @@ def test_select_best_hand_values():
     assert sel[2].tolist() == pytest.approx([0.5, 1.0, 0.0])
     with pytest.raises(ValueError):
         select_best(s, fin[:2])
+    # a NaN score is never the winner (argmax took it: NaN compares as the maximum)
+    nan = float("nan")
+    best, keep, _ = select_best(torch.tensor([[0.5, nan, 0.2], [nan, nan, nan]]), torch.ones(2, 3, dtype=torch.bool),
+                                min_score=0.0)
+    assert best[0] == 0 and keep.tolist() == [True, False]
     r0, r1 = round_prompts(10, 4, 0, seed=1), round_prompts(10, 4, 1, seed=1)
     assert len(set(r0)) == 4 and not set(r0) & set(r1)       # rounds take fresh slices
     assert sorted(sum((round_prompts(10, 5, k, 1) for k in range(2)), [])) == list(range(10))

@@ -88,19 +88,21 @@ def select_best(scores_BN: torch.Tensor, finished_BN: torch.Tensor, min_score: O
         missing_eos_penalty: c subtracted from s_ij of unfinished candidates (None = 0).
 
     Returns ``(best_B, keep_B, sel_scores_BN)``: the argmax index j*_i of s̃_i· (the first one on
-    ties), whether prompt i is kept, and the selection scores s̃_ij. Raises ValueError if the
-    shapes differ or N = 0.
+    ties; a NaN score is never selected, and a prompt whose scores are all NaN is not kept),
+    whether prompt i is kept, and the selection scores s̃_ij (−inf for NaN). Raises ValueError if
+    the shapes differ or N = 0.
     """
     if scores_BN.shape != finished_BN.shape or scores_BN.dim() != 2 or scores_BN.shape[1] == 0:
         raise ValueError(f"scores_BN {tuple(scores_BN.shape)} and finished_BN {tuple(finished_BN.shape)} "
                          "must be equal B×N shapes with N ≥ 1")
-    sel_BN = scores_BN.float().clone()
+    nan_BN = torch.isnan(scores_BN)
+    sel_BN = scores_BN.float().masked_fill(nan_BN, float("-inf"))     # argmax would pick a NaN
     if missing_eos_penalty is not None:
         sel_BN = torch.where(finished_BN.bool(), sel_BN, sel_BN - missing_eos_penalty)
     best_B = sel_BN.argmax(dim=1)                                       # first maximum on ties
     best_sel_B = sel_BN.gather(1, best_B[:, None]).squeeze(1)
     keep_B = best_sel_B > min_score if min_score is not None else torch.ones_like(best_B, dtype=torch.bool)
-    return best_B, keep_B, sel_BN
+    return best_B, keep_B & ~nan_BN.all(dim=1), sel_BN
 
 
 def round_prompts(n_prompts: int, per_round: int, round_idx: int, seed: int) -> list[int]:
@@ -244,6 +246,9 @@ def _sample_round(k: int, cfg: RejectionSamplingConfig, tok, engine, scorer: tup
     scores_BN = scores.view(len(idx), n)
     fin_BN = torch.tensor(outs.finished, dtype=torch.bool).view(len(idx), n)
     best_B, keep_B, _ = select_best(scores_BN, fin_BN, A.min_score, A.missing_eos_penalty)
+    if n_nan := int(torch.isnan(scores_BN).sum()):
+        logger.warning(f"[rs] round {k}: the reward model scored {n_nan} of {scores_BN.numel()} candidates NaN; "
+                       "they are never selected")
     rdir.mkdir(parents=True, exist_ok=True)
     write_jsonl(rdir / "best.jsonl", _best_rows([prompts[i] for i in idx], texts, scores_BN, fin_BN, best_B,
                                                 keep_B, k))
