@@ -81,7 +81,25 @@ def check_context(config, ids: list[list[int]], max_new_tokens: int) -> None:
     longest = max(map(len, ids), default=0)
     if ctx and longest + max_new_tokens > ctx:
         raise UserError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                        f"policy's context ({ctx} positions): lower the new-token limit")
+                        f"policy's context ({ctx} positions): cut the prompts shorter (max_prompt_len) or lower "
+                        "the new-token limit")
+
+
+def prompt_budget(config, max_prompt_len: Optional[int], max_new_tokens: int) -> int:
+    """`max_prompt_len`, or where None the model's context (``config.max_position_embeddings``)
+    less `max_new_tokens` (1024 without one): prompts cut from the left to it always fit. Raises
+    UserError when `max_new_tokens` leaves no room for a prompt."""
+    from turborlhf.errors import UserError
+
+    if max_prompt_len is not None:
+        return max_prompt_len
+    ctx = getattr(config, "max_position_embeddings", None)
+    if not ctx:
+        return 1024
+    if max_new_tokens >= ctx:
+        raise UserError(f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's context "
+                        f"({ctx} positions)")
+    return ctx - max_new_tokens
 
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
@@ -150,7 +168,15 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     from turborlhf.engine.hardware import compute_dtype
     from turborlhf.models.load import load_causal_lm, load_tokenizer
 
+    from turborlhf.errors import UserError
+
     t0 = time.perf_counter()
+    info = load_tag_info(policy_dir) if use_tag and (Path(policy_dir) / TAG_FILE).exists() else None
+    if tag_bin is not None and (info is None or not 0 <= tag_bin < info["n_bins"]):      # before any model loads
+        why = ("--no-tag generates untagged" if not use_tag else
+               f"{policy_dir} has no {TAG_FILE} (not a conditional-SFT policy)" if info is None else
+               f"the policy's bins are 0 … {info['n_bins'] - 1}")
+        raise UserError(f"--tag-bin {tag_bin}: {why}")
     tok = load_tokenizer(policy_dir)
     # vLLM sizes its share of the GPU from the memory free at its start: the policy's fp32 copy waits
     # on the CPU (its weights are pushed from there) and moves to `device` only for a KL forward
@@ -158,8 +184,7 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     prompts = load_prompts(prompts_file, tok)[:n]
     tag = None
     gen_prompts = prompts
-    if use_tag and (Path(policy_dir) / TAG_FILE).exists():
-        info = load_tag_info(policy_dir)
+    if info is not None:
         k = info["best_bin"] if tag_bin is None else tag_bin
         tag = {"tag": info["format"].replace("{k}", str(k)), "tag_bin": k}
         gen_prompts = [condition_prompt(p, info, k) for p in prompts]

@@ -48,6 +48,14 @@ def test_generate_matches_the_engine_and_reads_any_source(tiny_model, tiny_data,
     assert main(["generate", "--model", str(tiny_model), "--prompts", str(src), "--output", str(long_out),
                  "--prompt-key", "question", "--engine", "hf", "--max-new-tokens", str(ctx)]) == 2
     assert not long_out.exists()
+    # a prompt longer than the context is cut to fit by default (the default limit of 1024 tokens, a
+    # 1024-position model's whole context, failed with advice to lower the new-token limit)
+    src.write_text(json.dumps({"question": "word " * (2 * ctx)}) + "\n")
+    assert main(["generate", "--model", str(tiny_model), "--prompts", str(src), "--output", str(long_out),
+                 "--prompt-key", "question", "--max-new-tokens", "2", "--dtype", "fp32"]) == 0
+    assert len(long_out.read_text().splitlines()) == 1
+    with pytest.raises(SystemExit, match="2"):                     # --limit -1 dropped the last prompt
+        main(["generate", "--model", str(tiny_model), "--prompts", str(src), "--output", str(out), "--limit", "-1"])
 
 
 def _chat(tiny_model, monkeypatch, capsys, text, *extra):

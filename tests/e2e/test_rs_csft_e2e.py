@@ -188,6 +188,10 @@ def test_conditional_sft_end_to_end(tiny_model, tiny_rm, tiny_data, tmp_path):
     auto = eval_policy(str(out), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), reference_dir=str(tiny_model),
                        **kw)
     assert {k: v for k, v in auto.items() if "seconds" not in k} == {k: v for k, v in res.items() if "seconds" not in k}
+    from turborlhf.errors import UserError
+    for policy, bin_, why in ((out, 3, "the policy's bins are 0 … 2"), (tiny_model, 1, "not a conditional-SFT")):
+        with pytest.raises(UserError, match=f"--tag-bin {bin_}: .*{why}"):    # a traceback / silently ignored
+            eval_policy(str(policy), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), tag_bin=bin_, **kw)
     for r in _rows(tmp_path / "s.jsonl"):
         assert r["conditioned_prompt"] == condition_prompt(r["prompt"], info)
         assert "<rm_score>=2" in r["conditioned_prompt"] and "<rm_score>" not in r["prompt"]

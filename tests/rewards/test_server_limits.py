@@ -507,3 +507,11 @@ def test_the_rm_scorer_cuts_the_prompt_not_a_response_that_fits(tmp_path):
     whole = r_ids + [response_end_id(scorer.tok, prompt)]
     want = score_token_ids(scorer.model, scorer.tok.pad_token_id, [p_ids[-(32 - len(whole)):] + whole], "fp32")
     assert scorer([prompt], [response]) == pytest.approx([float(want[0])], abs=1e-6)
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--max-batch-size", "0"], ["--max-wait-ms", "-1"]])
+def test_serve_rm_flags_out_of_range_are_usage_errors(flags, capsys):
+    """They were tracebacks, after the reward model had loaded."""
+    with pytest.raises(SystemExit, match="2"):
+        serve_main(["--model", "/nonexistent", *flags])
+    assert flags[0] in capsys.readouterr().err

@@ -38,7 +38,8 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_token
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same output)")
-    p.add_argument("--max-prompt-len", type=int, default=1024, help="prompts are cut from the left to this many tokens")
+    p.add_argument("--max-prompt-len", type=int, default=None, help="prompts are cut from the left to this many "
+                   "tokens (default: the model's context less --max-new-tokens)")
     p.add_argument("--engine", choices=["auto", "fast", "hf", "vllm"], default="auto",
                    help="auto/fast = the embedded fast engine where supported (else HF generate)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
@@ -62,13 +63,15 @@ def _decode(tok, ids: list[int], finished: bool) -> str:
 
 
 def generate_file(model: str, prompts_file: str, output: str, params, engine: str = "auto", dtype: str = "auto",
-                  batch_size: int = 32, max_prompt_len: int = 1024, limit: int = 0,
+                  batch_size: int = 32, max_prompt_len: Optional[int] = None, limit: int = 0,
                   keys: Optional[dict] = None, chat_template: Optional[str] = None, device: str = "auto") -> dict:
     """Generate ``params.n`` responses per prompt of ``prompts_file`` and write them to ``output``
     (JSONL, atomically). Returns ``{"prompts", "samples", "tokens", "seconds", "tokens_per_s"}``.
 
-    Raises ``DataError`` / ``FileNotFoundError`` for bad prompts (see ``load_prompts``), ``UserError``
-    when the longest prompt plus ``params.max_new_tokens`` exceeds the model's context.
+    Prompts are cut from the left to ``max_prompt_len`` tokens (None: the model's context less
+    ``params.max_new_tokens``, `turborlhf.evaluate.prompt_budget`). Raises ``DataError`` /
+    ``FileNotFoundError`` for bad prompts (see ``load_prompts``), ``UserError`` when the longest
+    prompt plus ``params.max_new_tokens`` exceeds the model's context.
     """
     from dataclasses import replace
 
@@ -78,7 +81,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     from turborlhf.data.jsonl import write_jsonl
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt
-    from turborlhf.evaluate import check_context
+    from turborlhf.evaluate import check_context, prompt_budget
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rollout import make_engine
@@ -87,8 +90,9 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     tok = load_tokenizer(path)
     prompts = load_prompts(prompts_file, tok, keys=keys, chat_template=chat_template)
     prompts = prompts[:limit] if limit else list(prompts)
-    ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
-    check_context(AutoConfig.from_pretrained(path), ids, params.max_new_tokens)
+    config = AutoConfig.from_pretrained(path)
+    ids = [encode_prompt(tok, p, prompt_budget(config, max_prompt_len, params.max_new_tokens)) for p in prompts]
+    check_context(config, ids, params.max_new_tokens)
     if not params.stop_token_ids:
         params = replace(params, stop_token_ids=stop_ids(tok))
     eng = make_engine(engine, path, dtype=dtype, device=device, max_batch_size=batch_size)
@@ -118,6 +122,9 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
     p.add_argument("--prompt-key", default="prompt", help="the data's key holding the prompt")
     a = p.parse_args(argv)
+    for flag, value, least in (("--n", a.n, 1), ("--batch-size", a.batch_size, 1), ("--limit", a.limit, 0)):
+        if value < least:
+            p.error(f"{flag} must be >= {least}, got {value}")
     from turborlhf.data.errors import DataError
 
     try:
@@ -227,7 +234,10 @@ def chat_main(argv: list[str]) -> int:
     p.add_argument("--system", default=None, help="system message that starts every conversation")
     p.add_argument("--no-stream", action="store_true", help="print replies whole even with the HF engine")
     a = p.parse_args(argv)
+    from transformers import AutoConfig
+
     from turborlhf.data.chat import set_chat_template, stop_ids
+    from turborlhf.evaluate import prompt_budget
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rollout import make_engine
@@ -246,7 +256,8 @@ def chat_main(argv: list[str]) -> int:
         if tty:
             print(f"[chat] {path} ({type(engine).__name__}{', streaming' if stream else ''}); "
                   "/reset = new conversation, /exit = quit", flush=True)
-        chat_loop(engine, tok, _params(a, stop=stop_ids(tok)), sys.stdin, sys.stdout, a.system, a.max_prompt_len,
+        budget = prompt_budget(AutoConfig.from_pretrained(path), a.max_prompt_len, a.max_new_tokens)
+        chat_loop(engine, tok, _params(a, stop=stop_ids(tok)), sys.stdin, sys.stdout, a.system, budget,
                   stream, prompt_marker="> " if tty else "")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

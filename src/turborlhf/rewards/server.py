@@ -661,6 +661,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores or $TURBORLHF_THREADS)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     a = p.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port must be 0 … 65535, got {a.port}")
+    if a.max_batch_size < 1 or a.max_wait_ms < 0 or a.max_len < 3:
+        p.error(f"need --max-batch-size >= 1, --max-wait-ms >= 0 and --max-len >= 3; got {a.max_batch_size}, "
+                f"{a.max_wait_ms:g}, {a.max_len}")
     try:
         limits = ServerLimits(int(a.max_body_mb * 2**20), a.max_texts, a.max_text_tokens, a.read_timeout_s,
                               a.max_connections, a.score_timeout_s, max_response_tokens=max(1, a.max_len - 2))
