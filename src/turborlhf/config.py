@@ -678,7 +678,8 @@ class EvalCfg(Cfg):
 
     @model_validator(mode="after")
     def _check_rollout(self):      # the evaluation reads these of eval.rollout: any other set is refused
-        used = ("engine", "max_new_tokens", "temperature", "top_p", "dtype", "device", "sync_tolerance")
+        used = ("engine", "max_new_tokens", "max_prompt_len", "temperature", "top_p", "dtype", "device",
+                "sync_tolerance")
         default = type(self).model_fields["rollout"].get_default(call_default_factory=True)
         if unused := [f for f in type(self.rollout).model_fields if f not in used
                       and getattr(self.rollout, f) != getattr(default, f)]:

@@ -142,11 +142,14 @@ class PolicySamples:
     """One policy's seeded samples on the evaluation prompts (`sample_policy`): the untagged
     prompts, the prompts it generated from (tagged for a conditional-SFT policy), token ids, EOS
     flags, the engine's temperature-1 log-probs (or None), decoded texts, and the policy model
-    (kept only where a KL forward still needs it)."""
+    (kept only where a KL forward still needs it). ``plain_prompt_ids``: the untagged prompts cut
+    as the policy's were (what PPO's reward model and reference read), ``prompt_ids`` with no tag."""
     policy_dir: str
     prompts: list
     gen_prompts: list
     prompt_ids: list
+    plain_prompt_ids: list
+    tokenizer: object
     response_ids: list
     finished: list
     engine_logprobs: Optional[list]
@@ -158,13 +161,16 @@ class PolicySamples:
 
 def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: int, temperature: float, top_p: float,
                   seed: int, engine: str, dtype: str, device, kl_wanted: bool = False, tag_bin: Optional[int] = None,
-                  use_tag: bool = True) -> PolicySamples:
+                  use_tag: bool = True, max_prompt_len: int = 256) -> PolicySamples:
     """Generate for the first `n` prompts of `prompts_file` (`eval_policy`'s sampling half).
     `dtype`: already resolved (``bf16``/``fp32``); `device`: a ``torch.device``. With `kl_wanted`
     an fp32 engine returns its temperature-1 log-probs (the policy's side of the KL); where it
-    cannot, the policy model is kept in `PolicySamples.model` for a forward."""
+    cannot, the policy model is kept in `PolicySamples.model` for a forward. Prompts are cut from
+    the left to `max_prompt_len` tokens (``rollout.max_prompt_len``'s default), as PPO's rollout
+    cuts them."""
     from turborlhf.data.conditioning import TAG_FILE, condition_prompt, load_tag_info
     from turborlhf.data.loaders import load_prompts
+    from turborlhf.data.tokenize import encode_prompt
     from turborlhf.engine.hardware import compute_dtype
     from turborlhf.models.load import load_causal_lm, load_tokenizer
 
@@ -199,25 +205,31 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     # bf16 engine rounds differently from the scoring models, so they score both sides there
     engine_logps = kl_wanted and gen_dtype == "fp32" and engine != "vllm"
     p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
-                                                    engine, dtype=gen_dtype, device=device, raw_logprobs=engine_logps)
+                                                    engine, max_prompt_len, dtype=gen_dtype, device=device,
+                                                    raw_logprobs=engine_logps)
+    plain = p_ids if tag is None else [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     keep = kl_wanted and r_logps is None
     if keep:        # loaded on the CPU for vLLM: the attention for where it computes now
         from turborlhf.models.attention import attention_for_compute_device
 
         policy = attention_for_compute_device(policy.to(device), device)
-    return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, r_ids, fin, r_logps, texts, tag,
+    return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, plain, tok, r_ids, fin, r_logps, texts, tag,
                          time.perf_counter() - t0, policy if keep else None)
 
 
 def _reward_sequences(rm_tok, s: PolicySamples) -> list[list[int]]:
-    """The reward model's token ids of each (untagged prompt, response): EOS only where the policy
-    emitted it, so a response cut at max_new_tokens is scored as cut, exactly as PPO's reward model
-    sees it (closing it with EOS inflated its score)."""
+    """The reward model's token ids of each (untagged prompt, response), exactly as PPO's reward
+    model reads them (`turborlhf.rewards.combine`): the prompt cut as the policy's was, the
+    response as sampled, its stop token only where the policy emitted one (closing a response cut
+    at max_new_tokens inflated its score). A reward model of another vocabulary reads the decoded
+    texts, its EOS where the policy stopped."""
     from turborlhf.data.tokenize import encode_prompt_response
 
-    return [encode_prompt_response(rm_tok, p, t, 4096, add_eos=f)["input_ids"]
-            for p, t, f in zip(s.prompts, s.texts, s.finished)]
+    if rm_tok.get_vocab() == s.tokenizer.get_vocab():
+        return [list(p) + list(r) for p, r in zip(s.plain_prompt_ids, s.response_ids)]
+    return [encode_prompt_response(rm_tok, s.tokenizer.decode(p), t, 4096, add_eos=f)["input_ids"]
+            for p, t, f in zip(s.plain_prompt_ids, s.texts, s.finished)]
 
 
 def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device) -> dict:
@@ -227,14 +239,14 @@ def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device) -
     models)."""
     import torch
 
-    from turborlhf.data.tokenize import assemble_prompt_response, encode_prompt
+    from turborlhf.data.tokenize import assemble_prompt_response
     from turborlhf.engine.train import autocast
     from turborlhf.models.forward import response_logprobs
-    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.models.load import load_causal_lm
 
-    tok = load_tokenizer(s.policy_dir)
+    tok = s.tokenizer
     ref = load_causal_lm(reference_dir, tok, device=device)
-    ref_p_ids = s.prompt_ids if s.tag is None else [encode_prompt(tok, p, 256) for p in s.prompts]
+    ref_p_ids = s.plain_prompt_ids
     kls = []
     with torch.no_grad(), autocast(dtype, device):
         for i in range(0, len(s.prompt_ids), 8):
@@ -276,7 +288,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
                 temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
                 reference_dir: Optional[str] = None, samples_out: Optional[str] = None,
                 tag_bin: Optional[int] = None, use_tag: bool = True, dtype: str = "auto",
-                device: str = "auto") -> dict:
+                device: str = "auto", max_prompt_len: int = 256) -> dict:
     """Generate for the first `n` prompts and score with the reward model.
 
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
@@ -285,10 +297,11 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     policy forward; ``kl_policy_logprobs`` says which). A response cut at `max_new_tokens` is
     scored as cut (no EOS added), exactly as PPO's reward sees it.
 
-    A conditional-SFT policy (its directory holds ``conditional_sft.json``) generates from prompts
-    conditioned with the tag of bin `tag_bin` (default: its best bin; `use_tag=False` turns this
-    off); the reward model and the reference see the untagged prompt. The result then also has
-    ``tag`` and ``tag_bin``.
+    Prompts are cut from the left to `max_prompt_len` tokens, for the policy, the reward model and
+    the reference alike (as PPO's rollout cuts them). A conditional-SFT policy (its directory holds
+    ``conditional_sft.json``) generates from prompts conditioned with the tag of bin `tag_bin`
+    (default: its best bin; `use_tag=False` turns this off); the reward model and the reference see
+    the untagged prompt. The result then also has ``tag`` and ``tag_bin``.
 
     `dtype`/`device`: as a trainer's ``model.dtype``/``model.device`` for the scoring models and the
     rollout engine (``auto``: this host's choice, README: Hardware).
@@ -298,10 +311,11 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     t0 = time.perf_counter()
     load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
     s = sample_policy(policy_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine, dtype, dev,
-                      kl_wanted=bool(reference_dir), tag_bin=tag_bin, use_tag=use_tag)
+                      kl_wanted=bool(reference_dir), tag_bin=tag_bin, use_tag=use_tag, max_prompt_len=max_prompt_len)
     rm = load_rm()
     scores = score_token_ids(rm, rm_tok.pad_token_id, _reward_sequences(rm_tok, s), dtype)
-    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                "max_prompt_len": max_prompt_len}
     res = _policy_result(s, scores, reward_model_dir, settings, samples_out)
     if reference_dir:
         res.update(_kl_to_reference(s, reference_dir, dtype, dev))
@@ -312,7 +326,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
 def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64,
                      max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234,
                      engine: str = "auto", samples_out: tuple[Optional[str], Optional[str]] = (None, None),
-                     dtype: str = "auto", device: str = "auto") -> tuple[dict, dict]:
+                     dtype: str = "auto", device: str = "auto", max_prompt_len: int = 256) -> tuple[dict, dict]:
     """`eval_policy` of a base policy (e.g. the SFT model) and of a policy trained from it (e.g. PPO's)
     on the same prompts with the same seed, the trained one with its KL to the base: the results of
     ``eval_policy(base_dir, ...)`` and ``eval_policy(policy_dir, ..., reference_dir=base_dir)``.
@@ -329,7 +343,7 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     t0 = time.perf_counter()
     load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
     kw = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
-              dtype=dtype, device=dev)
+              dtype=dtype, device=dev, max_prompt_len=max_prompt_len)
     base = sample_policy(base_dir, prompts_file, **kw)
     pol = sample_policy(policy_dir, prompts_file, kl_wanted=True, **kw)
     if base.prompts != pol.prompts:
@@ -339,7 +353,8 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     pairs = [{"chosen": a, "rejected": b}
              for a, b in zip(_reward_sequences(rm_tok, base), _reward_sequences(rm_tok, pol))]
     base_scores, pol_scores = score_pairs(rm, rm_tok, pairs, dtype, batch_size=8)
-    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+    settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                "max_prompt_len": max_prompt_len}
     res_base = _policy_result(base, base_scores, reward_model_dir, settings, samples_out[0])
     res_pol = _policy_result(pol, pol_scores, reward_model_dir, settings, samples_out[1])
     res_pol.update(_kl_to_reference(pol, base_dir, dtype, dev))
@@ -383,6 +398,8 @@ def main(name: str, argv: list[str]) -> int:
         p.add_argument("--reference", help="reference policy: also report KL to it")
         p.add_argument("--n", type=int, default=64, help="number of prompts")
         p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--max-prompt-len", type=int, default=256,
+                       help="prompts cut from the left to this many tokens (PPO's rollout.max_prompt_len default)")
         p.add_argument("--temperature", type=float, default=0.7)
         p.add_argument("--top-p", type=float, default=0.9)
         p.add_argument("--seed", type=int, default=1234)
@@ -400,7 +417,7 @@ def main(name: str, argv: list[str]) -> int:
     checks = ((("--max-len", a.max_len >= 2), ("--batch-size", a.batch_size >= 1), ("--limit", a.limit >= 0))
               if name == "eval-rm" else
               (("--n", a.n >= 1), ("--max-new-tokens", a.max_new_tokens >= 1), ("--temperature", a.temperature >= 0),
-               ("--top-p", 0 < a.top_p <= 1)))
+               ("--top-p", 0 < a.top_p <= 1), ("--max-prompt-len", a.max_prompt_len >= 1)))
     for flag, ok in checks:
         if not ok:
             p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
@@ -410,7 +427,8 @@ def main(name: str, argv: list[str]) -> int:
             res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit, a.dtype, a.device)
         else:
             res = eval_policy(a.policy, a.reward_model, a.prompts, a.n, a.max_new_tokens, a.temperature, a.top_p,
-                              a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag, a.dtype, a.device)
+                              a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag, a.dtype, a.device,
+                              a.max_prompt_len)
     if a.json:
         print(json.dumps(res))
     else:

@@ -66,7 +66,7 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     summary["rm_test_length"] = rm_res["length"]
     R = E.rollout
     common = dict(n=E.n_prompts, max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
-                  seed=E.seed, engine=R.engine, dtype=R.dtype, device=R.device)
+                  seed=E.seed, engine=R.engine, dtype=R.dtype, device=R.device, max_prompt_len=R.max_prompt_len)
     prompts = str(data / "test_prompts.jsonl")
     # both policies on the same prompts and seed; the RM scores each prompt's two answers with the
     # prompt computed once, and the PPO policy's KL is to the SFT policy

@@ -324,3 +324,26 @@ def test_rejection_sampling_and_conditional_sft_refuse_an_edited_data_file_on_re
             f"output_dir={out}", "log.tensorboard=false"]
     assert main(csft) == 0
     edit_and_resume(pairs, csft, out, 3)
+
+
+def test_eval_policy_scores_the_prompt_the_policy_saw(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """The policy generated from prompts cut to 256 tokens (fixed), while the reward model scored
+    the whole prompt re-encoded: not what PPO's reward model reads (the cut prompt, the sampled
+    ids). Now one max_prompt_len cuts the prompt for the policy, the reward model and the reference."""
+    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.engine.hardware import resolve_device
+    from turborlhf.evaluate import _reward_sequences, eval_policy, sample_policy
+    from turborlhf.models.load import load_scalar_model, load_tokenizer
+    from turborlhf.rewards.model import score_token_ids
+
+    prompts = str(tiny_data / "test_prompts.jsonl")
+    kw = dict(n=3, max_new_tokens=4, temperature=0.7, top_p=0.9, seed=5, engine="auto", dtype="fp32")
+    s = sample_policy(str(tiny_model), prompts, device=resolve_device("cpu"), max_prompt_len=12, **kw)
+    tok, rm_tok = load_tokenizer(str(tiny_model)), load_tokenizer(str(tiny_rm))
+    full = [encode_prompt(tok, p, 4096) for p in s.prompts]
+    assert all(len(f) > 12 for f in full) and all(len(p) == 12 for p in s.plain_prompt_ids)
+    seqs = _reward_sequences(rm_tok, s)
+    assert seqs == [list(p) + list(r) for p, r in zip(s.prompt_ids, s.response_ids)]
+    res = eval_policy(str(tiny_model), str(tiny_rm), prompts, max_prompt_len=12, **kw)
+    want = score_token_ids(load_scalar_model(str(tiny_rm), rm_tok).eval(), rm_tok.pad_token_id, seqs, "fp32")
+    assert res["reward_mean"] == pytest.approx(float(want.mean()), abs=1e-5) and res["max_prompt_len"] == 12
