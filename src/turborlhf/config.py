@@ -332,7 +332,8 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
     share_prompts: bool = Field(
         True, description="with n_samples_per_prompt > 1, the actor's and reference's forwards compute each prompt "
         "once for its G responses (same results; CPU training attention only), and mini-batches are drawn as whole "
-        "groups so the update's micro-batches share their prompts too")
+        "groups so the update's micro-batches share their prompts too (row by row when there are fewer groups "
+        "than num_mini_batches)")
     eps_clip: float = Field(0.2, gt=0, lt=1, description="policy ratio clip ε (low side: the ratio is kept >= 1-ε)")
     eps_clip_high: Optional[float] = Field(None, gt=0, description="upper clip ε (asymmetric, DAPO); None = eps_clip")
     dual_clip: Optional[float] = Field(None, gt=1, description="dual-clip constant c > 1 for negative advantages")

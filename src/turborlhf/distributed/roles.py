@@ -60,9 +60,11 @@ def check_colocation(dist, active: Sequence[str]) -> None:
 
 def unit_rows(B: int, algo) -> int:
     """Rows a PPO update shuffles together: a prompt's G samples where the forwards share prompts
-    (``algo.share_prompts`` with G > 1) and `B` holds whole groups, else one row."""
+    (``algo.share_prompts`` with G > 1), `B` holds whole groups and they are enough for
+    ``algo.num_mini_batches`` (fewer groups than mini-batches capped the mini-batches at one
+    group each, silently fewer updates than configured), else one row."""
     G = algo.n_samples_per_prompt
-    return G if algo.share_prompts and G > 1 and B % G == 0 else 1
+    return G if algo.share_prompts and G > 1 and B % G == 0 and B // G >= algo.num_mini_batches else 1
 
 
 def mini_batch_units(B: int, algo) -> list[int]:
