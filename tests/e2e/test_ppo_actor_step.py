@@ -106,3 +106,26 @@ def test_old_logprobs_of_a_lora_actor_are_the_policys_not_a_dropout_sample(tmp_p
     attn = torch.ones(2, P + R, dtype=torch.long)
     a, b = (worker.logprobs(ids, attn, mask, P) for _ in range(2))
     assert torch.equal(a, b) and worker.model.training
+
+
+def test_critic_clipfrac_is_the_share_where_the_clipped_value_term_is_active():
+    """critic/clipfrac counted |V − V_old| > ε_v, while algo.value_clipfrac (TRL's vf_clipfrac, the
+    definition documented) counts where the clipped term is the larger one: a value that moved
+    more than ε_v away from its return (the unclipped term the larger) was counted too."""
+    from types import SimpleNamespace
+
+    from turborlhf.algo import value_clipfrac
+    from turborlhf.config import PPOAlgoCfg
+    from turborlhf.trainers.ppo.critic import critic_micro_step
+
+    old = torch.zeros(1, 4)
+    returns = torch.tensor([[1.0, 1.0, -1.0, 0.0]])
+    v = torch.tensor([[0.5, -0.5, 0.1, 0.0]], requires_grad=True)    # towards, away, within, still
+    mask = torch.ones(1, 4)
+    sub = SimpleNamespace(P=1, mask_BR=mask, values_BR=old, returns_BR=returns)
+    sub.to = lambda device: sub
+    kept = SimpleNamespace(take=lambda s: (v, None))
+    cfg = SimpleNamespace(algo=PPOAlgoCfg(value_clip=0.2))
+    stats = critic_micro_step(None, cfg, sub, {"num_tokens": 4}, kept=kept)
+    want = float(value_clipfrac(v.detach(), old, returns, mask, 0.2))
+    assert stats["critic/clipfrac"] == pytest.approx(want) == 0.25      # the first token's only

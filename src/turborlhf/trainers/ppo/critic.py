@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from turborlhf.algo import masked_mean, reduce_loss, value_loss
+from turborlhf.algo import reduce_loss, value_clipfrac, value_loss
 from turborlhf.config import ModelCfg, PPOConfig
 from turborlhf.engine.checkpoint import _write_hf
 from turborlhf.engine.parallel import dp_rank_world, root_forward
@@ -57,9 +57,9 @@ def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, 
     vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
     vl.backward()
     stats[M.VALUE_LOSS] = float(vl.detach())
-    if A.value_clip is not None:
-        clipped = ((v - sub.values_BR).abs() > A.value_clip).float()
-        stats[M.VALUE_CLIPFRAC] = float(masked_mean(clipped, mask)) * w
+    if A.value_clip is not None:     # TRL's vf_clipfrac: where the clipped term is the active one
+        stats[M.VALUE_CLIPFRAC] = float(value_clipfrac(v.detach(), sub.values_BR, sub.returns_BR, mask,
+                                                       A.value_clip)) * w
     return stats
 
 
