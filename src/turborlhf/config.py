@@ -348,7 +348,8 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
     kl_target: Optional[float] = Field(None, gt=0, description="adaptive KL (Ziegler et al.) target; None = fixed β")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL horizon (samples)")
     reward_clip: float = Field(10.0, gt=0, description="clip combined scores to [-c, c] (before any group baseline)")
-    normalize_reward: bool = Field(False, description="scale scores by running mean/std of the combined score")
+    normalize_reward: bool = Field(False, description="standardise scores by the running mean/std of the combined "
+                                                      "score: (s - mean)/std, as OpenRLHF")
     missing_eos_penalty: Optional[float] = Field(1.0, description="subtracted from the score of responses without EOS")
     whiten_advantages: bool = Field(True, description="gae only: whiten advantages over the rollout batch "
                                                       "(reinforce_pp* always whiten, grpo/dr_grpo/rloo never)")
