@@ -123,3 +123,26 @@ def test_loaders_read_prepare_outputs(tok, tmp_path):
     with pytest.warns(DataWarning):
         raw = load_pairs(real, tok)
     assert len(raw) == 1794 and [p.line for p in raw.problems] == [87, 517, 926, 1104, 1255, 1689]
+
+
+def test_prompts_rendered_by_another_chat_template_warn(tmp_path):
+    """A prepared file rendered with another --tokenizer (or data.chat_template set on files
+    rendered by the model's own) was read verbatim, silently: the model trained on another
+    model's format. A warning names it; prompts in this tokenizer's format or as messages do not."""
+    import warnings
+
+    from turborlhf.data.chat import render_prompt, set_chat_template
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    chatml = make_tiny_tokenizer()                      # ChatML, as SmolLM2
+    user = [{"role": "user", "content": "hi"}]
+    path = write(tmp_path / "p.jsonl", [{"prompt": render_prompt(chatml, user), "chosen": "a", "rejected": "b"},
+                                        {"prompt": user, "chosen": "a", "rejected": "b"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_pairs(path, chatml)                        # its own format: no warning
+    plain = make_tiny_tokenizer()
+    set_chat_template(plain, "plain")
+    with pytest.warns(DataWarning, match=r"1 of 2 prompts were rendered by another chat template .*<\|im_start\|>"):
+        got = load_pairs(path, plain)
+    assert got[1]["prompt"] == render_prompt(plain, user)

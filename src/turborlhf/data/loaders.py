@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turborlhf.data.chat import (has_chat_template, is_messages, render_conversation, render_prompt,
-                                 response_text, set_chat_template)
+                                 response_text, set_chat_template, turn_end)
 from turborlhf.data.errors import DataError, Problem, format_problems
 from turborlhf.data.hh_rlhf import SAME_RESPONSE, convert_pair, prompt_messages_of, split_prompt_response
 from turborlhf.data.jsonl import JsonLineError
@@ -59,7 +59,14 @@ CANONICAL_KEYS = ("prompt", "chosen", "rejected", "response")
 
 
 class DataWarning(UserWarning):
-    """Bad lines were skipped while loading (non-strict mode)."""
+    """Bad lines were skipped while loading (non-strict mode), or the prompts look rendered for
+    another model (`_warn_foreign_template`)."""
+
+
+# what common chat templates append for the assistant's turn (ChatML, Llama 3, Gemma, Phi-3/Zephyr,
+# Mistral): a text prompt ending with one of these was rendered by that template
+_GENERATION_HEADERS = ("<|im_start|>assistant\n", "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                       "<start_of_turn>model\n", "<|assistant|>\n", "[/INST]")
 
 
 class Records(list):
@@ -143,7 +150,27 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
             DataWarning,
             stacklevel=3,
         )
+    _warn_foreign_template(path, records, tokenizer)
     return records
+
+
+def _warn_foreign_template(path, records: list, tokenizer) -> None:
+    """Warn when text prompts end with another chat template's generation header than the
+    tokenizer's (files `turborlhf prepare-data` rendered with another ``--tokenizer``, or a peer's
+    data): used verbatim, they are that model's format, not this one's. Prompts given as message
+    lists are rendered with the tokenizer and never warn."""
+    own = turn_end(tokenizer)[1]
+    prompts = [r.get("prompt") for r in records if isinstance(r, dict)]
+    foreign = [p for p in prompts if isinstance(p, str) and not (own and p.endswith(own))
+               and any(p.endswith(h) for h in _GENERATION_HEADERS)]
+    if foreign:
+        header = next(h for h in _GENERATION_HEADERS if foreign[0].endswith(h))
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        warnings.warn(f"{path}: {len(foreign)} of {len(prompts)} prompts were rendered by another chat template "
+                      f"(they end with {header!r}, {name!r} " + (f"ends prompts with {own!r}" if own else
+                                                                  "has no chat template") +
+                      "): the model reads them verbatim; render them with this model's tokenizer (prepare-data "
+                      "--tokenizer) or give them as message lists", DataWarning, stacklevel=3)
 
 
 def _render(tokenizer, messages: list, what: str) -> str:
