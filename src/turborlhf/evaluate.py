@@ -228,6 +228,8 @@ def _reward_sequences(rm_tok, s: PolicySamples) -> list[list[int]]:
 
     if rm_tok.get_vocab() == s.tokenizer.get_vocab():
         return [list(p) + list(r) for p, r in zip(s.plain_prompt_ids, s.response_ids)]
+    from turborlhf.rewards.model import warn_if_other_format
+    warn_if_other_format(rm_tok, s.tokenizer, str(getattr(rm_tok, "name_or_path", "the reward model")))
     return [encode_prompt_response(rm_tok, s.tokenizer.decode(p), t, 4096, add_eos=f)["input_ids"]
             for p, t, f in zip(s.plain_prompt_ids, s.texts, s.finished)]
 

@@ -90,3 +90,21 @@ def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
     inp = RewardInputs(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), [prompt_ids] * 2, rows, tok)
     want = score_texts(model, tok, *inp.texts(), max_len=2048, dtype="fp32", add_eos=[True, False])
     assert torch.allclose(src(inp), want, atol=1e-6) and not torch.allclose(want[0], want[1])
+
+
+def test_a_reward_model_of_another_chat_format_is_named(caplog):
+    """A reward model of another vocabulary reads the policy's rendering of each prompt (the
+    decoded text), silently, though it was trained on its own template's."""
+    import logging
+
+    from turborlhf.data.chat import set_chat_template
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.rewards.model import warn_if_other_format
+
+    chatml, plain = make_tiny_tokenizer(), make_tiny_tokenizer()
+    set_chat_template(plain, "plain")
+    with caplog.at_level(logging.WARNING, logger="turborlhf.rewards.model"):
+        warn_if_other_format(chatml, make_tiny_tokenizer(), "rm-same")
+        assert not caplog.records
+        warn_if_other_format(chatml, plain, "rm-other")
+    assert "rm-other: its chat template ends prompts with '<|im_start|>assistant\\n'" in caplog.text

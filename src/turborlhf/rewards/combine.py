@@ -72,6 +72,9 @@ class _ModelSource:
         rm_tok = load_tokenizer(path)
         self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
         self.tok = tokenizer if self.same_vocab else rm_tok
+        if not self.same_vocab:
+            from turborlhf.rewards.model import warn_if_other_format
+            warn_if_other_format(rm_tok, tokenizer, path)
         from turborlhf.engine.hardware import compute_dtype
 
         dtype = compute_dtype(dtype, torch.device(compute_device or device).type)

@@ -7,6 +7,7 @@ scores the same in plain transformers (`turborlhf.models.forward.last_token_scor
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -17,7 +18,9 @@ from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
 
 __all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts", "load_reward_model",
-           "check_reward_model", "NotARewardModelError"]
+           "check_reward_model", "NotARewardModelError", "warn_if_other_format"]
+
+logger = logging.getLogger(__name__)
 
 
 class NotARewardModelError(UserError):
@@ -39,6 +42,21 @@ def check_reward_model(name_or_path: str) -> None:
         raise NotARewardModelError(
             f"{name_or_path}: not a reward model ({', '.join(archs) or 'no architecture'} has no trained score head; "
             "its scores would come from a random head): give a directory written by `turborlhf rm`")
+
+
+def warn_if_other_format(rm_tokenizer, policy_tokenizer, name: str) -> None:
+    """Warn when a reward model of another vocabulary (which reads the decoded texts) ends its
+    prompts with another chat template's generation header than the policy's: it then scores the
+    policy's rendering of each prompt, not the format it was trained on (OpenRLHF's convention, as
+    here; TRL re-renders conversational prompts with the reward model's template), which may lower
+    or skew its scores."""
+    from turborlhf.data.chat import turn_end
+
+    rm_header, policy_header = turn_end(rm_tokenizer)[1], turn_end(policy_tokenizer)[1]
+    if rm_header and rm_header != policy_header:
+        logger.warning(f"[reward] {name}: its chat template ends prompts with {rm_header!r}, the policy's with "
+                       f"{policy_header!r}: it scores the policy's rendering of each prompt (the decoded text), not "
+                       "the format it was trained on")
 
 
 def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch.float32, device="cpu"):

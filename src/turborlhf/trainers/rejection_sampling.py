@@ -50,7 +50,7 @@ from turborlhf.engine.train import (clip_and_step, make_optimizer, make_schedule
                                     set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import load_tokenizer, load_trainable, merge_lora_for_save
-from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids
+from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids, warn_if_other_format
 from turborlhf.rollout import make_engine
 from turborlhf.rollout.backends import vllm_kwargs
 from turborlhf.rollout.sync import push_weights, start_sync_check
@@ -285,6 +285,8 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
                            device=cfg.model.device).eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
+    if not same_vocab:
+        warn_if_other_format(rm_tok, tok, cfg.reward_model)
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,
                          weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size,
                          **vllm_kwargs(roll, shares_gpu=True))
