@@ -602,5 +602,7 @@ def value_clipfrac(
         return values_BT.new_zeros(())
     values_BT, old_values_BT, returns_BT = (_zero_masked(x, mask_b) for x in (values_BT, old_values_BT, returns_BT))
     values_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
-    active_BT = (values_clipped_BT - returns_BT) ** 2 > (values_BT - returns_BT) ** 2
+    # within the clip V_clip is V (old + (V − old) may round to another float: a coin flip on ties)
+    moved_BT = (values_BT - old_values_BT).abs() > clip
+    active_BT = moved_BT & ((values_clipped_BT - returns_BT) ** 2 > (values_BT - returns_BT) ** 2)
     return masked_mean(active_BT.to(values_BT.dtype), mask_b)
