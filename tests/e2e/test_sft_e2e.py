@@ -126,3 +126,23 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
     assert not (out / "model.safetensors").exists() and not (out / "eval.json").exists()
     assert not (out / "ema").exists()
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()
+
+
+def test_a_mistyped_input_path_leaves_the_earlier_run_alone(tiny_model, tiny_data, tmp_path, capsys):
+    """A fresh run cleared the earlier run's checkpoints and export, then failed on its mistyped
+    data file or model path: the earlier run was lost to a typo. The field is named first now."""
+    from turborlhf.cli import main
+
+    out = tmp_path / "sft"
+    _sft(tiny_model, tiny_data, out, "train.max_steps=2")
+    before = sorted(p.name for p in (out / "checkpoints").iterdir()), weights(out)
+    base = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"output_dir={out}", "train.max_steps=2"]
+    for bad, field in ((f"data.train_file={tiny_data / 'train_pair.jsonl'}", "data.train_file"),
+                       (f"model.name_or_path={tmp_path / 'no_model'}", "model.name_or_path"),
+                       (f"model.name_or_path={tiny_data}", "model.name_or_path")):      # a directory, no model
+        args = base + [f"model.name_or_path={tiny_model}", f"data.train_file={tiny_data / 'train_pairs.jsonl'}", bad]
+        capsys.readouterr()
+        assert main(args) == 2
+        assert capsys.readouterr().err.strip().startswith(f"error: {field}: "), field
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before[0]
+        assert max_weight_diff(before[1], weights(out)) == 0.0

@@ -35,12 +35,12 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from turborlhf.data.errors import DataError, DataFileError
 from turborlhf.data.jsonl import JsonLineError, read_jsonl
 
-__all__ = ["open_rows", "Rows", "DATASETS_SUFFIXES"]
+__all__ = ["open_rows", "Rows", "DATASETS_SUFFIXES", "missing_source"]
 
 # file suffix -> datasets builder
 DATASETS_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -67,6 +67,20 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
     if not split or "/" in split or os.sep in split:
         return spec, None
     return base, split
+
+
+def missing_source(spec: Any) -> Optional[str]:
+    """The message `open_rows` would raise for `spec` as a clearly local path that does not exist
+    (a data-file suffix, absolute or ``./``-relative), without reading anything; None for an
+    existing path, a hub id or an in-memory dataset. Lets a run refuse a mistyped data path before
+    it touches its output_dir."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return None
+    text = os.fspath(spec)
+    base, _ = _split_spec(text)
+    p = Path(base)
+    local = any(p.name.lower().endswith(s) for s in _FILE_SUFFIXES) or p.is_absolute() or base.startswith(".")
+    return f"{text}: no such file" if local and not p.exists() else None
 
 
 def open_rows(spec: "str | os.PathLike | Rows") -> tuple[str, Iterator[tuple[int, Any]]]:

@@ -159,6 +159,7 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     _check_not_an_input(cfg, out)
+    _check_inputs_exist(cfg)    # a mistyped path must not cost the earlier run's checkpoints (cleared below)
     lock_output_dir(out)
     if getattr(cfg, "log", None) is not None and cfg.log.report_to:
         from turborlhf.trackers import check_installed
@@ -182,6 +183,46 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
             logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported weights "
                            f"({', '.join(gone)})")
     return setup_run(cfg, str(out)), ckpt
+
+
+def _check_inputs_exist(cfg: Cfg) -> None:
+    """`ConfigError` naming the field for a data file (``*_file``) or model (``name_or_path``,
+    ``reference``, ``reward_model``, a ``model`` reward source's ``path``) given as a local path that
+    does not exist, or a directory that is no model: found before a fresh run clears the earlier
+    run's checkpoints and export, not after (the trainers read their inputs later). Hub ids and zoo
+    names are left to the loaders."""
+    from turborlhf.config_base import ConfigError
+    from turborlhf.data.sources import missing_source
+    from turborlhf.models.zoo import ModelFetchError, NotAModelError, resolve_model_path
+
+    def model_problem(name: str) -> Optional[str]:
+        try:
+            resolve_model_path(name, fetch=False)
+        except NotAModelError as e:
+            return str(e)
+        except ModelFetchError:          # a zoo name not cached yet: fetched when the model loads
+            return None
+        return None
+
+    def walk(node: Any, key: str) -> Iterator[tuple[str, Optional[str]]]:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, f"{key}.{k}" if key else k)
+            if node.get("kind") == "model" and isinstance(node.get("path"), str):
+                yield f"{key}.path", model_problem(node["path"])
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{key}[{i}]")
+        elif isinstance(node, str) and node:
+            last = key.rsplit(".", 1)[-1]
+            if last.endswith("_file"):
+                yield key, missing_source(node)
+            elif last in ("name_or_path", "reference", "reward_model"):
+                yield key, model_problem(node)
+
+    for key, problem in walk(config_to_dict(cfg), ""):
+        if problem:
+            raise ConfigError(f"{key}: {problem}")
 
 
 _LOCKS: dict[Path, Any] = {}     # output_dir → the open lock file this process holds (until it exits)
