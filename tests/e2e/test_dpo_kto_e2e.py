@@ -155,6 +155,10 @@ def test_eval_dpo_json(tiny_model, other_model, tiny_data):
     # a policy against itself: every implicit reward is exactly 0, so strict accuracy is 0
     same = eval_dpo(str(tiny_model), str(tiny_model), str(data), max_len=96, limit=6, dtype="fp32")
     assert same["accuracy"] == 0.0 and same["margin"] == 0.0 and same["n"] == 6
+    from turborlhf.trainers.dpo import eval_dpo_main     # out of range: --limit -1 dropped the last pair silently
+    for flag, value in (("--limit", "-1"), ("--max-len", "1"), ("--beta", "0"), ("--batch-size", "0")):
+        with pytest.raises(SystemExit, match="2"):
+            eval_dpo_main(["--policy", "p", "--reference", "r", "--data", "d", flag, value])
 
 
 # ---------------------------------------------------------------------------------------- KTO

@@ -314,6 +314,10 @@ def eval_dpo_main(argv: list[str]) -> int:
                         "comparable to small implicit-reward margins")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
+    for flag, ok in (("--beta", a.beta > 0), ("--max-len", a.max_len >= 2), ("--limit", a.limit >= 0),
+                     ("--batch-size", a.batch_size >= 1)):
+        if not ok:     # as eval-rm and eval-policy: --limit -1 dropped the last pair, --max-len 1 scored nothing
+            p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
     # everything but the final JSON goes to stderr so stdout stays machine-readable
     with contextlib.redirect_stdout(sys.stderr):
         res = eval_dpo(a.policy, a.reference, a.data, a.beta, a.max_len, a.limit, a.batch_size, a.dtype)
