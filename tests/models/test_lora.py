@@ -324,3 +324,22 @@ def test_an_export_after_gradient_checkpointing_keeps_use_cache(kind, rank, tiny
     export_model(m, tok, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
     assert (m.get_base_model() if is_lora(m) else m).config.use_cache is False      # training goes on without
+
+
+def test_a_reward_model_is_refused_where_a_policy_is_expected(tmp_path):
+    """A reward model's directory loaded as a causal LM got a random LM head (eval-dpo, eval-policy
+    and sft ran on it, exit 0); the engines failed with a KeyError traceback."""
+    from transformers import AutoModelForSequenceClassification
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.models.tiny import tiny_llama_config
+    from turborlhf.models.zoo import NotAModelError
+    from turborlhf.rollout import make_engine
+
+    tok = make_tiny_tokenizer()
+    AutoModelForSequenceClassification.from_config(tiny_llama_config(len(tok), num_labels=1)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for load in (lambda: load_causal_lm(str(tmp_path)), lambda: make_engine("auto", str(tmp_path)),
+                 lambda: load_trainable("causal", ModelCfg(name_or_path=str(tmp_path)), tok)):
+        with pytest.raises(NotAModelError, match="a reward model or critic .LlamaForSequenceClassification."):
+            load()

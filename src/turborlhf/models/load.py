@@ -135,16 +135,41 @@ def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: boo
     return model
 
 
+def check_causal_lm(path: str) -> None:
+    """`NotAModelError` when the local model directory `path` holds a sequence-classification
+    model (a reward model or critic: ``config.json``'s ``architectures``, or a peft adapter's
+    ``SEQ_CLS`` task): loaded as a causal LM it gets a random LM head, whose samples and log-probs
+    are noise. Anything else (a causal LM, a hub id, no config) passes."""
+    import json
+
+    from turborlhf.models.zoo import NotAModelError
+
+    def read(name: str) -> dict:
+        try:
+            with open(os.path.join(path, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    archs = [a for a in read("config.json").get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    if archs or read("adapter_config.json").get("task_type") == "SEQ_CLS":
+        raise NotAModelError(f"{path}: a reward model or critic ({', '.join(archs) or 'a SEQ_CLS adapter'}), not a "
+                             "causal LM: as a policy its LM head would be random; give a policy directory")
+
+
 def load_causal_lm(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
                    dtype: torch.dtype = torch.float32, load_in_4bit: bool = False,
                    device: str | torch.device = "cpu") -> nn.Module:
     """Causal LM in `dtype` (fp32 master weights by default) on `device` (``"auto"``: cuda, mps,
     cpu), train mode off (call .train()). `load_in_4bit`: NF4 weights on the GPU (QLoRA; see
-    `quantization_config_4bit`)."""
+    `quantization_config_4bit`). Raises `NotAModelError` for a reward model's directory
+    (`check_causal_lm`)."""
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(AutoModelForCausalLM, resolve_model_path(name_or_path), tokenizer,
-                            gradient_checkpointing, dtype, load_in_4bit, device)
+    path = resolve_model_path(name_or_path)
+    check_causal_lm(path)
+    return _from_pretrained(AutoModelForCausalLM, path, tokenizer, gradient_checkpointing, dtype, load_in_4bit,
+                            device)
 
 
 def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,

@@ -6,6 +6,8 @@ Heavy modules are imported lazily so `import turborlhf.rollout` stays cheap.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 from .base import RolloutEngine, RolloutOutput, SamplingParams
@@ -58,6 +60,9 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", wei
     """
     if kind not in _KINDS:
         raise ValueError(f"unknown rollout engine kind {kind!r}; choose one of {_KINDS}")
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from turborlhf.models.load import check_causal_lm
+        check_causal_lm(os.fspath(model_or_path))          # a reward model's directory: a random LM head
     if kind == "vllm":
         from .vllm import VLLMEngine  # vllm itself is imported by the constructor
         _other_engine_weights(weight_dtype, dtype, "vLLM")
