@@ -146,3 +146,12 @@ def test_prompts_rendered_by_another_chat_template_warn(tmp_path):
     with pytest.warns(DataWarning, match=r"1 of 2 prompts were rendered by another chat template .*<\|im_start\|>"):
         got = load_pairs(path, plain)
     assert got[1]["prompt"] == render_prompt(plain, user)
+
+
+def test_a_data_key_no_record_has_is_an_error(tok, tmp_path):
+    """A mistyped --prompt-key / data.prompt_key fell back to another column (text, messages,
+    chosen), silently: generation read the 'text' column, answer included."""
+    path = write(tmp_path / "p.jsonl", [{"instruction": "Say hi", "text": "### Instruction: Say hi ### Response: hi"}])
+    assert load_prompts(path, tok, keys={"prompt": "instruction"}) == ["Say hi"]
+    with pytest.raises(DataError, match=r"no record has the key 'instrution' given for the prompt \(data.prompt_key"):
+        load_prompts(path, tok, keys={"prompt": "instrution"})

@@ -121,6 +121,7 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
     rename = _key_map(keys, response_as)
     unit, rows = open_rows(path)
     records, problems = Records(), []
+    unseen, first_keys = set(rename), None       # a data key named for a field that no record has
     for line, obj in rows:
         if isinstance(obj, JsonLineError):
             problems.append(Problem(line, "bad_json", obj.message))
@@ -128,6 +129,9 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
         try:
             if not isinstance(obj, dict):
                 raise _Bad("missing_key", f"expected a JSON object, got {type(obj).__name__}")
+            if unseen:
+                unseen -= obj.keys()
+                first_keys = first_keys or sorted(obj)
             records.extend(parse(_renamed(obj, rename)))
         except _Bad as e:
             detail = _own_names(e.detail, rename)
@@ -138,6 +142,11 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
         except _NoTemplate as e:
             raise DataError(f"{path}: {unit} {line}: {_own_names(str(e), rename)}") from None
     records.problems = problems
+    if unseen and first_keys is not None:   # a mistyped key: the loader read another column instead, silently
+        key = sorted(unseen)[0]
+        canon = next(c for c, k in (keys or {}).items() if k == key)
+        raise DataError(f"{path}: no record has the key {key!r} given for the {canon} (data.{canon}_key, "
+                        f"--{canon}-key); the records have {first_keys[:8]}")
     bad = f"bad {unit}(s)"
     if problems and (strict or not records):
         why = "" if strict else " and no usable record"
