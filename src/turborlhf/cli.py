@@ -182,8 +182,12 @@ def _prepare_data(argv: list[str]) -> int:
     from turborlhf.data.hh_rlhf import run_prepare_data
     from turborlhf.models.zoo import resolve_model_path
 
-    a.tokenizer = resolve_model_path(a.tokenizer)
-    run_prepare_data(a)
+    try:
+        a.tokenizer = resolve_model_path(a.tokenizer)
+        run_prepare_data(a)
+    except (ValueError, OSError) as e:        # a bad --test-fraction, an --output-dir that is a file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -220,7 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OSError as e:
         import errno
 
-        if debug or e.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT):
+        if debug or e.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT,
+                                    errno.EISDIR, errno.ENOTDIR, errno.EEXIST):
             raise
         # a run directory that is read-only, full or not ours: the path and the reason, not a traceback;
         # checkpoints are written whole or not at all, so the last one is intact

@@ -109,6 +109,8 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file not found: {p}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as e:      # a directory, a binary file, no permission
+        raise ConfigError(f"{p}: cannot read it as a YAML config ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

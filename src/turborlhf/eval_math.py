@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -188,6 +189,8 @@ def main(argv: list[str]) -> int:
                      ("--temperature", a.temperature >= 0), ("--top-p", 0 < a.top_p <= 1)):
         if not ok:
             p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
+    if a.samples_out and os.path.isdir(a.samples_out):    # found after every sample was generated
+        p.error(f"--samples-out {a.samples_out} is a directory; give a file path")
     from turborlhf.errors import UserError
 
     with contextlib.redirect_stdout(sys.stderr):

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -423,6 +424,8 @@ def main(name: str, argv: list[str]) -> int:
     for flag, ok in checks:
         if not ok:
             p.error(f"{flag}: {getattr(a, flag[2:].replace('-', '_'))} is out of range")
+    if getattr(a, "samples_out", None) and os.path.isdir(a.samples_out):     # found after all the work
+        p.error(f"--samples-out {a.samples_out} is a directory; give a file path")
     # everything but the final JSON goes to stderr so stdout stays machine-readable
     with contextlib.redirect_stdout(sys.stderr):
         if name == "eval-rm":

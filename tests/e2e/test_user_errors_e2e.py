@@ -201,3 +201,26 @@ def test_a_read_only_or_full_run_directory_is_one_line(code, reason, tiny_model,
     monkeypatch.setattr(run, "setup_run", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     with pytest.raises(OSError, match="I/O error"):
         main(args)
+
+
+def test_paths_of_the_wrong_kind_are_one_line(tiny_model, tiny_data, tmp_path, capsys):
+    """A directory as --config, --output or --samples-out, an --output-dir that is a file and a
+    --test-fraction out of range were tracebacks (the output ones after all the work was done)."""
+    from turborlhf.cli import main
+
+    capsys.readouterr()
+    assert main(["sft", "--config", str(tmp_path)]) == 2
+    assert "cannot read it as a YAML config" in capsys.readouterr().err
+    prompts = str(tiny_data / "test_prompts.jsonl")
+    for argv in (["generate", "--model", str(tiny_model), "--prompts", prompts, "--output", str(tmp_path)],
+                 ["eval-policy", "--policy", str(tiny_model), "--reward-model", "rm", "--prompts", prompts,
+                  "--samples-out", str(tmp_path)]):
+        with pytest.raises(SystemExit, match="2"):
+            main(argv)
+        assert "is a directory; give a file path" in capsys.readouterr().err
+    hh = str(REPO / "data/hh-rlhf/harmless-base-1800.jsonl.gz")
+    (tmp_path / "afile").write_text("")
+    for extra, needle in ((["--output-dir", str(tmp_path / "pd"), "--test-fraction", "1.5"], "test_fraction"),
+                          (["--output-dir", str(tmp_path / "afile")], "File exists")):
+        assert main(["prepare-data", "hh-rlhf", "--input", hh, "--tokenizer", str(tiny_model), *extra]) == 2
+        assert needle in capsys.readouterr().err

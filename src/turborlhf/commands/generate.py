@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Optional, TextIO
@@ -122,9 +123,12 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
     p.add_argument("--prompt-key", default="prompt", help="the data's key holding the prompt")
     a = p.parse_args(argv)
-    for flag, value, least in (("--n", a.n, 1), ("--batch-size", a.batch_size, 1), ("--limit", a.limit, 0)):
+    for flag, value, least in (("--n", a.n, 1), ("--batch-size", a.batch_size, 1), ("--limit", a.limit, 0),
+                               ("--top-k", a.top_k, 0)):
         if value < least:
             p.error(f"{flag} must be >= {least}, got {value}")
+    if os.path.isdir(a.output):                   # found after every response was generated
+        p.error(f"--output {a.output} is a directory; give a file path")
     from turborlhf.data.errors import DataError
 
     try:
