@@ -89,14 +89,15 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     from turborlhf.models.zoo import resolve_model_path
 
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "pipeline.json", json.dumps(config_to_dict(cfg), indent=2))
     data = run_dir / "data"
     model = resolve_model_path(cfg.model)
     stage_dirs = {"prepare": data, "sft": run_dir / "sft", "rm": run_dir / "rm", "ppo": run_dir / "ppo",
                   "eval": run_dir / "eval"}
-    # validate every stage config before spending minutes on the first one
+    # validate every stage config and what each stage reads before spending minutes on the first one
     stage_cfgs = stage_configs(cfg, model)
+    _check_stage_inputs(cfg.stages, stage_dirs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "pipeline.json", json.dumps(config_to_dict(cfg), indent=2))
     sft_out = str(stage_dirs["sft"]) if "sft" in cfg.stages else model
     settings = _stage_settings(cfg, model, sft_out)
     timings: dict[str, float] = {}
@@ -150,6 +151,27 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     print_summary(summary)
     logger.info(f"[pipeline] finished in {format_duration(total)}; summary: {summary_path}")
     return summary
+
+
+# stage → the stages whose output it reads (the SFT model only when the sft stage is listed: else the base model)
+_READS = {"sft": ("prepare",), "rm": ("prepare", "sft"), "ppo": ("prepare", "sft", "rm"),
+          "eval": ("prepare", "sft", "rm", "ppo")}
+
+
+def _check_stage_inputs(stages: list[str], stage_dirs: dict) -> None:
+    """`ConfigError` naming ``stages`` when a stage reads an output that no earlier listed stage
+    writes and that a finished earlier run did not leave in ``run_dir`` (``.done``): found before
+    the first stage, not after the ones before it trained (``[prepare, sft, rm, eval]`` failed at
+    eval, for want of a PPO model, once SFT and RM had run)."""
+    from turborlhf.config import ConfigError
+
+    for i, stage in enumerate(stages):
+        for need in _READS.get(stage, ()):
+            if need == "sft" and "sft" not in stages:
+                continue                          # the base model stands in for the SFT model
+            if need not in stages[:i] and not (stage_dirs[need] / ".done").exists():
+                raise ConfigError(f"stages: {stage} reads the {need} stage's output ({stage_dirs[need]}), which no "
+                                  f"earlier stage writes and no finished run left there: list {need} before {stage}")
 
 
 def _finished_with_another_config(cfg, out: Path) -> str:

@@ -168,14 +168,22 @@ def test_pipeline_stage_error_is_one_line(tiny_model, tmp_path):
     line and exit code 2, no traceback. The stage's `.done` from an earlier run is gone: a later
     ``--resume`` must run the stage again, not skip it."""
     run_dir = tmp_path / "pipe"
-    (run_dir / "sft").mkdir(parents=True)
-    (run_dir / "sft" / ".done").write_text("{}")
+    for stage in ("sft", "data"):
+        (run_dir / stage).mkdir(parents=True)
+        (run_dir / stage / ".done").write_text("{}")
     r = subprocess.run(_pipeline_cli(tiny_model, run_dir, "stages=[sft]"), capture_output=True, text=True,
-                       env=_env(), cwd=REPO, timeout=300)        # no prepare stage: no data files
+                       env=_env(), cwd=REPO, timeout=300)        # "prepared" before, but no data files
     assert r.returncode == 2, r.stderr[-3000:]
     err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "train_pairs.jsonl" in err[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert not (run_dir / "sft" / ".done").exists()
+    # a stage whose input no earlier stage writes is refused before the first stage runs (the
+    # evaluation failed for want of a PPO model once SFT and RM had trained)
+    from turborlhf.cli import main
+
+    fresh = tmp_path / "fresh"
+    assert main([str(a) for a in _pipeline_cli(tiny_model, fresh, "stages=[prepare,sft,rm,eval]")[3:]]) == 2
+    assert not fresh.exists()
 
 
 def test_pipeline_reports_a_killed_stage_in_one_line(tiny_model, tmp_path):
