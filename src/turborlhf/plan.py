@@ -775,7 +775,7 @@ def main(argv: list[str]) -> int:
 
         command = args.command or guess_command(args.config, read_yaml(args.config))
         cls = getattr(C, TRAIN_COMMANDS[command][2])
-        cfg = C.load_config(cls, args.config, _split_overrides(rest))
+        cfg = C.load_config(cls, args.config, _split_overrides(rest, cls))
         dev = parse_bytes(args.device_memory) if args.device_memory else None
         if dev is not None and dev <= 0:
             raise ValueError(f"--device-memory {args.device_memory}: must be more than 0 bytes")

@@ -65,6 +65,8 @@ def test_lora_checkpointing_and_offload_change_the_plan_as_they_should(tiny_mode
     _, [full] = _plan(capsys, *base)
     _, [lora] = _plan(capsys, *base, "model.lora.rank=4")
     _, [gc] = _plan(capsys, *base, "model.gradient_checkpointing=true")
+    _, [bare] = _plan(capsys, *base, "--model.gradient_checkpointing")     # a bare true/false flag, as sft takes
+    assert bare == gc
     pf, pl, pg = full["roles"][0], lora["roles"][0], gc["roles"][0]
     assert pl["grads"] < pf["grads"] / 10 and pl["optimizer"] < pf["optimizer"] / 10
     assert pl["weights"] > pf["weights"]                                  # base + adapters
