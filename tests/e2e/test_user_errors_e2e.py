@@ -54,7 +54,7 @@ def test_data_errors_are_one_line_before_any_model_loads(tiny_model, tmp_path):
 
 def test_debug_shows_the_traceback(tiny_model, tmp_path):
     res = _sft(tiny_model, tmp_path / "missing.jsonl", tmp_path, "--debug")
-    assert res.returncode != 0 and "Traceback" in res.stderr and "DataFileError" in res.stderr
+    assert res.returncode != 0 and "Traceback" in res.stderr and "ConfigError: data.train_file" in res.stderr
 
 
 def test_a_directory_that_is_not_a_model(tiny_data, tmp_path):

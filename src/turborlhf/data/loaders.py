@@ -169,16 +169,16 @@ def _warn_foreign_template(path, records: list, tokenizer) -> None:
     data): used verbatim, they are that model's format, not this one's. Prompts given as message
     lists are rendered with the tokenizer and never warn."""
     own = turn_end(tokenizer)[1]
+    if not own:                  # no template (a base model): no format of its own to compare with
+        return
     prompts = [r.get("prompt") for r in records if isinstance(r, dict)]
-    foreign = [p for p in prompts if isinstance(p, str) and not (own and p.endswith(own))
+    foreign = [p for p in prompts if isinstance(p, str) and not p.endswith(own)
                and any(p.endswith(h) for h in _GENERATION_HEADERS)]
     if foreign:
         header = next(h for h in _GENERATION_HEADERS if foreign[0].endswith(h))
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         warnings.warn(f"{path}: {len(foreign)} of {len(prompts)} prompts were rendered by another chat template "
-                      f"(they end with {header!r}, {name!r} " + (f"ends prompts with {own!r}" if own else
-                                                                  "has no chat template") +
-                      "): the model reads them verbatim; render them with this model's tokenizer (prepare-data "
+                      f"(they end with {header!r}, {name!r} ends prompts with {own!r}): the model reads them verbatim; render them with this model's tokenizer (prepare-data "
                       "--tokenizer) or give them as message lists", DataWarning, stacklevel=3)
 
 

@@ -159,11 +159,12 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     _check_not_an_input(cfg, out)
-    _check_inputs_exist(cfg)    # a mistyped path must not cost the earlier run's checkpoints (cleared below)
     lock_output_dir(out)
     if getattr(cfg, "log", None) is not None and cfg.log.report_to:
         from turborlhf.trackers import check_installed
         check_installed(cfg.log.report_to)      # before the data and models load
+    if not resume:              # a mistyped path must not cost the earlier run's checkpoints (cleared below)
+        _check_inputs_exist(cfg)
     protect_inputs(p for _, p in _config_paths(cfg))
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:
