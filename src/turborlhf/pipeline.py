@@ -115,9 +115,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
             from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
 
             if not config_change_allowed():
-                raise ConfigChanged(f"{stage}: finished before with another config ({changed}); run with the config "
-                                    f"in {stage_dirs[stage] / 'config.yaml'}, or pass --resume-changed to train "
-                                    "the stage again")
+                where = stage_dirs[stage] / ("config.yaml" if stage in _TRAINERS else ".done")
+                raise ConfigChanged(f"{stage}: finished before with other settings ({changed}); run with those in "
+                                    f"{where}, or pass --resume-changed to run the stage again")
             logger.warning(f"[pipeline] {stage}: finished before with another config ({changed}): trained again")
             again = True
         logger.info(f"\n[pipeline] ===== {stage} =====")
