@@ -92,13 +92,43 @@ class TrainerState:
 
 
 class _History:
-    """The callback that fills ``trainer.state.log_history``."""
+    """The callback that fills ``trainer.state.log_history``; a resumed run's history starts with
+    the rows its ``metrics.jsonl`` kept from before (as HF's TrainerState is restored)."""
 
-    def __init__(self, state: TrainerState) -> None:
-        self.state = state
+    def __init__(self, state: TrainerState, output_dir: Path) -> None:
+        self.state, self.output_dir = state, Path(output_dir)
 
     def on_log(self, step: int, metrics: dict) -> None:
+        if not self.state.log_history:       # this row is the file's last one: the earlier rows come first
+            from turborlhf.metrics import _read_rows
+
+            path = self.output_dir / "metrics.jsonl"
+            self.state.log_history.extend(row for _, row in (_read_rows(path) if path.exists() else [])[:-1])
         self.state.log_history.append({"step": step, **metrics})
+
+
+def _check_callback(cb: Any, what: str) -> None:
+    """A transformers ``TrainerCallback`` (HF's ``(args, state, control)`` hooks) or any hook that
+    cannot take turborlhf's arguments is refused naming it (`turborlhf.metrics.check_callback`)."""
+    from turborlhf.metrics import check_callback
+
+    if type(cb).__module__.startswith("transformers"):
+        raise UserError(f"{what}: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
+                        "(args, state, control) arguments; write an object with turborlhf's hooks "
+                        "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, on_train_end)")
+    check_callback(cb, what)
+
+
+def _same_tokenizer(processing_class, path: str) -> None:
+    """`UserError` when `processing_class` differs (vocabulary or chat template) from the tokenizer
+    of the model directory `path`, which every stage reads: it would be ignored, silently."""
+    from turborlhf.models.load import load_tokenizer
+
+    own = load_tokenizer(path)
+    if own.get_vocab() != processing_class.get_vocab() or own.chat_template != processing_class.chat_template:
+        raise UserError(f"processing_class: differs from the tokenizer of model {path} (its vocabulary or chat "
+                        "template), which the run reads from the model directory; save it there "
+                        "(processing_class.save_pretrained), or pass the model loaded in memory")
 
 
 def _is_hf_model(obj: Any) -> bool:
@@ -167,6 +197,20 @@ def _replaceable(dest: Path, what: str) -> None:
     (run_dir / _STAGED).touch()
 
 
+def _is_saved_at(data, dest: Path) -> bool:
+    """Whether the Dataset `data` is the one ``save_to_disk`` left at `dest`, unchanged: its files
+    there, no index mapping (``select``, ``shuffle``) and the saved fingerprint (``map`` writes its
+    cache into the same directory)."""
+    files = [Path(f["filename"]).resolve() for f in data.cache_files]
+    if not files or not dest.is_dir() or not all(dest.resolve() in f.parents for f in files):
+        return False
+    try:
+        saved = json.loads((dest / "state.json").read_text()).get("_fingerprint")
+    except (OSError, ValueError):
+        return False
+    return getattr(data, "_indices", None) is None and saved is not None and saved == getattr(data, "_fingerprint", None)
+
+
 def _write_dataset(data: Any, dest: Path, what: str) -> str:
     """A dataset argument as a path the loaders read: paths unchanged; a ``datasets.Dataset`` saved
     with ``save_to_disk`` to `dest`; a list of dicts as JSON lines ``dest.jsonl``."""
@@ -180,13 +224,15 @@ def _write_dataset(data: Any, dest: Path, what: str) -> str:
         raise UserError(f"{what}: an IterableDataset is not supported; pass a Dataset, a list of dicts or a path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, datasets.Dataset):
-        files = [Path(f["filename"]).resolve() for f in data.cache_files]
-        if files and dest.is_dir() and all(dest.resolve() in f.parents for f in files):
-            return str(dest)        # loaded from this very directory (load_from_disk): it is the data already
+        if _is_saved_at(data, dest):
+            return str(dest)        # loaded from this very directory (load_from_disk), unchanged: it is the data already
         _replaceable(dest, what)
+        staged = dest.with_name(f".{dest.name}.new")       # a dataset derived from dest's files can't overwrite them
+        shutil.rmtree(staged, ignore_errors=True)
+        data.save_to_disk(str(staged))
         if dest.exists():
             shutil.rmtree(dest)
-        data.save_to_disk(str(dest))
+        os.replace(staged, dest)
         return str(dest)
     if isinstance(data, Sequence) and all(isinstance(r, dict) for r in data):
         path = dest.with_suffix(".jsonl")
@@ -278,14 +324,12 @@ class _Trainer:
         took = lock_output_dir(out)      # before anything is written there: a running run's inputs stay its own
         try:
             for i, cb in enumerate(callbacks or []):
-                if type(cb).__module__.startswith("transformers"):
-                    raise UserError(f"callbacks[{i}]: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
-                                    "(args, state, control) arguments; write an object with turborlhf's hooks "
-                                    "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, "
-                                    "on_train_end)")
+                _check_callback(cb, f"callbacks[{i}]")
             if model is not None:
                 path = _save_model(model, processing_class, out / "input_model", "model") if _is_hf_model(model) \
                     else _path_arg(model, "model")
+                if processing_class is not None and not _is_hf_model(model):
+                    _same_tokenizer(processing_class, path)
                 _set(tree, self.model_field, path)
             elif processing_class is not None:
                 warnings.warn("processing_class is used with an in-memory model only; the tokenizer is read from the "
@@ -344,7 +388,9 @@ class _Trainer:
         return Path(self.args.output_dir)
 
     def add_callback(self, callback: Any) -> None:
-        """Add a callback (an object with some of `turborlhf.metrics.TrainerCallback`'s hooks)."""
+        """Add a callback (an object with some of `turborlhf.metrics.TrainerCallback`'s hooks).
+        Raises UserError for a hook that cannot take turborlhf's arguments."""
+        _check_callback(callback, "callback")
         self.callbacks.append(callback)
 
     def _next(self) -> tuple[int, int, dict]:
@@ -353,7 +399,7 @@ class _Trainer:
         if self._stopped is not None:
             raise RuntimeError(f"{type(self).__name__}: the run stopped ({type(self._stopped).__name__}: "
                                f"{self._stopped}); continue it with a new trainer's train(resume_from_checkpoint=True)")
-        with use_callbacks([_History(self.state), *self.callbacks]):
+        with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
             try:
                 done, total, metrics = next(self._steps)
                 self.state.global_step, self.state.max_steps = done, total
@@ -391,7 +437,7 @@ class _Trainer:
         from turborlhf.metrics import use_callbacks
 
         steps, self._steps = self._steps, None
-        with use_callbacks([_History(self.state), *self.callbacks]):
+        with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
             steps.close()          # its finally blocks: loggers and callbacks end, workers stop
         self._release()
 
@@ -498,7 +544,7 @@ class _Trainer:
         try:
             if self.state.global_step:
                 stop_at_next_step()
-                with use_callbacks([_History(self.state), *self.callbacks]):
+                with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
                     next(steps)
         except (RunInterrupted, StopIteration):
             pass

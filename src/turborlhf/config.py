@@ -240,7 +240,18 @@ class SFTTrainCfg(EvalLoopCfg):
     sequences_per_step: int = Field(16, ge=1, description="sequences per optimizer step (global batch)")
 
 
-class SFTConfig(Cfg):
+class _HeldOutEval(Cfg):
+    """A command whose ``train.eval_every`` evaluates ``data.test_file`` (sft, rm, dpo, kto)."""
+
+    @model_validator(mode="after")
+    def _eval_needs_a_test_file(self):       # it evaluated nothing, silently (TRL refuses it too)
+        if self.train.eval_every and not self.data.test_file:
+            raise ValueError(f"train.eval_every={self.train.eval_every} evaluates data.test_file, which is not set "
+                             "(eval_dataset= in the Python API)")
+        return self
+
+
+class SFTConfig(_HeldOutEval):
     """`turborlhf sft`: next-token loss on response tokens only."""
 
     model: ModelCfg = _policy()
@@ -266,7 +277,7 @@ class RMTrainCfg(EvalLoopCfg):
     freeze_embeddings: bool = Field(False, description="keep the token embeddings fixed (less memory, faster)")
 
 
-class RMConfig(Cfg):
+class RMConfig(_HeldOutEval):
     """`turborlhf rm`: pairwise Bradley-Terry reward model."""
 
     model: ModelCfg = Field(default_factory=ModelCfg, description="backbone (causal LM) that gets a scalar head")
@@ -510,7 +521,7 @@ class DPOTrainCfg(EvalLoopCfg):
                                                      "micro_batch_size counts pairs (2 sequences each)")
 
 
-class DPOConfig(Cfg):
+class DPOConfig(_HeldOutEval):
     """`turborlhf dpo`: direct preference optimisation (DPO, cDPO, robust DPO, IPO, reference-free)."""
 
     model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
@@ -550,7 +561,7 @@ class KTOTrainCfg(EvalLoopCfg):
                                                          "reference point z0 is estimated over these")
 
 
-class KTOConfig(Cfg):
+class KTOConfig(_HeldOutEval):
     """`turborlhf kto`: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
 
     model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")

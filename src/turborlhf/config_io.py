@@ -127,17 +127,29 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     Order of precedence: overrides > YAML file > base > the command's defaults.
     Raises `ConfigError` naming the file or the dotted field.
     """
-    tree: dict = default_tree(cls)
-    _deep_update(tree, json.loads(json.dumps(base)) if base else {})
+    given: dict = json.loads(json.dumps(base)) if base else {}       # what the user set, defaults aside
     if path is not None:
-        _deep_update(tree, read_yaml(path))
+        _deep_update(given, read_yaml(path))
+    tree: dict = _deep_update(default_tree(cls), json.loads(json.dumps(given)))
     for ov in overrides:
         key, value = parse_override(ov, cls)
         _set_dotted(tree, key, value)
+        _set_dotted(given, key, value)
+    _epochs_over_default_steps(tree, given)
     try:
         return cls.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+
+
+def _epochs_over_default_steps(tree: dict, given: dict) -> None:
+    """``train.epochs`` set and ``train.max_steps`` left to a command's default of N > 0 (PPO and
+    GRPO: 20): the epochs count (``max_steps`` 0), as they do where the default is 0; the default
+    silently won over them."""
+    train, set_train = tree.get("train"), given.get("train")
+    if (isinstance(train, dict) and isinstance(set_train, dict) and "epochs" in set_train
+            and "max_steps" not in set_train and train.get("max_steps")):
+        train["max_steps"] = 0
 
 
 def _deep_update(dst: dict, src: dict) -> dict:
@@ -152,7 +164,9 @@ def _deep_update(dst: dict, src: dict) -> dict:
 def validate_section(cls: type[C], tree: dict, section: str) -> C:
     """Validate a dict (e.g. a pipeline stage section) on top of the command's defaults and
     prefix error paths with `section`."""
-    full = _deep_update(default_tree(cls), json.loads(json.dumps(tree)))
+    given = json.loads(json.dumps(tree))
+    full = _deep_update(default_tree(cls), json.loads(json.dumps(given)))
+    _epochs_over_default_steps(full, given)
     try:
         return cls.model_validate(full)
     except ValidationError as e:

@@ -183,6 +183,40 @@ def use_callbacks(callbacks: Sequence[Any]) -> Iterator[None]:
         _CALLBACKS.reset(token)
 
 
+_HOOK_ARGS = {"on_train_begin": ("sft", 1), "on_step_end": (1, {}), "on_log": (1, {}), "on_train_end": ("sft", 1)}
+
+
+def check_callback(cb: Any, what: str) -> None:
+    """Refuse (`turborlhf.errors.UserError` naming `what` and the hook) a callback whose hook
+    cannot take the arguments `TrainerCallback` documents (HF's ``(args, state, control, ...)``
+    failed at the first call, mid-run); warn about ``on_*`` methods no run calls (HF's
+    ``on_evaluate``, ``on_save``...: the evaluation rows reach ``on_log``)."""
+    import inspect
+    import warnings
+
+    from turborlhf.errors import UserError
+
+    for hook, args in _HOOK_ARGS.items():
+        fn = getattr(cb, hook, None)
+        if fn is None:
+            continue
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError:
+            raise UserError(f"{what}.{hook}{inspect.signature(fn)}: turborlhf calls it as {hook}"
+                            f"({', '.join(_HOOK_DOC[hook])}) (turborlhf.metrics.TrainerCallback)") from None
+        except ValueError:       # no signature to read (a builtin): left to the call
+            pass
+    unknown = sorted(n for n in dir(cb) if n.startswith("on_") and n not in _HOOK_ARGS and callable(getattr(cb, n)))
+    if unknown:
+        warnings.warn(f"{what}: {', '.join(unknown)} never called (turborlhf's hooks: {', '.join(_HOOK_ARGS)}; "
+                      "evaluation rows reach on_log)", stacklevel=3)
+
+
+_HOOK_DOC = {"on_train_begin": ("name", "total_steps"), "on_step_end": ("step", "metrics"),
+             "on_log": ("step", "metrics"), "on_train_end": ("name", "step")}
+
+
 def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
     for cb in callbacks:
         fn = getattr(cb, hook, None)
