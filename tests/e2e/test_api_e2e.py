@@ -496,3 +496,61 @@ def test_a_stepped_trainer_left_open_ends_its_run_at_exit(tiny_model, tiny_data,
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ended sft 1" in r.stdout, r.stderr[-2000:]
     assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
+def test_trl_habits_that_were_silently_ignored(tiny_model, tiny_data, tmp_path):
+    """processing_class beside a model directory (the run read the directory's tokenizer), a staged
+    dataset derived with select/map (the staged original was trained on), an HF-style callback
+    (a TypeError after step 1), and the log history of a resumed trainer (this process's rows)."""
+    import warnings
+
+    from datasets import load_from_disk
+
+    from turborlhf import SFTTrainer
+    from turborlhf.data.chat import set_chat_template
+    from turborlhf.errors import UserError
+    from turborlhf.models.load import load_tokenizer
+
+    out = tmp_path / "sft"
+    args = {**SFT_ARGS, "output_dir": str(out)}
+    tok = load_tokenizer(str(tiny_model))
+    set_chat_template(tok, "plain")
+    with pytest.raises(UserError, match="processing_class: differs from the tokenizer of model"):
+        SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), processing_class=tok)
+
+    class HFStyle:
+        def on_log(self, args, state, control, logs=None): ...
+
+    with pytest.raises(UserError, match=r"callbacks\[0\]\.on_log\(args, state, control, logs=None\)"):
+        SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), callbacks=[HFStyle()])
+
+    class Evaluating:
+        def on_evaluate(self, *a): ...
+
+    with pytest.warns(UserWarning, match="on_evaluate never called"):
+        first = SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), callbacks=[Evaluating()])
+    first.step()
+    first.step()
+    first.close()                                           # keeps a checkpoint after step 2
+    staged = load_from_disk(str(out / "data" / "train"))
+    for ds, n, tail in ((staged.select(range(4)), 4, None), (staged.map(lambda r: {"chosen": r["chosen"] + " X"}), 32, " X")):
+        t = SFTTrainer(model=str(tiny_model), args=args, train_dataset=ds)
+        back = load_from_disk(t.args.data.train_file)
+        assert len(back) == n and (tail is None or back[0]["chosen"].endswith(tail))
+        t.close()
+
+    # resumed: the history holds the earlier rows too, as HF's TrainerState is restored
+    again = SFTTrainer(model=str(tiny_model), args=args, train_dataset=staged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again.train(resume_from_checkpoint=True)
+    assert [r["step"] for r in again.state.log_history] == [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+
+def test_epochs_set_alone_count_over_a_default_step_limit():
+    """PPO/GRPO's default max_steps (20) won over train.epochs set alone, silently."""
+    from turborlhf.config import GRPOConfig, load_config
+
+    cfg = load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r", "train": {"epochs": 1}})
+    assert cfg.train.max_steps == 0
+    assert load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r"}).train.max_steps == 20

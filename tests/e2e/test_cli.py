@@ -113,7 +113,10 @@ def test_ppo_refuses_the_fields_it_never_read(override, field, capsys):
     assert main(["ppo", "reward_model=r", "data.prompts_file=p", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and field in err
-    assert load_config(SFTConfig, None, ["data.train_file=x", "train.eval_every=5"]).train.eval_every == 5
+    assert load_config(SFTConfig, None, ["data.train_file=x", "data.test_file=y", "train.eval_every=5"]
+                       ).train.eval_every == 5
+    with pytest.raises(ConfigError, match="train.eval_every=5 evaluates data.test_file, which is not set"):
+        load_config(SFTConfig, None, ["data.train_file=x", "train.eval_every=5"])     # it evaluated nothing
 
 
 def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
