@@ -73,9 +73,10 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
             if isinstance(row, Problem):
                 raise _Bad(row.kind, row.detail)
             return [{"prompt": render_prompt(tokenizer, row["prompt"]), "answer": row["answer"]}]
-        raise _Bad("missing_key", "need 'question'+'answer' (GSM8K) or 'prompt'+'answer'")
+        raise _Bad("missing_key", f"need 'question'+'answer' (GSM8K) or 'prompt'+'answer', the record has "
+                                  f"{sorted(obj)[:8]} (prepare-data gsm8k writes *_prompts.jsonl with both)")
 
-    problems = _load(path, parse, False, tokenizer)
+    problems = _load(path, parse, False, tokenizer, key_hint=False)
     if n:
         problems = problems[:n]
     if not problems:

@@ -139,3 +139,16 @@ def test_demo_math_configs_are_valid_and_chained():
     assert [load_reward_function(r.path) for r in cfg.rewards] == [gsm8k_accuracy, gsm8k_format]
     weights = {r.name: r.weight for r in cfg.rewards}
     assert weights["format"] < weights["accuracy"] / 2
+
+
+def test_eval_math_data_without_answers_says_what_it_needs(tiny_model, tmp_path):
+    """The hint named data.prompt_key and friends, which eval-math has no way to set."""
+    from turborlhf.data.errors import DataError
+    from turborlhf.eval_math import load_problems
+    from turborlhf.models.load import load_tokenizer
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "response": "4"}) + "\n")
+    with pytest.raises(DataError, match=r"the record has \['prompt', 'response'\] \(prepare-data gsm8k") as e:
+        load_problems(str(path), load_tokenizer(str(tiny_model)))
+    assert "data.prompt_key" not in str(e.value)

@@ -116,7 +116,7 @@ def _own_names(detail: str, rename: dict[str, str]) -> str:
 
 def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, tokenizer,
           keys: Mapping[str, str] | None = None, chat_template: str | None = None,
-          response_as: str = "response") -> Records:
+          response_as: str = "response", key_hint: bool = True) -> Records:
     set_chat_template(tokenizer, chat_template)
     rename = _key_map(keys, response_as)
     unit, rows = open_rows(path)
@@ -135,7 +135,7 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
             records.extend(parse(_renamed(obj, rename)))
         except _Bad as e:
             detail = _own_names(e.detail, rename)
-            if e.kind == "missing_key" and isinstance(obj, dict):
+            if e.kind == "missing_key" and isinstance(obj, dict) and key_hint:    # where keys can be renamed
                 detail += (f"; the record has keys {sorted(obj)[:8]} (name yours with data.prompt_key, "
                            "data.chosen_key, data.rejected_key, data.response_key)")
             problems.append(Problem(line, e.kind, detail))
