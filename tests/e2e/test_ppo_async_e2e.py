@@ -128,6 +128,16 @@ def test_resume_keeps_the_pending_rollouts(tiny_model, tiny_rm, tiny_data, tmp_p
     _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
     assert max_weight_diff(final, weights(out)) > 1e-7
 
+    # --resume-changed with another group size: the saved batch (4 samples a prompt) is generated
+    # again, not regrouped by 2 (baselines over pairs, silently) nor reshaped by 3 (a crash)
+    out = tmp_path / "changed"
+    _run(tiny_model, tiny_rm, tiny_data, out, *extra)
+    for g in (2, 3):
+        rewind_to(out, 2)
+        calls.clear()
+        _run(tiny_model, tiny_rm, tiny_data, out, *extra, f"algo.n_samples_per_prompt={g}", "--resume-changed")
+        assert len(calls) == 2
+
 
 def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, tiny_data, tmp_path):
     """A signal during a step (with the next step's rollouts being generated) saves them with the

@@ -54,6 +54,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from turborlhf.config import config_to_dict
 from turborlhf.distributed.group import LocalGroup, WorkerTimeoutError
 import turborlhf.trainers.ppo.rlvr as rlvr
 
@@ -180,18 +181,37 @@ class RolloutPipeline:
             self._restore(saved, start)
 
     # -- resume ---------------------------------------------------------------------------------
+    def _settings(self, step: int) -> str:
+        """Digest of what a batch of `step` was made with: its prompts, the group size and every
+        algo, rollout (but max_staleness), reward and data setting. A batch saved under other
+        settings (``--resume-changed``) is generated again: trained as it was, a changed group size
+        regrouped its samples (or crashed on a shape), changed rewards kept the old scores."""
+        import hashlib
+        import json
+
+        c = config_to_dict(self.cfg)
+        c["rollout"].pop("max_staleness", None)
+        used = {k: c.get(k) for k in ("algo", "rollout", "rewards", "reward_model", "data")}
+        return hashlib.sha256(json.dumps([used, self.plan[step]], sort_keys=True, default=str).encode()).hexdigest()
+
     def _restore(self, saved: dict, start: int) -> None:
         keep = range(start, min(start + self.k, len(self.plan)))
-        dropped = []
+        dropped, changed = [], []
         for b in saved["batches"]:
-            if b["step"] in keep:
+            if b["step"] not in keep:
+                dropped.append(b["step"])
+            elif b.get("settings") not in (None, self._settings(b["step"])):
+                changed.append(b["step"])
+            else:
                 self.ready[b["step"]] = RolloutBatch(b["step"], rlvr.Rollouts(**b["rollouts"]), b["version"],
                                                      b["seconds"])
-            else:
-                dropped.append(b["step"])
         if dropped:
             logger.info(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
                         f"(rollout.max_staleness={self.k} does not train them next); they are generated again")
+        if changed:
+            logger.warning(f"[ppo] --resume: dropping the saved rollouts of step(s) "
+                           f"{', '.join(str(s + 1) for s in changed)}: generated under other settings (--resume-changed); "
+                           "they are generated again")
         if self.ready:
             logger.info(f"[ppo] --resume: training on the saved rollouts of step(s) "
                         f"{', '.join(str(s + 1) for s in sorted(self.ready))} (not generated again)")
@@ -202,7 +222,8 @@ class RolloutPipeline:
             raise RuntimeError("RolloutPipeline.state: a generation is pending; call wait() first")
         return {"max_staleness": self.k, "engine_version": self.engine_version,
                 "batches": [{"step": b.step, "rollouts": asdict(b.rollouts), "version": b.version,
-                             "seconds": b.seconds} for b in sorted(self.ready.values(), key=lambda b: b.step)]}
+                             "seconds": b.seconds, "settings": self._settings(b.step)}
+                            for b in sorted(self.ready.values(), key=lambda b: b.step)]}
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(self, step: int, version: int) -> RolloutBatch:
