@@ -533,7 +533,8 @@ def test_trl_habits_that_were_silently_ignored(tiny_model, tiny_data, tmp_path):
     first.step()
     first.close()                                           # keeps a checkpoint after step 2
     staged = load_from_disk(str(out / "data" / "train"))
-    for ds, n, tail in ((staged.select(range(4)), 4, None), (staged.map(lambda r: {"chosen": r["chosen"] + " X"}), 32, " X")):
+    mapped = staged.map(lambda r: {"chosen": r["chosen"] + " X"})
+    for ds, n, tail in ((staged.select(range(4)), 4, None), (mapped, 32, " X")):
         t = SFTTrainer(model=str(tiny_model), args=args, train_dataset=ds)
         back = load_from_disk(t.args.data.train_file)
         assert len(back) == n and (tail is None or back[0]["chosen"].endswith(tail))

@@ -178,8 +178,9 @@ def _warn_foreign_template(path, records: list, tokenizer) -> None:
         header = next(h for h in _GENERATION_HEADERS if foreign[0].endswith(h))
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         warnings.warn(f"{path}: {len(foreign)} of {len(prompts)} prompts were rendered by another chat template "
-                      f"(they end with {header!r}, {name!r} ends prompts with {own!r}): the model reads them verbatim; render them with this model's tokenizer (prepare-data "
-                      "--tokenizer) or give them as message lists", DataWarning, stacklevel=3)
+                      f"(they end with {header!r}, {name!r} ends prompts with {own!r}): the model reads them "
+                      "verbatim; render them with this model's tokenizer (prepare-data --tokenizer) or give them as "
+                      "message lists", DataWarning, stacklevel=3)
 
 
 def _render(tokenizer, messages: list, what: str) -> str:

@@ -209,9 +209,9 @@ class RolloutPipeline:
             logger.info(f"[ppo] --resume: dropping the saved rollouts of step(s) {', '.join(str(s + 1) for s in dropped)} "
                         f"(rollout.max_staleness={self.k} does not train them next); they are generated again")
         if changed:
-            logger.warning(f"[ppo] --resume: dropping the saved rollouts of step(s) "
-                           f"{', '.join(str(s + 1) for s in changed)}: generated under other settings (--resume-changed); "
-                           "they are generated again")
+            steps = ", ".join(str(s + 1) for s in changed)
+            logger.warning(f"[ppo] --resume: dropping the saved rollouts of step(s) {steps}: generated under other "
+                           "settings (--resume-changed); they are generated again")
         if self.ready:
             logger.info(f"[ppo] --resume: training on the saved rollouts of step(s) "
                         f"{', '.join(str(s + 1) for s in sorted(self.ready))} (not generated again)")
