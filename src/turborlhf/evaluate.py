@@ -173,9 +173,8 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     from turborlhf.data.loaders import load_prompts
     from turborlhf.data.tokenize import encode_prompt
     from turborlhf.engine.hardware import compute_dtype
-    from turborlhf.models.load import load_causal_lm, load_tokenizer
-
     from turborlhf.errors import UserError
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
 
     t0 = time.perf_counter()
     info = load_tag_info(policy_dir) if use_tag and (Path(policy_dir) / TAG_FILE).exists() else None

@@ -67,6 +67,7 @@ def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
     middle, silently. It reads up to the reward model's own context now."""
     from transformers import LlamaForSequenceClassification
 
+    from turborlhf.data.chat import stop_ids
     from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
     from turborlhf.models.tiny import tiny_llama_config
     from turborlhf.rewards.combine import _ModelSource
@@ -79,6 +80,7 @@ def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
     model = LlamaForSequenceClassification(cfg).eval()
     src = _ModelSource.__new__(_ModelSource)
     src.same_vocab, src.tok, src.model, src.dtype, src.chunk = False, tok, model, "fp32", 8
+    src.stops = set(stop_ids(tok))                           # the policy's stop tokens, as __init__ sets them
     prompt_ids = tok.encode("Human: hello there\n\nAssistant:", add_special_tokens=False)
     response_ids = torch.randint(10, 500, (1200,), generator=torch.Generator().manual_seed(1)).tolist()
     inp = RewardInputs(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), [prompt_ids], [response_ids], tok)

@@ -192,6 +192,8 @@ def _check_inputs_exist(cfg: Cfg) -> None:
     does not exist, or a directory that is no model: found before a fresh run clears the earlier
     run's checkpoints and export, not after (the trainers read their inputs later). Hub ids and zoo
     names are left to the loaders."""
+    import re
+
     from turborlhf.config_base import ConfigError
     from turborlhf.data.sources import missing_source
     from turborlhf.models.zoo import ModelFetchError, NotAModelError, resolve_model_path
@@ -202,26 +204,19 @@ def _check_inputs_exist(cfg: Cfg) -> None:
         except NotAModelError as e:
             return str(e)
         except ModelFetchError:          # a zoo name not cached yet: fetched when the model loads
-            return None
+            pass
         return None
 
-    def walk(node: Any, key: str) -> Iterator[tuple[str, Optional[str]]]:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                yield from walk(v, f"{key}.{k}" if key else k)
-            if node.get("kind") == "model" and isinstance(node.get("path"), str):
-                yield f"{key}.path", model_problem(node["path"])
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from walk(v, f"{key}[{i}]")
-        elif isinstance(node, str) and node:
-            last = key.rsplit(".", 1)[-1]
-            if last.endswith("_file"):
-                yield key, missing_source(node)
-            elif last in ("name_or_path", "reference", "reward_model"):
-                yield key, model_problem(node)
-
-    for key, problem in walk(config_to_dict(cfg), ""):
+    for key, value in _config_strings(cfg):
+        last = key.rsplit(".", 1)[-1]
+        source = re.fullmatch(r"rewards\[(\d+)\]\.path", key)
+        if last.endswith("_file"):
+            problem = missing_source(value)
+        elif last in ("name_or_path", "reference", "reward_model") or (
+                source and cfg.rewards[int(source.group(1))].kind == "model"):
+            problem = model_problem(value)
+        else:
+            continue
         if problem:
             raise ConfigError(f"{key}: {problem}")
 
@@ -269,9 +264,9 @@ def unlock_output_dir(out: Path) -> None:
         f.close()
 
 
-def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
-    """(dotted field, resolved path) of every text value of `cfg` but ``output_dir``."""
-    def walk(node: Any, key: str) -> Iterator[tuple[str, Path]]:
+def _config_strings(cfg: Cfg) -> Iterator[tuple[str, str]]:
+    """(dotted field, value) of every non-empty text value of `cfg` but ``output_dir``."""
+    def walk(node: Any, key: str) -> Iterator[tuple[str, str]]:
         if isinstance(node, dict):
             for k, v in node.items():
                 yield from walk(v, f"{key}.{k}" if key else k)
@@ -279,9 +274,14 @@ def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
             for i, v in enumerate(node):
                 yield from walk(v, f"{key}[{i}]")
         elif isinstance(node, str) and node:
-            yield key, Path(node).resolve()
+            yield key, node
 
     yield from walk({k: v for k, v in config_to_dict(cfg).items() if k != "output_dir"}, "")
+
+
+def _config_paths(cfg: Cfg) -> Iterator[tuple[str, Path]]:
+    """(dotted field, resolved path) of every text value of `cfg` but ``output_dir``."""
+    return ((k, Path(v).resolve()) for k, v in _config_strings(cfg))
 
 
 def _reads_from(cfg: Cfg, out: Path) -> bool:

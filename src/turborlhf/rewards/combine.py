@@ -73,8 +73,10 @@ class _ModelSource:
         self.same_vocab = rm_tok.get_vocab() == tokenizer.get_vocab()
         self.tok = tokenizer if self.same_vocab else rm_tok
         if not self.same_vocab:
+            from turborlhf.data.chat import stop_ids
             from turborlhf.rewards.model import warn_if_other_format
             warn_if_other_format(rm_tok, tokenizer, path)
+            self.stops = set(stop_ids(tokenizer))      # a response ending otherwise was cut at max_new_tokens
         from turborlhf.engine.hardware import compute_dtype
 
         dtype = compute_dtype(dtype, torch.device(compute_device or device).type)
@@ -90,11 +92,8 @@ class _ModelSource:
         from turborlhf.rewards.model import score_texts
 
         if not self.same_vocab:         # the texts re-tokenised, up to the reward model's whole context
-            from turborlhf.data.chat import stop_ids
-
             ctx = int(getattr(self.model.config, "max_position_embeddings", None) or 1024)
-            stops = set(stop_ids(inp.tokenizer))      # a response cut at max_new_tokens is scored as cut
-            finished = [bool(r) and int(r[-1]) in stops for r in inp.response_ids]
+            finished = [bool(r) and int(r[-1]) in self.stops for r in inp.response_ids]   # a cut one scored as cut
             return score_texts(self.model, self.tok, *inp.texts(), max_len=ctx, dtype=self.dtype,
                                batch_size=self.chunk, add_eos=finished)
         B = inp.ids_BT.shape[0]
