@@ -129,7 +129,7 @@ def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: boo
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     elif gradient_checkpointing:
         enable_checkpointing(model)
-    if gradient_checkpointing:    # the export writes the model's own value back (`export_use_cache`)
+    if gradient_checkpointing:    # an export writes the model's own value back (checkpoint._write_hf)
         model._use_cache_before_checkpointing = model.config.use_cache
         model.config.use_cache = False
     return model
