@@ -62,3 +62,16 @@ def test_group_filter_with_normalised_rewards_drops_only_groups_equal_for_every_
     plain = SimpleNamespace(algo=A.model_copy(update={"normalize_reward": False}), rollout=cfg.rollout)
     assert kept_groups(plain, raw, ro) == [False]
     assert kept_groups(plain, torch.tensor([1.0, 1.0]), _ro([False, True])) == [True]
+
+
+def test_a_reward_source_that_scored_no_row_logs_no_mean():
+    """A reward function returning None for every row of a batch (a code checker on a math-only
+    batch) logged its mean as NaN, which reads as a broken run in every tracker."""
+    from turborlhf.trainers.ppo.driver import _rollout_metrics
+    A = PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, missing_eos_penalty=None)
+    per = {"acc": torch.tensor([1.0, 0.0]), "code": torch.tensor([float("nan")] * 2)}
+    exp = score_and_advantages(A, None, None, 0, torch.ones(2, 2), [True, True], torch.zeros(2, 2), None, None,
+                               torch.tensor([1.0, 0.0]), per, 0.0, None)
+    out = _rollout_metrics(exp, 0.0)
+    assert out["rollout/reward_acc_mean"] == 0.5 and "rollout/reward_code_mean" not in out
+    assert all(v == v for v in out.values())

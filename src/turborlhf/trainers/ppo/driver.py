@@ -398,8 +398,8 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     if exp.values_BR is not None:
         out[M.EXPLAINED_VAR] = _explained_variance(exp.values_BR, exp.returns_BR, exp.mask_BR)
     if exp.source_scores and len(exp.source_scores) > 1:
-        out.update({f"rollout/reward_{name}_mean": float(s.nanmean())     # over the rows it scored
-                    for name, s in exp.source_scores.items()})
+        out.update({f"rollout/reward_{name}_mean": float(s.nanmean())     # over the rows it scored;
+                    for name, s in exp.source_scores.items() if not bool(s.isnan().all())})  # none: no row
     return out
 
 
