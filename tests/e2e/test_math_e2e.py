@@ -152,3 +152,17 @@ def test_eval_math_data_without_answers_says_what_it_needs(tiny_model, tmp_path)
     with pytest.raises(DataError, match=r"the record has \['prompt', 'response'\] \(prepare-data gsm8k") as e:
         load_problems(str(path), load_tokenizer(str(tiny_model)))
     assert "data.prompt_key" not in str(e.value)
+
+
+def test_eval_math_reads_reasoning_gym_tasks_without_a_reference_answer(tiny_model, tmp_path):
+    """prepare-data reasoning-gym writes ``"answer": null`` for tasks scored from their metadata
+    (graph_color): eval-math refused the file as GSM8K data without an answer."""
+    from turborlhf.eval_math import load_problems
+    from turborlhf.models.load import load_tokenizer
+
+    path = tmp_path / "graph_color_prompts.jsonl"
+    row = {"prompt": [{"role": "user", "content": "Color the graph"}], "answer": None,
+           "metadata": {"source_dataset": "graph_color"}, "question": "Color the graph"}
+    path.write_text(json.dumps(row) + "\n")
+    (got,) = load_problems(str(path), load_tokenizer(str(tiny_model)))
+    assert got["answer"] is None and got["metadata"] == row["metadata"] and "Color the graph" in got["prompt"]

@@ -191,3 +191,88 @@ def test_math_accuracy_outside_the_main_thread():
     t.start()
     t.join()
     assert out == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("text", ["#### 3/4", "#### 10^3", "#### 12:30", "#### 1e3", "#### 12,3456",
+                                  "#### 1,00,000", "#### 3.14.15", "the answer is 3/4", "we get \\frac{1}{2}",
+                                  "so \\boxed{\\sqrt{2}}", "2^10"])
+def test_only_a_whole_number_is_an_answer(text):
+    """The start or end of an expression was read as the answer: "#### 3/4" scored 1 against 3,
+    "\\boxed{\\frac{1}{2}}" against 2 (a false positive a policy can learn to exploit)."""
+    for ref in ("3", "4", "1", "2", "10", "12", "30", "12345", "3.14", "1000"):
+        assert gsm8k_accuracy([""], [text], answer=[ref]) == [0.0], (text, ref)
+    assert extract_hash_answer("#### 3/4") is None and extract_last_number("3/4 of 12") == "12"
+
+
+def test_a_typeset_minus_is_a_minus():
+    """"#### −5" (U+2212) scored 1 against 5 and 0 against -5."""
+    for text in ("#### \u22125", "The answer is \u20135", "it is \u22125"):
+        assert gsm8k_accuracy(["", ""], [text, text], answer=["-5", "5"]) == [1.0, 0.0]
+    assert numbers_equal("\u22123.5", "-3.5")
+
+
+def test_verifiers_stay_linear_on_degenerate_responses():
+    """"####" before a run of spaces, repeated tags: the regexes backtracked quadratically, seconds
+    per 8,000 spaces (a policy that collapses into whitespace stalled the rollout for minutes)."""
+    import time
+
+    texts = ["#### " + " " * 20_000 + "x", "12.\n####" + "\n" * 20_000, "<answer>" * 20_000,
+             "<think>\n" + "\n</think>\n<answer>\n" * 10_000 + "x"]
+    t0 = time.perf_counter()
+    for fn in (gsm8k_accuracy, gsm8k_strict_accuracy):
+        fn([""] * 4, texts, answer=["1"] * 4)
+    gsm8k_format([""] * 4, texts), answer_tag_format([""] * 4, texts), think_answer_format([""] * 4, texts)
+    assert time.perf_counter() - t0 < 5          # the old code: minutes at this size
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("<think>\na\n</think>\n<answer>\n1\n</answer>", True), ("<think>\n\n</think>\n<answer>\n\n</answer>", True),
+    ("<think>\n\n</think>\n<answer>\n</answer>", False), ("<think>\n</think>\n<answer>\n1\n</answer>", False),
+    ("<think>\na\n</think>\n<answer>\nb\n</think>\n<answer>\nc\n</answer>", True),
+    ("<think>\na\n</think>\n<answer>\n1\n</answer>x", False), ("x<think>\na\n</think>\n<answer>\n1\n</answer>", False),
+])
+def test_think_answer_format_is_open_r1s_pattern(text, ok):
+    import re
+
+    pattern = r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$"        # open-r1's format_reward
+    assert bool(re.match(pattern, text, re.DOTALL)) is ok
+    assert think_answer_format([""], [text]) == [float(ok)]
+
+
+def test_the_answer_tag_is_paired_as_findall_pairs_it():
+    from turborlhf.rewards.verifiers import _extract_answer_tag
+
+    for text in ("<answer>a<answer>b</answer>", "</answer><answer> x </answer>", "<answer>1</answer><answer>2",
+                 "<answer>1</answer>y<answer>2</answer>", "none", "<answer></answer>"):
+        found = __import__("re").findall(r"<answer>\s?(.*?)\s?</answer>", text, flags=__import__("re").DOTALL)
+        assert _extract_answer_tag(text) == (found[-1].strip() if found else None), text
+
+
+@pytest.mark.parametrize("gold, completion, ok", [
+    ("12", "So the answer is 12 * 5 = <<12*5=60>>60.\n#### 60", 0.0),     # the #### line is the answer
+    ("60", "So the answer is 12 * 5 = <<12*5=60>>60.\n#### 60", 1.0),
+    ("42", "the answer is 7\n#### **42**", 1.0),
+    ("-5", "#### -$5", 1.0),
+    ("\\[\\frac{1}{2}\\]", "\\boxed{\\frac{1}{2}}", 1.0),                  # display math was wrapped in $...$
+    ("1e3", "\\boxed{1000}", 1.0),
+    ("60", "He makes 12 * 5 = <<12*5=60>>60 dollars, I think 60", 1.0),
+])
+def test_math_accuracy_reads_gsm8k_responses_and_any_reference(gold, completion, ok, recwarn):
+    pytest.importorskip("math_verify")
+    from turborlhf.rewards.verifiers import math_accuracy
+
+    assert math_accuracy([""], [completion], answer=[gold]) == [ok]
+    assert not [w for w in recwarn if "cannot parse the reference" in str(w.message)]
+
+
+def test_math_accuracy_warns_on_a_reference_it_reads_as_text():
+    pytest.importorskip("math_verify")
+    from turborlhf.rewards.verifiers import math_accuracy
+
+    with pytest.warns(UserWarning, match="cannot parse the reference"):
+        assert math_accuracy([""], ["\\boxed{1}"], answer=["$\\[1\\]$"]) == [0.0]
+
+
+def test_a_score_too_large_for_a_float_is_a_clear_error():
+    with pytest.raises(RewardFunctionError, match="expected a finite number"):
+        call_reward_function(lambda prompts, completions, **kw: [10 ** 400], ["p"], ["r"], "big")

@@ -186,6 +186,14 @@ def callable_kwargs(fn: Callable, prompts: list[str], completions: list[str], co
     return args, kwargs
 
 
+def _finite(v: numbers.Real) -> bool:
+    """Whether the number `v` is finite as a float (an int above 1e308 is not: OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                          name: str = "reward function",
                          columns: Optional[Mapping[str, Sequence]] = None,
@@ -233,7 +241,7 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         if v is None and allow_none:
             scores.append(math.nan)
             continue
-        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if not isinstance(v, numbers.Real) or not _finite(v):
             raise RewardFunctionError(f"{name} returned {v!r} at index {i}; expected a finite number")
         scores.append(float(v))
     return scores

@@ -41,6 +41,14 @@ __all__ = ["RemoteRewardError", "RemoteRewardModel", "TOKEN_ENV"]
 TOKEN_ENV = "TURBORLHF_RM_TOKEN"
 
 
+def _finite(v: int | float) -> bool:
+    """Whether `v` is finite as a float (a JSON integer above 1e308 is not: OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 class RemoteRewardError(RuntimeError):
     """The remote reward model is down, too slow, or answered with an error."""
 
@@ -96,7 +104,7 @@ class RemoteRewardModel:
             raise RemoteRewardError(f"{self.role} at {self.url} sent a malformed answer: expected "
                                     f"{{'scores': [{len(prompts)} numbers]}}, got {str(answer)[:200]}")
         bad = [i for i, s in enumerate(scores)
-               if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+               if isinstance(s, bool) or not isinstance(s, (int, float)) or not _finite(s)]
         if bad:
             raise RemoteRewardError(f"{self.role} at {self.url} sent scores that are not finite numbers: "
                                     f"scores[{bad[0]}] = {json.dumps(scores[bad[0]])[:60]} ({len(bad)} bad)")

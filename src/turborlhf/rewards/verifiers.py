@@ -43,19 +43,25 @@ __all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "num
            "answer_tag_format", "reasoning_gym_score"]
 
 # a number as people write it: optional sign and $, thousands separators or plain digits, decimals
-# ("- 18", a list item or "20 - 5", is 18 or 5: a sign is only a sign right before the digits or a $)
-_NUM = r"(?:-?\$\s?-?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+"
-_HASH_RE = re.compile(rf"####\s*\**\s*({_NUM})")
+# ("- 18", a list item or "20 - 5", is 18 or 5: a sign is only a sign right before the digits or a $).
+# A whole number only: not the start or the end of "3/4", "10^3", "12:30", "1e3", "12,3456", "3.14.15"
+_NUM = (r"(?<![\d.,/^:])(?<!\d[eE])(?<!\d[eE][-+])(?:(?:-?\$\s?-?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+)"
+        r"(?![\d/^:]|[.,]\d|[eE][-+]?\d)")
+# each run of spaces matched by one pattern only: "####" before a long run of spaces or newlines
+# stays linear (two adjacent \s* took seconds per 4,000 spaces, whole minutes per response)
+_HASH_RE = re.compile(rf"####\s*(?:\*+\s*)?({_NUM})")
 _NUM_RE = re.compile(_NUM)
-_FORMAT_LINE_RE = re.compile(rf"^\s*####\s*\**\s*(?:{_NUM})\s*\**\s*\.?\s*$")
-_THINK_ANSWER_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
+_FORMAT_LINE_RE = re.compile(rf"^\s*####\s*(?:\*+\s*)?(?:{_NUM})\s*(?:\*+\s*)?(?:\.\s*)?$")
+# LaTeX whose numbers are no answer by themselves: \frac{1}{2} is not 2, \sqrt{2} not 2
+_LATEX_PARTS_RE = re.compile(r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|\\sqrt\s*(?:\[[^\]]*\])?\s*\{[^{}]*\}")
+_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-"})      # typeset minus signs (−, –) read as "-"
 
 
 def _to_decimal(text: Optional[str]) -> Optional[Decimal]:
     """``"$1,080."`` → Decimal(1080); None when `text` is not a number."""
     if text is None:
         return None
-    s = str(text).strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    s = str(text).translate(_MINUS).strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
     if s.startswith("--"):
         s = s[2:]
     try:
@@ -66,15 +72,17 @@ def _to_decimal(text: Optional[str]) -> Optional[Decimal]:
 
 
 def extract_hash_answer(text: str) -> Optional[str]:
-    """The number after the last ``####`` of `text` (GSM8K's answer line), as written; None if
-    there is none. ``"... #### 1,080"`` → ``"1,080"``."""
-    found = _HASH_RE.findall(text)
+    """The number after the last ``####`` of `text` (GSM8K's answer line), as written (a typeset
+    minus ``−`` as ``-``); None if there is none, or if it is only the start of an expression
+    (``#### 3/4``). ``"... #### 1,080"`` → ``"1,080"``."""
+    found = _HASH_RE.findall(text.translate(_MINUS))
     return found[-1].strip() if found else None
 
 
 def extract_last_number(text: str) -> Optional[str]:
-    """The last number written in `text` (``"$1,200.50"``, ``"-3"``), or None."""
-    found = _NUM_RE.findall(text)
+    """The last whole number written in `text` (``"$1,200.50"``, ``"-3"``; not a part of ``3/4``,
+    ``1e3``, ``\\frac{1}{2}`` or ``\\sqrt{2}``), or None."""
+    found = _NUM_RE.findall(_LATEX_PARTS_RE.sub(" ", text.translate(_MINUS)))
     return found[-1].strip() if found else None
 
 
@@ -166,10 +174,21 @@ def gsm8k_soft_format(prompts: list[str], completions: list[str], **columns) -> 
     return out
 
 
+def _think_answer(text: str) -> bool:
+    """Whether `text` is ``<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>``: open-r1's regex
+    ``^<think>\\n.*?\\n</think>\\n<answer>\\n.*?\\n</answer>$`` (DOTALL), checked in linear time
+    (the regex backtracks quadratically over a response that repeats its tags)."""
+    head, middle, tail = "<think>\n", "\n</think>\n<answer>\n", "\n</answer>"
+    if not (text.startswith(head) and text.endswith(tail)):
+        return False
+    at = text.find(middle, len(head))          # the first split leaves the most room for the answer
+    return at != -1 and at + len(middle) <= len(text) - len(tail)
+
+
 def think_answer_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """1.0 where the whole response is ``<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>`` (open-r1's
     ``format_reward``, the DeepSeek-R1-Zero template); else 0.0."""
-    return [float(_THINK_ANSWER_RE.match(c.strip()) is not None) for c in completions]
+    return [float(_think_answer(c.strip())) for c in completions]
 
 
 def answer_tag_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
@@ -178,6 +197,28 @@ def answer_tag_format(prompts: list[str], completions: list[str], **columns) -> 
     `reasoning_gym_score` reads); else 0.0. What comes before the tag is not checked."""
     return [float(c.count("<answer>") == 1 and c.rstrip().endswith("</answer>") and bool(_extract_answer_tag(c)))
             for c in completions]
+
+
+_CALC_NOTE_RE = re.compile(r"<<[^<>]*>>")        # GSM8K's calculator notes "<<12*5=60>>": not an answer
+
+
+def _math_reference(answer: Any) -> str:
+    """A reference as math-verify should read it: a GSM8K solution's ``####`` number, a plain
+    number as a decimal (``1e3`` → ``1000``), LaTeX without delimiters inside ``$…$``."""
+    ref = str(answer) if answer is not None else ""
+    hashed = extract_hash_answer(ref)
+    ref = hashed if hashed is not None else ref
+    number = _to_decimal(ref)
+    if number is not None:
+        return f"${number:f}$"
+    if not re.search(r"(?<!\\)\$", ref) and not any(d in ref for d in ("\\boxed", "\\(", "\\[")):   # \$: a dollar
+        ref = f"${ref}$"
+    return ref
+
+
+def _has_value(parsed: Any) -> bool:
+    """Whether math-verify's parse result holds a math object (it falls back to the raw string)."""
+    return not isinstance(parsed, str)
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,18 +250,13 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: Optional[S
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     out = []
     for c, a in zip(completions, answer):
-        ref = str(a) if a is not None else ""
-        hashed = extract_hash_answer(ref)
-        if hashed is not None:
-            ref = hashed
-        if not re.search(r"(?<!\\)\$", ref) and "\\boxed" not in ref and "\\(" not in ref:   # \$: a dollar sign
-            ref = f"${ref}$"
-        gold = mv.parse(ref, parsing_timeout=timeout)
-        if not gold:
+        gold = mv.parse(_math_reference(a), parsing_timeout=timeout)
+        if not any(_has_value(g) for g in gold):
             warnings.warn(f"math_accuracy: math-verify cannot parse the reference {a!r}; scored 0", stacklevel=2)
             out.append(0.0)
             continue
-        pred = mv.parse(c, parsing_timeout=timeout)
+        hashed = _to_decimal(extract_hash_answer(c))       # a GSM8K-style response: its "#### n" line is its answer
+        pred = mv.parse(f"${hashed:f}$" if hashed is not None else _CALC_NOTE_RE.sub("", c), parsing_timeout=timeout)
         out.append(float(bool(pred) and mv.verify(gold, pred, timeout_seconds=timeout)))
     return out
 
@@ -247,8 +283,16 @@ def _tuples(x: Any) -> Any:
 
 
 def _extract_answer_tag(text: str) -> Optional[str]:
-    found = re.findall(r"<answer>\s?(.*?)\s?</answer>", text, flags=re.DOTALL)
-    return found[-1].strip() if found else None
+    """The stripped text of the last ``<answer>…</answer>`` of `text` as ``re.findall(r"<answer>(.*?)
+    </answer>")`` pairs them (left to right, each tag with the first close after it), in linear time
+    (the regex is quadratic in a response that repeats ``<answer>``); None if there is none."""
+    last, pos = None, 0
+    while (start := text.find("<answer>", pos)) != -1:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end == -1:
+            break
+        last, pos = text[start + len("<answer>"):end], end + len("</answer>")
+    return last.strip() if last is not None else None
 
 
 def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
