@@ -147,3 +147,28 @@ def test_a_critic_started_from_a_reward_model_of_another_vocabulary_is_refused(t
     err = capsys.readouterr().err
     assert "critic.name_or_path (unset: the critic starts from the reward model)" in err and "vocabulary" in err
     assert main(args + [f"critic.name_or_path={tiny_model}"]) == 0       # a critic of the policy's vocabulary
+
+
+def test_resume_changed_learning_rates_and_kl_coef_take_effect(tiny_model, tiny_rm, tiny_data, tmp_path):
+    """The actor's and critic's learning rates and a fixed KL coefficient changed under
+    --resume-changed were logged as taken and ignored: the checkpoint's values came back."""
+    from turborlhf.cli import main
+
+    out = tmp_path / "ppo"
+    args = ["ppo", "--config", str(REPO / "configs/tiny/ppo.yaml"), f"actor.name_or_path={tiny_model}",
+            f"reward_model={tiny_rm}", f"data.prompts_file={tiny_data / 'train_prompts.jsonl'}", "data.max_samples=32",
+            f"output_dir={out}", "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3",
+            "log.tensorboard=false", "optim.schedule=constant", "optim.warmup_steps=0"]
+    assert main(args + ["optim.lr=1e-4", "algo.critic_lr=1e-4", "algo.kl_coef=0.05"]) == 0
+    rewind_to(out, 1)
+    assert main(args + ["optim.lr=1e-3", "algo.critic_lr=2e-3", "algo.kl_coef=0.5", "--resume",
+                        "--resume-changed"]) == 0
+    rows = [r for r in metrics(out) if "policy/kl_coef" in r]
+    assert [r["policy/kl_coef"] for r in rows] == pytest.approx([0.05, 0.5])
+    assert [r["train/lr"] for r in rows] == pytest.approx([1e-4, 1e-3])
+    import torch
+
+    from turborlhf.engine.checkpoint import latest_checkpoint
+
+    critic = torch.load(latest_checkpoint(out) / "critic" / "worker_state.pt", map_location="cpu", weights_only=False)
+    assert [g["lr"] for g in critic["opt"]["param_groups"]] == pytest.approx([2e-3] * len(critic["opt"]["param_groups"]))

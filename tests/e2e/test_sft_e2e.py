@@ -146,3 +146,22 @@ def test_a_mistyped_input_path_leaves_the_earlier_run_alone(tiny_model, tiny_dat
         assert capsys.readouterr().err.strip().startswith(f"error: {field}: "), field
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before[0]
         assert max_weight_diff(before[1], weights(out)) == 0.0
+
+
+def test_resume_changed_hyperparameters_take_effect(tiny_model, tiny_data, tmp_path):
+    """--resume-changed logged "optim.lr: 0.001 -> 0.01" and trained on at 0.001: the optimizer's
+    and the schedule's saved state brought back the old learning rate, weight decay and betas."""
+    from turborlhf.cli import main
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    out = tmp_path / "sft"
+    args = ["sft", "--config", str(REPO / "configs/tiny/sft.yaml"), f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=64", f"output_dir={out}",
+            "train.max_steps=4", "train.keep_checkpoints=3", "optim.schedule=constant", "optim.warmup_steps=0",
+            "log.tensorboard=false"]
+    assert main(args + ["optim.lr=1e-3", "optim.weight_decay=0.0"]) == 0
+    rewind_to(out, 2)
+    assert main(args + ["optim.lr=1e-2", "optim.weight_decay=0.1", "--resume", "--resume-changed"]) == 0
+    assert [r["train/lr"] for r in metrics(out) if "train/lr" in r] == pytest.approx([1e-3, 1e-3, 1e-2, 1e-2])
+    groups = load_trainer_state(latest_checkpoint(out))["optimizer"]["param_groups"]
+    assert [g["lr"] for g in groups] == pytest.approx([1e-2] * len(groups)) and max(g["weight_decay"] for g in groups) == 0.1

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from turborlhf.data.jsonl import usual_mode
-from turborlhf.engine.train import rng_state, set_rng_state
+from turborlhf.engine.train import load_optimizer_and_schedule, rng_state, set_rng_state
 from turborlhf.models.load import is_lora, merge_lora_for_save
 
 logger = logging.getLogger(__name__)
@@ -344,8 +344,8 @@ def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, schedu
         return 0
     state = load_trainer_state(ckpt)
     check_plan(state, plan_sha256, ckpt, tag)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    load_optimizer_and_schedule(optimizer, scheduler, lambda: optimizer.load_state_dict(state["optimizer"]),
+                                state["scheduler"])
     set_rng_state(state["rng"])
     logger.info(f"[{tag}] resumed from {ckpt} at step {state['step']}")
     return state["step"]

@@ -203,6 +203,24 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def load_optimizer_and_schedule(optimizer: torch.optim.Optimizer, scheduler, load_optimizer, scheduler_state: dict) -> None:
+    """Resume `optimizer` (`load_optimizer()` loads its checkpoint state) and `scheduler` (a
+    `make_scheduler` one: `scheduler_state`) at the checkpoint's step, with the hyperparameters
+    of the config they were built from: torch's ``load_state_dict`` brings back the saved param
+    groups (lr, weight decay, betas, eps) and the schedule's base learning rates, so a changed
+    ``optim.lr`` under ``--resume-changed`` was logged as taken and then ignored. The moments and
+    step counts are the checkpoint's; the learning rate is the new schedule's at that step."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
+    load_optimizer()
+    scheduler.load_state_dict(scheduler_state)
+    scheduler.base_lrs = base_lrs
+    for group, config, factor in zip(optimizer.param_groups, fresh, scheduler.lr_lambdas):
+        group.update(config)
+        group["lr"] = config["initial_lr"] * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 class NonFiniteError(RunError):
     """A loss, gradient or parameter of a training step is NaN or infinite. Raised by
     `clip_and_step` at the step that produced it, before anything of that step is saved, so the

@@ -46,8 +46,8 @@ from turborlhf.engine.checkpoint import (atomic_write_text, check_plan, load_tra
                                          save_checkpoint)
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
-from turborlhf.engine.train import (clip_and_step, make_optimizer, make_scheduler, rng_state, seed_everything,
-                                    set_rng_state, set_threads)
+from turborlhf.engine.train import (clip_and_step, load_optimizer_and_schedule, make_optimizer, make_scheduler,
+                                    rng_state, seed_everything, set_rng_state, set_threads)
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.load import load_tokenizer, load_trainable, merge_lora_for_save
 from turborlhf.rewards.model import check_reward_model, load_reward_model, score_token_ids, warn_if_other_format
@@ -146,8 +146,8 @@ def sft_on_rows(model, tok, rows: list[dict], cfg: RejectionSamplingConfig, seed
     model.train()
     acc = {"losses": [], "gnorms": [], "n_tok": 0, "seconds": 0.0, "lr": sched.get_last_lr()[0], "step": 0}
     if resume is not None:
-        optim.load_state_dict(resume["optimizer"])
-        sched.load_state_dict(resume["scheduler"])
+        load_optimizer_and_schedule(optim, sched, lambda: optim.load_state_dict(resume["optimizer"]),
+                                    resume["scheduler"])
         acc = resume["acc"]
     t0 = time.perf_counter()
     for step in range(acc["step"], len(plan)):

@@ -30,7 +30,7 @@ from turborlhf.data.tokenize import encode_examples
 from turborlhf.engine.checkpoint import _write_hf, plan_digest
 from turborlhf.engine.parallel import dp_rank_world, full_state_dict, is_fsdp, root_forward
 from turborlhf.engine.run import export_model
-from turborlhf.engine.train import autocast, make_optimizer, make_scheduler
+from turborlhf.engine.train import autocast, load_optimizer_and_schedule, make_optimizer, make_scheduler
 from turborlhf.metrics import M
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import is_lora, load_tokenizer, load_trainable, merged_named_parameters
@@ -213,8 +213,8 @@ class ActorWorker(Trainable):
                                  cfg.train.seed)
         if ckpt:
             st = self._read_state(ckpt, "actor")
-            self._load_optim_state(self.opt, st["opt"])
-            self.sched.load_state_dict(st["sched"])
+            load_optimizer_and_schedule(self.opt, self.sched, lambda: self._load_optim_state(self.opt, st["opt"]),
+                                        st["sched"])
             if self.ema is not None:
                 self.ema.load_state_dict(st["ema"])
             if self.ptx is not None:

@@ -22,7 +22,7 @@ from turborlhf.algo import reduce_loss, value_clipfrac, value_loss
 from turborlhf.config import ModelCfg, PPOConfig
 from turborlhf.engine.checkpoint import _write_hf
 from turborlhf.engine.parallel import dp_rank_world, root_forward
-from turborlhf.engine.train import autocast, make_optimizer, make_scheduler
+from turborlhf.engine.train import autocast, load_optimizer_and_schedule, make_optimizer, make_scheduler
 from turborlhf.metrics import M
 from turborlhf.models.forward import token_values
 from turborlhf.models.load import load_tokenizer, load_trainable
@@ -79,8 +79,8 @@ class CriticWorker(Trainable):
         self.sched = make_scheduler(self.opt, cfg.optim, total_updates)
         if ckpt:
             st = self._read_state(ckpt, "critic")
-            self._load_optim_state(self.opt, st["opt"])
-            self.sched.load_state_dict(st["sched"])
+            load_optimizer_and_schedule(self.opt, self.sched, lambda: self._load_optim_state(self.opt, st["opt"]),
+                                        st["sched"])
             self._restore_rng(st)
 
     def values(self, ids_BS: torch.Tensor, attn_BS: torch.Tensor, P: int, R: int,

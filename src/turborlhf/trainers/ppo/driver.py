@@ -529,7 +529,8 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     if ckpt:
         st = load_trainer_state(ckpt)
         check_plan(st, plan_sha256, ckpt, "ppo")
-        kl_ctl.value = st["kl_coef"]
+        if A.kl_target is not None:       # the adapted coefficient; a fixed one is the config's (--resume-changed)
+            kl_ctl.value = st["kl_coef"]
         if reward_stats is not None and st.get("reward_stats"):
             reward_stats = RunningMoments(**st["reward_stats"])
         set_rng_state(st["rng"])
