@@ -279,6 +279,18 @@ def _plain(value: Any) -> Any:
                     "mappings)")
 
 
+def _set_values(args: Any, cls: type) -> dict:
+    """The values set in `args`, a config of `cls`'s parent class (a PPOConfig for GRPOTrainer).
+    Raises UserError for one whose ``algo`` section has every field set (`load_config` sets
+    them all): its PPO values would replace every setting of `cls`'s preset, silently."""
+    algo = getattr(args, "algo", None)
+    if algo is not None and set(type(algo).model_fields) <= algo.model_fields_set:
+        raise UserError(f"args: this {type(args).__name__} sets every algo field (load_config gives every field a "
+                        f"value), which would replace all of {cls.__name__}'s settings; build it as {cls.__name__} "
+                        f"(load_config({cls.__name__}, ...)) or pass a dict of the fields to change")
+    return args.model_dump(mode="json", exclude_unset=True)
+
+
 def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     node = tree
@@ -311,10 +323,9 @@ class _Trainer:
         elif isinstance(args, dict):
             tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
-            # a parent class's object (a PPOConfig given to GRPOTrainer): only its values other than
-            # that class's defaults go over this trainer's preset
-            tree = config_to_dict(args) if isinstance(args, cls) else args.model_dump(mode="json",
-                                                                                      exclude_unset=True)
+            # a parent class's object (a PPOConfig given to GRPOTrainer): only the values set in it
+            # go over this trainer's preset
+            tree = config_to_dict(args) if isinstance(args, cls) else _set_values(args, cls)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)

@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from turborlhf.errors import UserError
 
@@ -26,6 +26,14 @@ def _scalar_kinds(ann: Any) -> set:
     return {ann} if ann in (bool, int, float, str, type(None)) else {object}
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 class Cfg(BaseModel):
     """Base for all config parts: unknown keys are errors, instances are immutable, and true/false
     never stands for a number nor a number for true/false (pydantic's lax mode reads ``true`` as 1
@@ -35,6 +43,23 @@ class Cfg(BaseModel):
     # device/precision choices made for this host by `turborlhf.engine.run.resolve_hardware`
     # (field → {value, reason}); not a field: never in YAML, saved as the run's hardware.json
     _hardware: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_over_the_commands_defaults(cls, data: Any) -> Any:
+        """A section given as a mapping completes the command's own default of that section (a
+        preset's ``algo``, SFT's ``optim.lr``), as `turborlhf.config_io.load_config` does:
+        ``GRPOConfig(algo={"kl_coef": 0})`` ran GAE with a critic, the ``algo`` section's class
+        defaults, and ``SFTConfig(optim={...})`` lost SFT's learning rate."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(data.get(name), dict) and field.default_factory is not None:
+                default = field.default_factory()
+                if isinstance(default, BaseModel):
+                    merged[name] = _merge(default.model_dump(mode="json", exclude_unset=True), data[name])
+        return merged
 
     @field_validator("*", mode="before")
     @classmethod

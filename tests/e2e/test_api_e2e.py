@@ -555,3 +555,32 @@ def test_epochs_set_alone_count_over_a_default_step_limit():
     cfg = load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r", "train": {"epochs": 1}})
     assert cfg.train.max_steps == 0
     assert load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r"}).train.max_steps == 20
+
+
+def test_config_classes_built_directly_keep_the_commands_section_defaults():
+    """A section given as a dict was validated against the section class alone: GRPOConfig(algo=
+    {"kl_coef": 0}) ran GAE with a critic (no preset), SFTConfig(optim={...}) lost SFT's lr."""
+    from turborlhf.config import DPOConfig, GRPOConfig, PPOConfig, RLOOConfig, SFTConfig, load_config
+
+    g = GRPOConfig(reward_model="r", data={"prompts_file": "p"}, algo={"kl_coef": 0.0})
+    assert (g.algo.advantage_estimator, g.algo.kl_estimator, g.algo.kl_coef) == ("grpo", "k3", 0.0)
+    assert not g.algo.needs_critic and g.algo.n_samples_per_prompt > 1
+    assert RLOOConfig(reward_model="r", data={"prompts_file": "p"}, algo={"kl_coef": 0.01}).algo.advantage_estimator \
+        == "rloo"
+    for cls, base in ((SFTConfig, {"data": {"train_file": "x"}, "optim": {"warmup_steps": 3}}),
+                      (DPOConfig, {"data": {"train_file": "x"}, "optim": {"schedule": "linear"}}),
+                      (PPOConfig, {"reward_model": "r", "data": {"prompts_file": "p"}, "train": {"micro_batch_size": 2}})):
+        assert cls(**base) == load_config(cls, base=base), cls.__name__
+
+
+def test_a_loaded_ppo_config_given_to_grpo_is_refused(tmp_path):
+    """load_config sets every field, so its PPOConfig replaced every GRPO setting (GAE, one sample,
+    a critic) though only the values set in it were to go over the preset."""
+    from turborlhf import GRPOTrainer, PPOConfig
+    from turborlhf.config import load_config
+    from turborlhf.errors import UserError
+
+    args = load_config(PPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r",
+                                        "output_dir": str(tmp_path / "g")})
+    with pytest.raises(UserError, match="sets every algo field .* build it as GRPOConfig"):
+        GRPOTrainer(model="m", reward_funcs="gsm8k_accuracy", args=args)
