@@ -65,7 +65,8 @@ def _split_overrides(rest: list[str], cls=None) -> list[str]:
             key = tok[2:]
             if "=" in key:
                 out.append(key)
-            elif i + 1 < len(rest) and not rest[i + 1].startswith("--") and not _OVERRIDE.match(rest[i + 1]):
+            elif i + 1 < len(rest) and not rest[i + 1].startswith("--") and not (
+                    _OVERRIDE.match(rest[i + 1]) and _may_be_bare(cls, key)):   # "--log.run_name lr=1e-5": a value
                 out.append(f"{key}={rest[i + 1]}")
                 i += 1
             else:
@@ -78,6 +79,17 @@ def _split_overrides(rest: list[str], cls=None) -> list[str]:
             raise ConfigError(f"unexpected argument '{tok}' (overrides look like key.sub=value)")
         i += 1
     return out
+
+
+def _may_be_bare(cls, key: str) -> bool:
+    """Whether ``--key`` may stand alone (a true/false field of `cls`, or no `cls` to tell): then a
+    ``k=v`` token after it is the next override, not its value."""
+    from turborlhf.config import ConfigError
+
+    try:
+        return cls is None or _bare_flag(cls, key)
+    except ConfigError:
+        return False
 
 
 def _bare_flag(cls, key: str) -> bool:

@@ -12,7 +12,7 @@ This module imports neither torch nor transformers, so help and validation stay 
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, TypeVar
+from typing import Any, ClassVar, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -717,6 +717,8 @@ class PipelineConfig(Cfg):
     eval: EvalCfg = Field(default_factory=EvalCfg)
     stages: list[Literal["prepare", "sft", "rm", "ppo", "eval"]] = Field(
         default_factory=lambda: ["prepare", "sft", "rm", "ppo", "eval"], description="stages to run, in order")
+    # the config class each stage section holds overrides of (a `key=value` override reads its type there)
+    stage_configs: ClassVar[dict[str, type]] = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
 
 
 # ----------------------------------------------------------------------------------------------

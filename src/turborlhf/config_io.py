@@ -69,7 +69,7 @@ def _field_annotation(cls: type[Cfg], dotted: str) -> Any:
         if node is None or part not in node.model_fields:
             return None
         ann = node.model_fields[part].annotation
-        node = _cfg_class(ann)
+        node = getattr(node, "stage_configs", {}).get(part) or _cfg_class(ann)    # a pipeline stage: its command's
     return ann
 
 
@@ -77,12 +77,25 @@ def _is_text(ann: Any) -> bool:
     return ann is str or (getattr(ann, "__args__", None) is not None and set(ann.__args__) == {str, type(None)})
 
 
-def _format_error(err: ValidationError, prefix: str = "") -> str:
+def _format_error(err: ValidationError, prefix: str = "", cls: type[Cfg] | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(config)"
-        lines.append(f"{prefix}{loc}: {e['msg']}")
+        lines.append(f"{prefix}{loc}: {e['msg']}{_did_you_mean(cls, e)}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _did_you_mean(cls: type[Cfg] | None, error: dict) -> str:
+    """`` (did you mean 'lr'?)`` for an unknown key of `cls` close to one of its section's fields."""
+    import difflib
+
+    if cls is None or error.get("type") != "extra_forbidden" or not error["loc"]:
+        return ""
+    node: Any = cls
+    for part in error["loc"][:-1]:
+        node = _cfg_class(node.model_fields[part].annotation) if part in getattr(node, "model_fields", {}) else None
+    close = difflib.get_close_matches(str(error["loc"][-1]), list(getattr(node, "model_fields", {})), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def default_tree(cls: type[Cfg]) -> dict:
@@ -139,7 +152,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     try:
         return cls.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_error(e)) from None
+        raise ConfigError(_format_error(e, cls=cls)) from None
 
 
 def _epochs_over_default_steps(tree: dict, given: dict) -> None:
@@ -170,7 +183,7 @@ def validate_section(cls: type[C], tree: dict, section: str) -> C:
     try:
         return cls.model_validate(full)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, prefix=f"{section}.")) from None
+        raise ConfigError(_format_error(e, prefix=f"{section}.", cls=cls)) from None
 
 
 def config_to_dict(cfg: Cfg) -> dict:

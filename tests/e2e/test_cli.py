@@ -53,6 +53,18 @@ def test_a_text_field_override_keeps_its_text():
     assert load_config(SFTConfig, None, ["data.train_file=x", 'log.run_name=say "hi"']).log.run_name == 'say "hi"'
 
 
+def test_a_pipeline_stage_override_reads_the_stages_field_types():
+    """Inside a pipeline's sft/rm/ppo section every value was parsed as YAML: run_name=2024 was
+    refused as a number, "exp #2" became "exp", prompt_key=yes a boolean."""
+    from turborlhf.config import PipelineConfig
+
+    cfg = load_config(PipelineConfig, None, ["sft.log.run_name=exp #2", "rm.log.run_name=2024",
+                                             "ppo.data.prompt_key=yes", "ppo.optim.lr=1e-6", "sft.train.max_steps=3"])
+    assert cfg.sft["log"]["run_name"] == "exp #2" and cfg.rm["log"]["run_name"] == "2024"
+    assert cfg.ppo["data"]["prompt_key"] == "yes" and float(cfg.ppo["optim"]["lr"]) == 1e-6
+    assert cfg.sft["train"]["max_steps"] == 3
+
+
 def test_partial_section_override_keeps_command_defaults():
     from turborlhf.config import PPOConfig
 
@@ -127,3 +139,26 @@ def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
          "false", "--optim.max_grad_norm", "2"], SFTConfig)])
     assert cfg.model.gradient_checkpointing is True and cfg.optim.lr == 1e-5 and cfg.train.max_steps == 3
     assert cfg.log.progress is False and cfg.optim.max_grad_norm == 2.0
+
+
+def test_a_flag_value_holding_an_equals_sign_is_the_flags_value():
+    """"--log.run_name lr=1e-5" and "--data.train_file run=2/train.jsonl" were read as a bare flag
+    followed by another override, and refused ("no value given")."""
+    from turborlhf.cli import _split_overrides
+
+    got = _split_overrides(["--log.run_name", "lr=1e-5", "--data.train_file", "run=2/t.jsonl",
+                            "--model.gradient_checkpointing", "optim.lr=1e-4"], SFTConfig)
+    assert got == ["log.run_name=lr=1e-5", "data.train_file=run=2/t.jsonl", "model.gradient_checkpointing=true",
+                   "optim.lr=1e-4"]
+    cfg = load_config(SFTConfig, None, got)
+    assert cfg.log.run_name == "lr=1e-5" and cfg.data.train_file == "run=2/t.jsonl" and cfg.optim.lr == 1e-4
+
+
+def test_an_unknown_key_close_to_a_field_is_suggested():
+    with pytest.raises(ConfigError, match=r"optim\.lrr: Extra inputs are not permitted \(did you mean 'lr'\?\)"):
+        load_config(SFTConfig, None, ["data.train_file=x", "optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rnak: .*did you mean 'rank'"):
+        load_config(SFTConfig, None, ["data.train_file=x", "model.lora.rnak=4"])
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, None, ["data.train_file=x", "optim.zzzz=1"])
+    assert "did you mean" not in str(e.value)
