@@ -5,16 +5,18 @@ is the single most expensive op of a PPO step at RLHF lengths: 23 ms per layer f
 tokens of SmolLM2, against ~8 ms for the same gradients from plain matmuls and a softmax. The
 attention implementation registered here (``"turborlhf"``, with SDPA's mask format) therefore:
 
-- without grad (rollout scoring, reference and reward passes, evaluation): calls transformers'
+- without grad (rollout scoring, reward and critic passes, evaluation): calls transformers'
   ``sdpa`` attention unchanged;
-- with grad, on short sequences (at most `MATH_MAX_KEYS` keys and `MATH_MAX_SCORES` scores):
+- with grad, or inside `kernels_of_training` (PPO's reference and old log-probs, which must round
+  as the training forward does), on short sequences (at most `MATH_MAX_KEYS` keys and
+  `MATH_MAX_SCORES` scores):
   computes the attention with matmuls and a fused fp32 softmax (`_SoftmaxAttention`). As with
   flash attention only q, k, v, the output and the row log-sum-exp are saved (no ``T×T``
   probabilities kept between forward and backward); the backward recomputes the scores once and
   applies the softmax-attention gradients with plain matmuls;
 - with grad on longer sequences: ``sdpa`` again, whose tiled kernel wins beyond ~300 keys;
 - packed sequences (padding removed, `turborlhf.models.forward`): padded to the longest with a
-  mask for the matmul path above (bf16, short, with grad), otherwise causal ``sdpa`` one sequence
+  mask for the matmul path above (bf16, short, training), otherwise causal ``sdpa`` one sequence
   at a time (`_per_sequence_attention`: no padding, and the flash kernel skips the masked half).
   "bf16" is the dtype the attention computes in (`_compute_dtype`): under bf16 autocast with fp32
   master weights the queries arrive in fp32 (fp32 rotary cos/sin times bf16 projections). Judging
@@ -37,13 +39,15 @@ rather than ``-inf``, so fully masked query rows (left padding) give finite outp
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
 __all__ = ["ATTN_IMPLEMENTATION", "MASKED", "MATH_MAX_KEYS", "MATH_MAX_SCORES", "register", "use_training_attention",
-           "attention_for_compute_device", "math_attention"]
+           "attention_for_compute_device", "math_attention", "kernels_of_training"]
 
 ATTN_IMPLEMENTATION = "turborlhf"
 #: longest key axis done by the matmul path (flash attention is faster beyond ~300 keys here)
@@ -200,12 +204,47 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+_as_in_training = threading.local()
+
+
+@contextlib.contextmanager
+def kernels_of_training():
+    """Within the block, forwards without grad choose their attention kernels as the training
+    forward with grad does (`_math_path`, `_pads_for_matmul_path`). For the forwards whose
+    log-probs are compared with the policy's training forward: PPO's reference and old log-probs.
+    On SDPA they rounded differently from the matmul path, by up to 0.14 nats per token on SmolLM2
+    in bf16: a GRPO step whose advantages were all zero moved the policy by a full Adam step (the
+    gradient of that noise through the KL term), and PPO's step-0 KL and whitened advantages were
+    that noise. Same kernels on the same micro-batches give bit-identical log-probs. Other no-grad
+    forwards (reward model, critic, evaluation) keep SDPA, whose forward is faster here."""
+    before = getattr(_as_in_training, "on", False)
+    _as_in_training.on = True
+    try:
+        yield
+    finally:
+        _as_in_training.on = before
+
+
+def _trains(*tensors: torch.Tensor) -> bool:
+    """Whether this forward chooses kernels as a training one: with grad through `tensors`, or
+    inside `kernels_of_training`."""
+    return getattr(_as_in_training, "on", False) or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def _pads_for_matmul_path(query_1HND: torch.Tensor, max_len: int) -> bool:
-    """Whether packed sequences are padded to their longest for the matmul path: with grad, computed
-    below fp32 (bf16, autocast included), at most `MATH_MAX_KEYS` tokens. Everything else goes
-    `_per_sequence_attention`."""
-    return (torch.is_grad_enabled() and query_1HND.requires_grad and _compute_dtype(query_1HND) != torch.float32
-            and max_len <= MATH_MAX_KEYS)
+    """Whether packed sequences are padded to their longest for the matmul path: training
+    (`_trains`), computed below fp32 (bf16, autocast included), at most `MATH_MAX_KEYS` tokens.
+    Everything else goes `_per_sequence_attention`."""
+    return _trains(query_1HND) and _compute_dtype(query_1HND) != torch.float32 and max_len <= MATH_MAX_KEYS
+
+
+def _math_path(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, **kwargs) -> bool:
+    """Whether `_attention_forward` computes with `math_attention` rather than SDPA: training
+    (`_trains`), short keys (`MATH_MAX_KEYS`, `MATH_MAX_SCORES`), no dropout, softcap or position bias."""
+    B, H, Tq, _ = query.shape
+    Tk = key.shape[2]
+    return (_trains(query, key, value) and dropout == 0.0 and Tk <= MATH_MAX_KEYS and B * H * Tq * Tk <= MATH_MAX_SCORES
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
 
 
 def _per_sequence_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KND: torch.Tensor,
@@ -218,7 +257,7 @@ def _per_sequence_attention(module: nn.Module, query_1HND: torch.Tensor, key_1KN
     2-core Xeon (fp32, SmolLM2, 16-sequence SFT step of ~3,100 tokens): attention forward and
     backward 4.9 s → 1.5 s per step; on micro-batches of 8 sequences of at most 256 tokens it also
     beat the padded matmul path in fp32 (5.0-6.0 s against 6.0-7.7 s per SFT micro-step). Used for
-    every packed forward but bf16 with grad on sequences of at most `MATH_MAX_KEYS` tokens, where
+    every packed forward but bf16 training ones on sequences of at most `MATH_MAX_KEYS` tokens, where
     the padded matmul path was measured faster (Zen 4; the module docstring). The slices are views, so the backward writes each sequence's gradients straight into
     the packed q, k and v."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -262,14 +301,10 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             kwargs.pop(k, None)
         max_len = kwargs.pop("max_length_q", None) or int(cu.diff().max())
         return _varlen_attention(module, query, key, value, cu, max_len, dropout, scaling, **kwargs), None
-    B, H, Tq, D = query.shape
-    trainable = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    Tk = key.shape[2]
-    if (not trainable or dropout > 0.0 or Tk > MATH_MAX_KEYS or B * H * Tq * Tk > MATH_MAX_SCORES
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+    if not _math_path(query, key, value, dropout, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    scale = D ** -0.5 if scaling is None else scaling
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     return math_attention(query, key, value, attention_mask, scale, causal), None
 

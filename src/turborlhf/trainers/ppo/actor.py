@@ -32,6 +32,7 @@ from turborlhf.engine.parallel import dp_rank_world, full_state_dict, is_fsdp, r
 from turborlhf.engine.run import export_model
 from turborlhf.engine.train import autocast, load_optimizer_and_schedule, make_optimizer, make_scheduler
 from turborlhf.metrics import M
+from turborlhf.models.attention import kernels_of_training
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import is_lora, load_tokenizer, load_trainable, merged_named_parameters
 from turborlhf.models.reference import LoraReference, reference_view
@@ -240,7 +241,7 @@ class ActorWorker(Trainable):
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
         if keep_as is None:
-            with torch.no_grad(), self._eval(), autocast(self.cfg.actor.dtype, self.device):
+            with torch.no_grad(), self._eval(), autocast(self.cfg.actor.dtype, self.device), kernels_of_training():
                 return in_chunks(lambda s: root_forward(self.model, response_logprobs, ids[s], attn[s], target[s],
                                                         temperature=sampling_temperature(self.cfg),
                                                         share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),

@@ -37,7 +37,7 @@ from turborlhf.engine.malloc import keep_freed_memory
 from turborlhf.engine.parallel import allreduce_gradients, dp_rank_world, full_state_dict, is_fsdp, shard_fsdp
 from turborlhf.engine.train import autocast, clip_and_step, rng_state, seed_everything, set_rng_state, set_threads
 from turborlhf.metrics import console_logging
-from turborlhf.models.attention import attention_for_compute_device
+from turborlhf.models.attention import attention_for_compute_device, kernels_of_training
 from turborlhf.models.forward import response_logprobs
 from turborlhf.models.load import load_causal_lm, load_tokenizer
 from turborlhf.models.zoo import resolve_model_path
@@ -371,7 +371,7 @@ class ReferenceWorker(_Offload):
         B = ids_BS.shape[0]
         target = torch.cat([torch.zeros(B, P), mask_BR], dim=1).to(self.device)
         ids, attn = ids_BS.to(self.device), attn_BS.to(self.device)
-        with self._on_device(), autocast(self.cfg.actor.dtype, self.device):
+        with self._on_device(), autocast(self.cfg.actor.dtype, self.device), kernels_of_training():   # as the actor's
             return in_chunks(lambda s: response_logprobs(self.model, ids[s], attn[s], target[s],
                                                           temperature=sampling_temperature(self.cfg),
                                                           share_prompts=shares_prompts(self.cfg.algo))[0][:, P:].cpu(),
