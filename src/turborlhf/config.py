@@ -473,9 +473,13 @@ class PPOConfig(Cfg):
 
     @property
     def active_roles(self) -> tuple[str, ...]:
-        """The roles this run builds: critic only for gae, reference only with a KL term."""
+        """The roles this run builds: critic only for gae, reference only with a KL term and not for
+        a LoRA actor that is its own reference (its adapters off: `trainers.ppo.driver.lora_reference`,
+        which also compares resolved paths)."""
+        own_reference = self.actor.lora.rank > 0 and self.reference in (None, self.actor.name_or_path)
         return tuple(r for r, on in (("actor", True), ("critic", self.algo.needs_critic), ("reward", True),
-                                     ("reference", self.algo.needs_reference), ("rollout", True)) if on)
+                                     ("reference", self.algo.needs_reference and not own_reference),
+                                     ("rollout", True)) if on)
 
 
 # ----------------------------------------------------------------------------------------------

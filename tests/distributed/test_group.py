@@ -37,6 +37,20 @@ def test_colocation_groups_and_errors():
     # GRPO builds no critic: a critic size that differs does not matter even when everything is colocated
     load_config(PPOConfig, REPO / "configs/tiny/grpo.yaml", base + [
         "distributed.backend=ray", "distributed.colocate_all_models=true", "distributed.critic.devices_per_node=3"])
+    # a LoRA actor is its own reference (adapters off): no reference worker to size like the actor
+    load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + [
+        "distributed.backend=ray", "distributed.colocate_actor_ref=true", "distributed.actor.devices_per_node=2",
+        "actor.lora.rank=4"])
+
+
+def test_a_local_cluster_too_small_for_the_roles_is_refused_naming_the_field():
+    """local_num_cpus below the workers' slots waited 120 s for placement, then blamed a role."""
+    from turborlhf.config import ConfigError
+    from turborlhf.distributed.placement import _connect
+
+    ray = SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: pytest.fail("started Ray"))
+    with pytest.raises(ConfigError, match=r"distributed.local_num_cpus: 1 CPU slots, but the roles need 5"):
+        _connect(ray, _dist(local_num_cpus=1), 5, {})
 
 
 def test_fsdp_config_errors_name_the_fields():

@@ -269,7 +269,7 @@ def test_gpus_this_process_cannot_see_are_assumed_to_compute_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     hardware._choose.cache_clear()
     base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=x", "distributed.backend=ray",
-            "distributed.device=gpu"]
+            "distributed.device=gpu", "distributed.ray_address=head:6379"]
     try:
         r = resolve_hardware(load_config(PPOConfig, overrides=base), show=False)
         assert r.actor.dtype == "bf16" and "cannot see" in r._hardware["actor.dtype"]["reason"]
@@ -391,3 +391,23 @@ def test_a_critic_section_without_a_dtype_computes_as_the_actor():
         warnings.simplefilter("ignore")          # an emulated bf16 warns on an AVX2-only host
         r = resolve_hardware(load_config(PPOConfig, overrides=[*base, "critic.dtype=bf16"]), show=False)
     assert r.critic.dtype == "bf16" and r.actor.dtype == "fp32"
+
+
+def test_gpu_roles_on_a_host_without_one_are_refused_up_front(monkeypatch):
+    """distributed.device=gpu on a host with no CUDA device failed after every model had loaded
+    (a RuntimeError traceback), or after a 120 s placement wait blaming a role's num_nodes."""
+    from turborlhf.config import ConfigError, PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    hardware._choose.cache_clear()
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=x", "distributed.device=gpu"]
+    try:
+        for extra in ([], ["distributed.backend=ray"]):
+            with pytest.raises(ConfigError, match="distributed.device=gpu: this host sees no CUDA device"):
+                resolve_hardware(load_config(PPOConfig, overrides=base + extra), show=False)
+        resolve_hardware(load_config(PPOConfig, overrides=base + ["distributed.backend=ray",
+                                                                  "distributed.ray_address=head:6379"]), show=False)
+    finally:
+        hardware._choose.cache_clear()

@@ -150,6 +150,11 @@ def _connect(ray, dist, slots: int, env: dict) -> bool:
         ray.init(address=address, runtime_env={"env_vars": {k: v for k, v in env.items() if k != "PYTHONPATH"}},
                  log_to_driver=True)
         return False
+    if dist.local_num_cpus and dist.local_num_cpus < slots:     # it waited for placement, then blamed a role
+        from turborlhf.config_base import ConfigError
+
+        raise ConfigError(f"distributed.local_num_cpus: {dist.local_num_cpus} CPU slots, but the roles need {slots} "
+                          "(one per worker); raise it or leave it unset")
     n = dist.local_num_cpus or slots
     gpus = None if dist.device == "gpu" else 0
     print(f"[distributed] starting a local Ray cluster with {n} CPU slots", flush=True)

@@ -162,6 +162,13 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
     if as_actor and actor.dtype != "auto":
         cfg = cfg.model_copy(update={"critic": critic.model_copy(update={"dtype": actor.dtype})})
     cfg = walk(cfg, "")
+    if (dist is not None and dist.device == "gpu" and check_devices
+            and not (dist.backend == "ray" and (dist.ray_address or os.environ.get("RAY_ADDRESS")))):
+        import torch
+
+        if not torch.cuda.is_available():      # it failed after loading every model (or waited 120 s on Ray)
+            raise ConfigError("distributed.device=gpu: this host sees no CUDA device (and the run joins no Ray "
+                              "cluster that may have them); use distributed.device=cpu or auto")
     if as_actor:
         choices["critic.dtype"]["reason"] = "as actor.dtype"
 
