@@ -63,3 +63,13 @@ def test_bench_help_stays_light():
             "heavy = [m for m in ('torch', 'transformers', 'trl') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_kept_run_does_not_lend_its_dpo_reference_to_the_next_bench(tiny_model, tmp_path, capsys):
+    """With --keep-runs the next `bench dpo` into the same --out loaded the kept run's reference
+    cache: no reference pass, so our s/step lost its amortised reference cost."""
+    args = ("dpo", "--vs", "none", "--model", tiny_model, "--warmup", "0", "--steps", "1", "--reps", "1",
+            "--threads", "1", "--keep-runs", "--out", tmp_path / "b", "--json")
+    for _ in range(2):
+        rc, _, r = _run(capsys, *args)
+        assert rc == 0 and r["ours_reference_s_per_step"] is not None, r

@@ -95,7 +95,18 @@ def test_header_names_our_rollout_arithmetic_where_it_differs():
     head = R.format_table(_training_result(precision={"ours": "bf16", "ours_rollout": "bf16"})).splitlines()[0]
     assert "2 threads, bf16 on both sides, 2026" in head
     head = R.format_table(_training_result(precision={"ours": "bf16", "ours_rollout": "fp32"})).splitlines()[0]
-    assert "bf16 on both sides (our rollout engine: fp32 arithmetic on bf16 weights), 2026" in head
+    assert "bf16 on both sides (ours: rollout engine fp32 arithmetic on bf16 weights), 2026" in head
+
+
+def test_header_names_our_bf16_weights_and_moments_under_fp32():
+    """"fp32 on both sides" was printed while our engine held bf16 weights and our AdamW bf16
+    moments (`rollout.weight_dtype` / `optim.state_dtype: auto`), which TRL and HF do not."""
+    head = R.format_table(_training_result(precision={"ours": "fp32", "ours_rollout": "fp32", "ours_weights": "bf16",
+                                                      "ours_optimizer_state": "bf16"})).splitlines()[0]
+    assert "fp32 on both sides (ours: rollout engine fp32 arithmetic on bf16 weights; AdamW moments in bf16)" in head
+    head = R.format_table(_training_result(precision={"ours": "fp32", "ours_rollout": "fp32", "ours_weights": "fp32",
+                                                      "ours_optimizer_state": "fp32"})).splitlines()[0]
+    assert "fp32 on both sides, 2026" in head
 
 
 def test_generate_table_per_batch_size():

@@ -219,3 +219,29 @@ def test_the_trl_peers_load_fp32_master_weights(script):
     for call in loads:
         kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
         assert kw.get("dtype") == "torch.float32", (script, ast.unparse(call))
+
+
+@pytest.mark.parametrize("command", ["ppo", "grpo", "dpo", "rm", "generate"])
+def test_an_explicit_dtype_pins_our_weights_and_moments_too(command, tmp_path):
+    """--dtype fp32 left our engine on bf16 weights and our AdamW on bf16 moments (the `auto`
+    choices of an fp32 host) while the record said "fp32 on both sides"; docs/benchmarks.md
+    promises an explicit --dtype pins our side to it."""
+    w = WORKLOADS[command]
+    pinned, auto = _ctx(tmp_path, dtype="fp32", rollout_dtype="fp32"), _ctx(tmp_path, dtype="fp32", rollout_dtype="auto")
+    if command == "generate":
+        assert _opt(our_command(w, pinned, None, 0), "--weight-dtype") == "same"
+        assert _opt(our_command(w, auto, None, 0), "--weight-dtype") == "auto"
+        return
+    raw = our_config(w, pinned, tmp_path / "run", 0)
+    cfg = CLASSES[command].model_validate(raw)
+    assert cfg.optim.state_dtype == "fp32" and (command in ("dpo", "rm") or cfg.rollout.weight_dtype == "same")
+    assert our_config(w, auto, tmp_path / "run", 0).get("optim", {}).get("state_dtype") in (None, "auto")
+
+
+def test_the_description_says_the_sizes_of_this_run(tmp_path):
+    from turborlhf.bench.workloads import describe
+
+    gen = describe(WORKLOADS["generate"], _ctx(tmp_path, new_tokens=8, batch_sizes=(1, 2)))
+    assert gen == "rollout generation: 8 new tokens per row, batch 1/2"
+    assert "responses set to 6 tokens" in describe(WORKLOADS["grpo"], _ctx(tmp_path, response_tokens=6))
+    assert describe(WORKLOADS["dpo"], _ctx(tmp_path)) == WORKLOADS["dpo"].description

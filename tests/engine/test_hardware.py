@@ -37,6 +37,10 @@ def test_limits_remove_avx512_and_bf16(tmp_path):
     assert "avx2" in out["f"] and not any(f.startswith(("avx512", "amx")) for f in out["f"])
     assert out["h"]["limits"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert "avx512_bf16" not in out["h"]["isa"]
+    # the third switch of the AVX2 column, and the cores this process may use (taskset), are recorded
+    out = _run(code, {**AVX2_ENV, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, tmp_path)
+    assert out["h"]["limits"]["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert out["h"]["cores"] == len(os.sched_getaffinity(0))
 
 
 @x86

@@ -30,9 +30,9 @@ from turborlhf.bench import report as R
 from turborlhf.bench.data import fits_untruncated, write_bench_data, write_fresh_reward_model
 from turborlhf.bench.measure import GIB, ChildResult, run_child
 from turborlhf.bench.peers import PeerUnavailable, ensure_package
-from turborlhf.bench.workloads import (WORKLOADS, RunContext, SideRun, Workload, data_needed, our_command, our_config,
-                                       parse_bench_result, parse_metrics_jsonl, parse_reference_pass, peer_args,
-                                       repo_root, samples_per_step)
+from turborlhf.bench.workloads import (WORKLOADS, RunContext, SideRun, Workload, data_needed, describe, our_command,
+                                       our_config, parse_bench_result, parse_metrics_jsonl, parse_reference_pass,
+                                       peer_args, repo_root, samples_per_step)
 
 __all__ = ["main", "build_parser"]
 
@@ -170,8 +170,11 @@ def _main(a: argparse.Namespace) -> int:
     model_dir = resolve_model_path(a.model)
     try:
         batch_sizes = tuple(int(x) for x in a.batch_sizes.split(","))
+        if min(batch_sizes) < 1 or a.threads < 0:
+            raise ValueError
     except ValueError:
-        print(f"error: --batch-sizes must be comma-separated integers, got {a.batch_sizes!r}", file=sys.stderr)
+        print(f"error: --batch-sizes must be comma-separated integers ≥ 1 (got {a.batch_sizes!r}) and --threads ≥ 0 "
+              f"(got {a.threads})", file=sys.stderr)
         return 2
     from turborlhf.engine.hardware import choose_precision
 
@@ -238,6 +241,7 @@ def _main(a: argparse.Namespace) -> int:
                 continue
             tag = f"{which}-{rep + 1}"
             run_dir = out / "runs" / tag
+            shutil.rmtree(run_dir, ignore_errors=True)   # a kept earlier run's DPO reference cache skipped a pass
             if which == "ours":
                 cfg_path = None
                 if w.trainer:
@@ -257,7 +261,8 @@ def _main(a: argparse.Namespace) -> int:
 
     result = _result(w, ctx, a, ours, peer, hw_runs, peer_info, load_start, t_start)
     result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason,
-                           "ours_rollout": _rollout_dtype(ours)}
+                           "ours_rollout": _rollout_dtype(ours), "ours_weights": _first_extra(ours, "weight_dtype"),
+                           "ours_optimizer_state": _first_extra(ours, "state_dtype")}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(R.format_table(result), flush=True)
     if a.json:
@@ -284,6 +289,11 @@ def _hw_peak(repo: Path, ctx: RunContext, env: dict, logs: Path, rep: int, timeo
         _log(f"[bench] {tag}: no hardware figures ({e}); the roofline will be missing")
 
 
+def _first_extra(side: Side, key: str) -> Optional[str]:
+    """`key` of the side's first run that records it (our engine's weight dtype, optimizer state)."""
+    return next((run.extra[key] for run in side.runs if run.extra.get(key)), None)
+
+
 def _rollout_dtype(ours: Side) -> Optional[str]:
     """The `rollout.dtype` our side's engine ran with (its first run's), or None where it has none."""
     return next((run.extra["rollout_dtype"] for run in ours.runs if run.extra.get("rollout_dtype")), None)
@@ -295,9 +305,11 @@ def _parse_child(w: Workload, side: Side, which: str, res: ChildResult, run_dir:
             run = parse_metrics_jsonl((run_dir / "metrics.jsonl").read_text())
             hw = run_dir / "hardware.json"         # the rollout engine's dtype, as `rollout.dtype: auto` chose it
             if hw.exists():
-                choice = json.loads(hw.read_text()).get("choices", {}).get("rollout.dtype") or {}
-                if choice.get("value"):
-                    run.extra["rollout_dtype"] = choice["value"]
+                choices = json.loads(hw.read_text()).get("choices", {})
+                for key, extra in (("rollout.dtype", "rollout_dtype"), ("rollout.weight_dtype", "weight_dtype"),
+                                   ("optim.state_dtype", "state_dtype")):
+                    if (choices.get(key) or {}).get("value"):
+                        run.extra[extra] = choices[key]["value"]
             ref = parse_reference_pass(res.stdout()) if w.command == "dpo" else None
             if ref is not None:
                 run.extra["reference_pass"] = {"sequences": ref[0], "seconds": ref[1]}
@@ -343,7 +355,7 @@ def _result(w: Workload, ctx: RunContext, a, ours: Side, peer: Side, hw_runs: li
     from turborlhf import __version__
     from turborlhf.engine.hardware import host_summary
 
-    r: dict = {"command": w.command, "peer": w.peer_name, "description": w.description, "reps": a.reps,
+    r: dict = {"command": w.command, "peer": w.peer_name, "description": describe(w, ctx), "reps": a.reps,
                "warmup": ctx.warmup, "steps": ctx.steps, "threads": ctx.threads, "model": ctx.model_dir,
                "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": round(time.time() - t_start, 1),
                "force_length": ctx.force_length, "gradient_checkpointing": ctx.gradient_checkpointing,

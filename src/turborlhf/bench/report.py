@@ -82,12 +82,17 @@ def _target_text(t: Optional[tuple[str, float]], unit: str = "") -> str:
 def format_table(r: dict) -> str:
     """Markdown table of a result object (see the module docstring), with a header line."""
     m = r.get("machine") or {}
-    prec = (r.get("precision") or {}).get("ours", "bf16")
-    rollout = (r.get("precision") or {}).get("ours_rollout")
-    if rollout and rollout != prec:      # `rollout.dtype: auto` took fp32 arithmetic on the same bf16 weights
-        prec += f" on both sides (our rollout engine: {rollout} arithmetic on {prec} weights)"
-    else:
-        prec += " on both sides"
+    pr = r.get("precision") or {}
+    prec = pr.get("ours", "bf16")
+    rollout, weights, state = pr.get("ours_rollout"), pr.get("ours_weights"), pr.get("ours_optimizer_state")
+    ours = []                              # where our side stores or computes below/above the shared precision
+    if rollout and rollout != prec:        # `rollout.dtype: auto` took fp32 arithmetic on the same bf16 weights
+        ours.append(f"rollout engine {rollout} arithmetic on {weights or prec} weights")
+    elif weights and weights != prec:      # `rollout.weight_dtype: auto`: bf16 weights under fp32 arithmetic
+        ours.append(f"rollout engine {prec} arithmetic on {weights} weights")
+    if state and state != prec:
+        ours.append(f"AdamW moments in {state}")
+    prec += " on both sides" + (f" (ours: {'; '.join(ours)})" if ours else "")
     head = (f"turborlhf bench {r['command']} vs {r['peer']}: {r['description']}; {r['reps']} rep(s) x "
             f"({r['warmup']} warm-up + {r['steps']} measured), {r['threads']} threads, {prec}, "
             f"{r['date']}")

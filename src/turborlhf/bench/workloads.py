@@ -151,6 +151,16 @@ def data_needed(w: Workload, cfg: Optional[dict], ctx: RunContext) -> tuple[int,
     return (0, n_prompts_or_pairs) if w.data_kind == "prompts" else (n_prompts_or_pairs, 0)
 
 
+def describe(w: Workload, ctx: RunContext) -> str:
+    """`w`'s description with the sizes this run changed (``--new-tokens``, ``--batch-sizes``)."""
+    if w.command == "generate":
+        return (f"rollout generation: {ctx.new_tokens} new tokens per row, batch "
+                f"{'/'.join(str(b) for b in ctx.batch_sizes)}")
+    if ctx.response_tokens is not None:
+        return f"{w.description}; responses set to {ctx.response_tokens} tokens (--new-tokens)"
+    return w.description
+
+
 def our_config(w: Workload, ctx: RunContext, output_dir: Path, seed: int) -> dict:
     """The YAML config of our side with the run-specific fields filled in."""
     cfg = yaml.safe_load((ctx.repo / w.config).read_text())
@@ -170,6 +180,10 @@ def our_config(w: Workload, ctx: RunContext, output_dir: Path, seed: int) -> dic
     if "rollout" in cfg:
         set_dotted(cfg, "rollout.dtype", ctx.rollout_dtype or ctx.dtype)
         set_dotted(cfg, "rollout.device", "cpu")
+    if ctx.rollout_dtype not in (None, "auto"):     # an explicit --dtype: no bf16 weights or moments under fp32
+        if "rollout" in cfg:
+            set_dotted(cfg, "rollout.weight_dtype", "same")
+        set_dotted(cfg, "optim.state_dtype", ctx.dtype)
     if w.command in ("ppo", "grpo"):
         set_dotted(cfg, "distributed.device", "cpu")
     return cfg
@@ -246,7 +260,8 @@ def _generate_args(ctx: RunContext, seed: int, dtype: str) -> list[str]:
     return ["--model", ctx.model_dir, "--data", str(ctx.data["prompts"]),
             "--batch-sizes", ",".join(str(b) for b in ctx.batch_sizes), "--new", str(ctx.new_tokens),
             "--max-prompt-len", str(ctx.max_prompt_len), "--warmup", str(ctx.warmup), "--calls", str(ctx.steps),
-            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", dtype]
+            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", dtype,
+            "--weight-dtype", "auto" if ctx.rollout_dtype in (None, "auto") else "same"]
 
 
 def our_command(w: Workload, ctx: RunContext, config_path: Optional[Path], seed: int) -> list[str]:

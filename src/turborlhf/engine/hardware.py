@@ -119,9 +119,10 @@ def host_summary() -> dict:
     feats = cpu_features()
     out = {
         "cpu": cpu_model(),
-        "cores": os.cpu_count() or 1,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         "isa": sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in feats),
-        "limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)},
+        "limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                   if os.environ.get(k)},
     }
     gpus = gpu_summary()
     if gpus:
