@@ -415,3 +415,30 @@ def test_gpu_roles_on_a_host_without_one_are_refused_up_front(monkeypatch):
                                                                   "distributed.ray_address=head:6379"]), show=False)
     finally:
         hardware._choose.cache_clear()
+
+
+def test_the_fast_engine_on_a_gpu_device_is_refused_before_anything_loads(monkeypatch):
+    """rollout.engine=fast with rollout.device=cuda passed the config and failed once the policy
+    and reward model had loaded (on Ray, after every worker started)."""
+    from turborlhf.config import ConfigError, PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    base = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=a", "rollout.engine=fast"]
+    with pytest.raises(ConfigError, match=r"rollout\.engine=fast runs on the CPU only, not on cuda"):
+        resolve_hardware(load_config(PPOConfig, overrides=base + ["rollout.device=cuda"]), show=False,
+                         check_devices=False)
+    r = resolve_hardware(load_config(PPOConfig, overrides=base + ["distributed.device=cpu"]), show=False)
+    assert r.rollout.device == "cpu"
+
+
+def test_a_checkpoints_random_state_covers_the_mps_device(monkeypatch):
+    from turborlhf.engine import train
+
+    calls = []
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: calls.append(s))
+    state = train.rng_state()
+    assert state["mps"].tolist() == [7]
+    train.set_rng_state(state)
+    assert [s.tolist() for s in calls] == [[7]]

@@ -131,6 +131,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
                         " (FastEngine is CPU-only: HFEngine there)" if dev != "cpu" and value.engine == "auto" else "")}
                 else:
                     dev = _device_type(value.device, check_devices)
+                if value.engine == "fast" and dev != "cpu":   # it failed once every model had loaded
+                    raise ConfigError(f"{where}.engine=fast runs on the CPU only, not on {dev} ({where}.device="
+                                      f"{value.device}); use {where}.engine=auto or hf there, or {where}.device=cpu")
                 prec = choose_precision(value.dtype, dev)
                 rdt, rwhy = choose_rollout_dtype(prec.dtype, prec.reason, value.dtype, value.engine, dev,
                                                  value.weight_dtype)

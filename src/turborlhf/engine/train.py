@@ -323,20 +323,25 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
 
 
 def rng_state() -> dict:
-    """Python's, numpy's and torch's random states, with each visible CUDA device's (dropout in a
-    LoRA adapter on a GPU draws from it), for a checkpoint."""
+    """Python's, numpy's and torch's random states, with each visible CUDA device's and the MPS
+    device's (dropout in a LoRA adapter on a GPU draws from it), for a checkpoint."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():             # Apple silicon: dropout on the MPS device draws from it
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     """Restore `rng_state`'s states. The CUDA ones only where the run resumes with as many visible
-    devices as it saved (elsewhere `seed_everything`'s seeding stands)."""
+    devices as it saved, the MPS one where MPS is available (elsewhere `seed_everything`'s seeding
+    stands)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
+    if state.get("mps") is not None and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
