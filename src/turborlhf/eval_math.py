@@ -68,7 +68,8 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
         if "prompt" in obj and "answer" in obj and (answer is None and "metadata" in obj or isinstance(
                 answer, (str, int, float)) and not isinstance(answer, bool)):
             # a reasoning-gym task without one reference answer ("answer": null) is scored from its metadata
-            return [{**obj, "prompt": _prompt(obj["prompt"], tokenizer), "answer": None if answer is None else str(answer)}]
+            return [{**obj, "prompt": _prompt(obj["prompt"], tokenizer),
+                     "answer": None if answer is None else str(answer)}]
         if "question" in obj and isinstance(obj.get("answer"), (int, float, str)) and "####" not in str(obj["answer"]):
             obj = {**obj, "answer": f"#### {obj['answer']}"}         # the bare final number
         if "question" in obj:

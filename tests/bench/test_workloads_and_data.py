@@ -227,7 +227,8 @@ def test_an_explicit_dtype_pins_our_weights_and_moments_too(command, tmp_path):
     choices of an fp32 host) while the record said "fp32 on both sides"; docs/benchmarks.md
     promises an explicit --dtype pins our side to it."""
     w = WORKLOADS[command]
-    pinned, auto = _ctx(tmp_path, dtype="fp32", rollout_dtype="fp32"), _ctx(tmp_path, dtype="fp32", rollout_dtype="auto")
+    pinned = _ctx(tmp_path, dtype="fp32", rollout_dtype="fp32")
+    auto = _ctx(tmp_path, dtype="fp32", rollout_dtype="auto")
     if command == "generate":
         assert _opt(our_command(w, pinned, None, 0), "--weight-dtype") == "same"
         assert _opt(our_command(w, auto, None, 0), "--weight-dtype") == "auto"

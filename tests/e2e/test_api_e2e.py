@@ -569,7 +569,8 @@ def test_config_classes_built_directly_keep_the_commands_section_defaults():
         == "rloo"
     for cls, base in ((SFTConfig, {"data": {"train_file": "x"}, "optim": {"warmup_steps": 3}}),
                       (DPOConfig, {"data": {"train_file": "x"}, "optim": {"schedule": "linear"}}),
-                      (PPOConfig, {"reward_model": "r", "data": {"prompts_file": "p"}, "train": {"micro_batch_size": 2}})):
+                      (PPOConfig, {"reward_model": "r", "data": {"prompts_file": "p"},
+                                   "train": {"micro_batch_size": 2}})):
         assert cls(**base) == load_config(cls, base=base), cls.__name__
 
 

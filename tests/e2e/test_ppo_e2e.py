@@ -171,4 +171,5 @@ def test_resume_changed_learning_rates_and_kl_coef_take_effect(tiny_model, tiny_
     from turborlhf.engine.checkpoint import latest_checkpoint
 
     critic = torch.load(latest_checkpoint(out) / "critic" / "worker_state.pt", map_location="cpu", weights_only=False)
-    assert [g["lr"] for g in critic["opt"]["param_groups"]] == pytest.approx([2e-3] * len(critic["opt"]["param_groups"]))
+    groups = critic["opt"]["param_groups"]
+    assert [g["lr"] for g in groups] == pytest.approx([2e-3] * len(groups))

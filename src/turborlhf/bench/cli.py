@@ -173,7 +173,8 @@ def _main(a: argparse.Namespace) -> int:
         if min(batch_sizes) < 1 or a.threads < 0:
             raise ValueError
     except ValueError:
-        print(f"error: --batch-sizes must be comma-separated integers ≥ 1 (got {a.batch_sizes!r}) and --threads ≥ 0 "
+        print(f"error: --batch-sizes must be comma-separated integers ≥ 1 (got {a.batch_sizes!r}) and "
+              f"--threads ≥ 0 "
               f"(got {a.threads})", file=sys.stderr)
         return 2
     from turborlhf.engine.hardware import choose_precision

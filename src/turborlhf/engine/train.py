@@ -203,7 +203,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def load_optimizer_and_schedule(optimizer: torch.optim.Optimizer, scheduler, load_optimizer, scheduler_state: dict) -> None:
+def load_optimizer_and_schedule(optimizer: torch.optim.Optimizer, scheduler, load_optimizer,
+                                scheduler_state: dict) -> None:
     """Resume `optimizer` (`load_optimizer()` loads its checkpoint state) and `scheduler` (a
     `make_scheduler` one: `scheduler_state`) at the checkpoint's step, with the hyperparameters
     of the config they were built from: torch's ``load_state_dict`` brings back the saved param
