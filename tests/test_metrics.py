@@ -77,3 +77,17 @@ def test_console_logging_prints_messages_as_they_are(capsys):
         log.info("[generate] 4 prompts")
     assert buf.getvalue() == "[generate] 4 prompts\n" and capsys.readouterr().out == ""
     assert sum(type(h).__name__ == "_Console" for h in logging.getLogger("turborlhf").handlers) == 1
+
+
+def test_an_evaluation_row_gives_its_own_seconds_not_a_rate(tmp_path, monkeypatch):
+    """The final evaluation's progress line divided the whole run's time, evaluation and export
+    included, by the steps: "390.24 s/step" after steps of ~70 s."""
+    import turborlhf.metrics as m
+
+    clock = iter([0.0, 70.0, 140.0, 400.0])
+    monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
+    log = MetricsLogger(tmp_path, "t", 2, tensorboard=False, progress=False)
+    assert "| 70.00 s/step" in log.progress_line(1, {})
+    assert "| 70.00 s/step" in log.progress_line(2, {})
+    assert log.progress_line(2, {"eval/loss": 1.0}).endswith("| 260.0 s after the step")
+    log.close()

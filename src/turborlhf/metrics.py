@@ -303,6 +303,7 @@ class MetricsLogger:
         self._jsonl = open(path, "a" if resume else "w")
         self._t0 = time.perf_counter()
         self._start_step = start_step
+        self._progress_at: tuple[int, float] = (start_step, 0.0)   # the last step a progress line timed
         self._started_with = _CALLBACKS.get()   # the `use_callbacks` block active now
         self._last_step = start_step
         _call(self._callbacks, "on_train_begin", name, total_steps)
@@ -333,15 +334,21 @@ class MetricsLogger:
             _call(self._callbacks, "on_log", step, cb_metrics)
 
     def progress_line(self, step: int, row: dict) -> str:
+        """``[name] step/total (pct%) <shown metrics> | s/step, time left``. A later row of a step
+        already shown (its evaluation) gives its own seconds instead: the rate over the whole run
+        counted the evaluation and export as training time (390 s/step after 70 s steps)."""
         elapsed = time.perf_counter() - self._t0
-        done = max(step - self._start_step, 1)
-        rate = elapsed / done
-        left = rate * max(self.total - step, 0)
         parts = [f"[{self.name}] {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%)"]
         for k in self.show:
             if k in row:
                 parts.append(f"{k.split('/')[-1]} {_fmt(row[k])}")
-        parts.append(f"| {rate:.2f} s/step, {format_duration(left)} left")
+        shown_step, shown_at = self._progress_at
+        if step == shown_step and step > self._start_step:
+            parts.append(f"| {elapsed - shown_at:.1f} s after the step")
+        else:
+            rate = elapsed / max(step - self._start_step, 1)
+            parts.append(f"| {rate:.2f} s/step, {format_duration(rate * max(self.total - step, 0))} left")
+        self._progress_at = (step, elapsed)
         return " ".join(parts)
 
     def close(self) -> None:

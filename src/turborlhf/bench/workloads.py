@@ -260,15 +260,15 @@ def _generate_args(ctx: RunContext, seed: int, dtype: str) -> list[str]:
     return ["--model", ctx.model_dir, "--data", str(ctx.data["prompts"]),
             "--batch-sizes", ",".join(str(b) for b in ctx.batch_sizes), "--new", str(ctx.new_tokens),
             "--max-prompt-len", str(ctx.max_prompt_len), "--warmup", str(ctx.warmup), "--calls", str(ctx.steps),
-            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", dtype,
-            "--weight-dtype", "auto" if ctx.rollout_dtype in (None, "auto") else "same"]
+            "--threads", str(ctx.threads), "--seed", str(seed), "--dtype", dtype]
 
 
 def our_command(w: Workload, ctx: RunContext, config_path: Optional[Path], seed: int) -> list[str]:
     """Our child's command line."""
     if w.command == "generate":
         return [sys.executable, str(ctx.repo / "benchmarks" / "ours_generate.py"),
-                *_generate_args(ctx, seed, ctx.rollout_dtype or ctx.dtype)]
+                *_generate_args(ctx, seed, ctx.rollout_dtype or ctx.dtype),   # an explicit --dtype: its weights too
+                "--weight-dtype", "auto" if ctx.rollout_dtype in (None, "auto") else "same"]
     return [sys.executable, "-m", "turborlhf", w.trainer, "--config", str(config_path)]
 
 

@@ -309,6 +309,11 @@ def _choose(requested: str, device_type: str) -> Precision:
                                      f"{'/'.join(native)}")
         return Precision("bf16", f"bf16 as configured ({slow:.1f}x slower than fp32 on this CPU)")
     if requested == "auto":
+        switched_off = sorted(host_cpu_features() & BF16_FEATURES)
+        limits = ", ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                           if os.environ.get(k))
+        if switched_off and limits:                  # the CPU has them; this process was told not to use them
+            return Precision("fp32", f"fp32: native bf16 ({'/'.join(switched_off)}) switched off by {limits}")
         return Precision("fp32", "fp32: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
     slow = cpu_bf16_slowdown()
     msg = (f"dtype=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16): bf16 is emulated, "

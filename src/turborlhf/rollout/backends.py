@@ -168,15 +168,17 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: 
     if requested == "dense":
         return "dense"
     # auto, the kernel linears ruled out
-    if dtype in _KERNEL_FEATURES and k_isa and kernels is not None and not compile and not int8:
-        nxt = "oneDNN" if dtype == torch.bfloat16 and not mk_isa and mkldnn_packing_available() else "dense"
+    kernel_missing = dtype in _KERNEL_FEATURES and k_isa and kernels is not None and not compile and not int8
+    if dtype == torch.bfloat16 and mk_isa:         # neither fast bf16 path: one warning naming both
+        kernel_why = f"the bf16 kernel linears need {'/'.join(k_isa)} and " if kernel_missing else ""
+        warn_once(f"FastEngine: {kernel_why}bf16 oneDNN packing needs {'/'.join(MKLDNN_BF16_FEATURES)}, this CPU "
+                  f"has {has}; using dense F.linear in bf16 (emulated, slow: dtype='fp32' is much faster on this CPU)")
+        return "dense"
+    if kernel_missing:
+        nxt = "oneDNN" if dtype == torch.bfloat16 and mkldnn_packing_available() else "dense"
         warn_once(f"FastEngine: the {_dt(dtype)} kernel linears need {'/'.join(k_isa)}, this CPU has {has}; "
                   f"using {nxt} linears")
     if dtype != torch.bfloat16:
-        return "dense"
-    if mk_isa:
-        warn_once(f"FastEngine: bf16 oneDNN packing needs {'/'.join(MKLDNN_BF16_FEATURES)}, this CPU has {has}; "
-                  "using dense F.linear in bf16 (emulated, slow: dtype='fp32' is much faster on this CPU)")
         return "dense"
     return "mkldnn" if mkldnn_packing_available() else "dense"
 
