@@ -142,7 +142,7 @@ def test_peer_folder_ends_in_site_packages(tmp_path):
 
 def test_our_rollout_dtype_is_read_from_the_run(tmp_path):
     """The dtype `rollout.dtype: auto` chose is taken from the run's hardware.json into the result."""
-    from turborlhf.bench.cli import Side, _parse_child, _rollout_dtype
+    from turborlhf.bench.cli import Side, _first_extra, _parse_child
     from turborlhf.bench.measure import ChildResult
     from turborlhf.bench.workloads import WORKLOADS, RunContext
 
@@ -153,8 +153,8 @@ def test_our_rollout_dtype_is_read_from_the_run(tmp_path):
     res = ChildResult(["x"], 0, 1.0, 0, 0, 0, tmp_path / "out", tmp_path / "err")
     side = Side("ours", 2)
     _parse_child(WORKLOADS["ppo"], side, "ours", res, tmp_path, ctx)
-    assert side.error is None and _rollout_dtype(side) == "fp32"
+    assert side.error is None and _first_extra(side, "rollout_dtype") == "fp32"
     (tmp_path / "hardware.json").unlink()
     side = Side("ours", 2)
     _parse_child(WORKLOADS["ppo"], side, "ours", res, tmp_path, ctx)
-    assert side.error is None and _rollout_dtype(side) is None
+    assert side.error is None and _first_extra(side, "rollout_dtype") is None

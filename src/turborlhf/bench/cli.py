@@ -262,7 +262,7 @@ def _main(a: argparse.Namespace) -> int:
 
     result = _result(w, ctx, a, ours, peer, hw_runs, peer_info, load_start, t_start)
     result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason,
-                           "ours_rollout": _rollout_dtype(ours), "ours_weights": _first_extra(ours, "weight_dtype"),
+                           "ours_rollout": _first_extra(ours, "rollout_dtype"), "ours_weights": _first_extra(ours, "weight_dtype"),
                            "ours_optimizer_state": _first_extra(ours, "state_dtype")}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(R.format_table(result), flush=True)
@@ -291,13 +291,9 @@ def _hw_peak(repo: Path, ctx: RunContext, env: dict, logs: Path, rep: int, timeo
 
 
 def _first_extra(side: Side, key: str) -> Optional[str]:
-    """`key` of the side's first run that records it (our engine's weight dtype, optimizer state)."""
+    """`key` of the side's first run that records it (our engine's rollout and weight dtypes,
+    optimizer state), or None."""
     return next((run.extra[key] for run in side.runs if run.extra.get(key)), None)
-
-
-def _rollout_dtype(ours: Side) -> Optional[str]:
-    """The `rollout.dtype` our side's engine ran with (its first run's), or None where it has none."""
-    return next((run.extra["rollout_dtype"] for run in ours.runs if run.extra.get("rollout_dtype")), None)
 
 
 def _parse_child(w: Workload, side: Side, which: str, res: ChildResult, run_dir: Path, ctx: RunContext) -> None:
