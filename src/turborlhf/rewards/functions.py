@@ -51,7 +51,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from turborlhf.errors import UserError
 
-__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "callable_kwargs", "RewardFn"]
+__all__ = ["RewardFunctionError", "load_reward_function", "call_reward_function", "callable_kwargs", "RewardFn",
+           "finite_number"]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -186,7 +187,7 @@ def callable_kwargs(fn: Callable, prompts: list[str], completions: list[str], co
     return args, kwargs
 
 
-def _finite(v: numbers.Real) -> bool:
+def finite_number(v: numbers.Real) -> bool:
     """Whether the number `v` is finite as a float (an int above 1e308 is not: OverflowError)."""
     try:
         return math.isfinite(v)
@@ -241,7 +242,7 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
         if v is None and allow_none:
             scores.append(math.nan)
             continue
-        if not isinstance(v, numbers.Real) or not _finite(v):
+        if not isinstance(v, numbers.Real) or not finite_number(v):
             raise RewardFunctionError(f"{name} returned {v!r} at index {i}; expected a finite number")
         scores.append(float(v))
     return scores

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
 import socket
 import time
@@ -35,18 +34,12 @@ import urllib.error
 import urllib.request
 from typing import Optional, Sequence
 
+from turborlhf.rewards.functions import finite_number
+
 __all__ = ["RemoteRewardError", "RemoteRewardModel", "TOKEN_ENV"]
 
 #: environment variable holding the bearer token (same as `turborlhf.rewards.server.TOKEN_ENV`)
 TOKEN_ENV = "TURBORLHF_RM_TOKEN"
-
-
-def _finite(v: int | float) -> bool:
-    """Whether `v` is finite as a float (a JSON integer above 1e308 is not: OverflowError)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
 
 
 class RemoteRewardError(RuntimeError):
@@ -104,7 +97,7 @@ class RemoteRewardModel:
             raise RemoteRewardError(f"{self.role} at {self.url} sent a malformed answer: expected "
                                     f"{{'scores': [{len(prompts)} numbers]}}, got {str(answer)[:200]}")
         bad = [i for i, s in enumerate(scores)
-               if isinstance(s, bool) or not isinstance(s, (int, float)) or not _finite(s)]
+               if isinstance(s, bool) or not isinstance(s, (int, float)) or not finite_number(s)]
         if bad:
             raise RemoteRewardError(f"{self.role} at {self.url} sent scores that are not finite numbers: "
                                     f"scores[{bad[0]}] = {json.dumps(scores[bad[0]])[:60]} ({len(bad)} bad)")
