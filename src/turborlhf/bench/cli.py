@@ -174,8 +174,7 @@ def _main(a: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         print(f"error: --batch-sizes must be comma-separated integers ≥ 1 (got {a.batch_sizes!r}) and "
-              f"--threads ≥ 0 "
-              f"(got {a.threads})", file=sys.stderr)
+              f"--threads ≥ 0 (got {a.threads})", file=sys.stderr)
         return 2
     from turborlhf.engine.hardware import choose_precision
 
@@ -262,7 +261,8 @@ def _main(a: argparse.Namespace) -> int:
 
     result = _result(w, ctx, a, ours, peer, hw_runs, peer_info, load_start, t_start)
     result["precision"] = {"ours": ctx.dtype, "peer": ctx.dtype, "reason": precision.reason,
-                           "ours_rollout": _first_extra(ours, "rollout_dtype"), "ours_weights": _first_extra(ours, "weight_dtype"),
+                           "ours_rollout": _first_extra(ours, "rollout_dtype"),
+                           "ours_weights": _first_extra(ours, "weight_dtype"),
                            "ours_optimizer_state": _first_extra(ours, "state_dtype")}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(R.format_table(result), flush=True)

@@ -28,7 +28,7 @@ from typing import Optional
 
 from turborlhf.errors import UserError
 
-__all__ = ["cpu_features", "host_cpu_features", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
+__all__ = ["cpu_features", "host_cpu_features", "isa_limits", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
            "gpu_summary", "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype",
            "choose_state_dtype", "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict",
            "cached_probe", "best_time"]
@@ -94,6 +94,13 @@ def cpu_features() -> frozenset[str]:
                      os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower())
 
 
+def isa_limits() -> dict[str, str]:
+    """The instruction-set switches set in this process's environment: torch's, oneDNN's and
+    MKL's (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``)."""
+    return {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if os.environ.get(k)}
+
+
 def host_cpu_features() -> frozenset[str]:
     """The instruction sets of `_KNOWN` the CPU has, whatever ``ATEN_CPU_CAPABILITY`` or
     ``ONEDNN_MAX_CPU_ISA`` allow this process (`cpu_features` honours them). Empty off x86-64."""
@@ -121,8 +128,7 @@ def host_summary() -> dict:
         "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         "isa": sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in feats),
-        "limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-                   if os.environ.get(k)},
+        "limits": isa_limits(),
     }
     gpus = gpu_summary()
     if gpus:
@@ -310,8 +316,7 @@ def _choose(requested: str, device_type: str) -> Precision:
         return Precision("bf16", f"bf16 as configured ({slow:.1f}x slower than fp32 on this CPU)")
     if requested == "auto":
         switched_off = sorted(host_cpu_features() & BF16_FEATURES)
-        limits = ", ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-                           if os.environ.get(k))
+        limits = ", ".join(f"{k}={v}" for k, v in isa_limits().items() if k != "MKL_ENABLE_INSTRUCTIONS")
         if switched_off and limits:                  # the CPU has them; this process was told not to use them
             return Precision("fp32", f"fp32: native bf16 ({'/'.join(switched_off)}) switched off by {limits}")
         return Precision("fp32", "fp32: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
