@@ -28,7 +28,8 @@ from typing import Optional
 
 from turborlhf.errors import UserError
 
-__all__ = ["cpu_features", "host_cpu_features", "isa_limits", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES", "host_summary",
+__all__ = ["cpu_features", "host_cpu_features", "isa_limits", "cpu_model", "AVX512_FEATURES", "BF16_FEATURES",
+           "host_summary",
            "gpu_summary", "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype",
            "choose_state_dtype", "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict",
            "cached_probe", "best_time"]
