@@ -281,3 +281,29 @@ def test_sft_killed_mid_checkpoint_resumes_to_the_same_weights(tiny_model, tiny_
     assert max_weight_diff(weights(killed), weights(whole)) < 1e-6
     assert [r["step"] for r in metrics(killed) if "train/loss" in r] == [1, 2, 3, 4]
     assert not [p for p in (killed / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_the_plan_digest_covers_the_steps_done_only():
+    """A checkpoint compares the steps it has done: a plan extended or cut after them (a changed
+    `train.max_steps`) matches, other examples or another batching of those steps do not, and a
+    checkpoint that recorded the whole plan's digest is still compared as before."""
+    from turborlhf.engine.lifecycle import ConfigChanged
+
+    examples = [{"ids": [i, i + 1]} for i in range(8)]
+    plan = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    digest = C.PlanDigest(plan, examples)
+    assert C.PlanDigest(plan[:3], examples).done(2) == digest.done(2) != digest.done(3)
+    edited_later = examples[:6] + [{"ids": [0]}, examples[7]]
+    assert C.PlanDigest(plan, edited_later).done(3) == digest.done(3)
+    assert C.PlanDigest(plan, edited_later).done(4) != digest.done(4)
+    assert C.PlanDigest([[1, 0]] + plan[1:], examples).done(1) != digest.done(1)
+    assert C.PlanDigest(plan, examples, salt="ptx").done(1) != digest.done(1)
+    assert digest.done(5) is None
+    state = {"step": 2, "plan_done_sha256": digest.done(2)}
+    C.check_plan(state, C.PlanDigest(plan[:2] + [[7, 6]], examples), "ckpt", "t")
+    with pytest.raises(ConfigChanged, match="steps done differ"):
+        C.check_plan(state, C.PlanDigest([[2, 3], [0, 1]] + plan[2:], examples), "ckpt", "t")
+    legacy = {"step": 2, "plan_sha256": C.plan_digest(plan, examples)}
+    C.check_plan(legacy, digest, "ckpt", "t")
+    with pytest.raises(ConfigChanged):
+        C.check_plan(legacy, C.PlanDigest(plan[:3], examples), "ckpt", "t")

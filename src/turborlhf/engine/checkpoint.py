@@ -305,45 +305,101 @@ def plan_digest(plan: list[list[int]], examples: Optional[list] = None) -> str:
     return h.hexdigest()
 
 
-def check_plan(state: dict, plan_sha256: Optional[str], ckpt: str | Path, tag: str) -> None:
-    """Raise `turborlhf.engine.lifecycle.ConfigChanged` if the checkpoint `state`'s ``plan_sha256``
-    differs from the resuming run's (`plan_digest`), unless ``--resume-changed`` allows it (then
-    warn). Nothing to compare in a checkpoint written before it was recorded."""
-    saved = state.get("plan_sha256")
-    if plan_sha256 is None or saved is None or saved == plan_sha256:
+class PlanDigest:
+    """Digests of a run's step plan (the example indices of every optimizer step, in order) and of
+    the examples each step takes, step by step: `done` gives the digest of the steps a checkpoint
+    has done, so a resume that changes only the steps still to come (``--resume-changed`` of
+    ``train.max_steps``; the plan is prefix-stable) compares equal, while other data or another
+    batching of the steps done does not.
+
+    plan: `turborlhf.engine.run.plan_steps` output; examples: the encoded training examples the
+    indices point into (a training file edited in place changes the digest though the indices may
+    not change); salt: a digest of further inputs of every step (PPO-ptx examples), or None.
+    """
+
+    def __init__(self, plan: list[list[int]], examples: Optional[list] = None, salt: Optional[str] = None):
+        import hashlib
+        import json
+
+        self._plan, self._examples, self._salt = plan, examples, salt
+        dump = lambda x: json.dumps(x, sort_keys=True, separators=(",", ":"), default=str).encode()  # noqa: E731
+        seen: dict[int, bytes] = {}
+        self._steps: list[bytes] = []
+        for step in plan:
+            h = hashlib.sha256(dump(step))
+            if examples is not None:
+                for i in step:
+                    if i not in seen:
+                        seen[i] = hashlib.sha256(dump(examples[i])).digest()
+                    h.update(seen[i])
+            self._steps.append(h.digest())
+
+    def done(self, steps: int) -> Optional[str]:
+        """SHA-256 of the first `steps` steps (and the salt); None past the plan's end (a lowered
+        ``max_steps``: nothing is left to train)."""
+        import hashlib
+
+        if steps > len(self._steps):
+            return None
+        h = hashlib.sha256((self._salt or "").encode())
+        for d in self._steps[:steps]:
+            h.update(d)
+        return h.hexdigest()
+
+    def whole(self) -> str:
+        """The whole plan's `plan_digest` (with the salt), as checkpoints before `done` recorded it."""
+        d = plan_digest(self._plan, self._examples)
+        return plan_digest([[0, 1]], [d, self._salt]) if self._salt else d
+
+
+def check_plan(state: dict, plan: "PlanDigest | str | None", ckpt: str | Path, tag: str) -> None:
+    """Raise `turborlhf.engine.lifecycle.ConfigChanged` if the checkpoint `state` was written with
+    another plan than the resuming run's, unless ``--resume-changed`` allows it (then warn).
+
+    plan: a trainer's `PlanDigest`, compared over the steps the checkpoint has done (``state["step"]``);
+    or a digest string (rejection sampling's prompts, conditional SFT's data), compared with
+    ``state["plan_sha256"]``. Nothing to compare in a checkpoint written before it was recorded."""
+    if isinstance(plan, PlanDigest):
+        if "plan_done_sha256" in state:
+            saved, mine = state["plan_done_sha256"], plan.done(state["step"])
+        else:
+            saved, mine = state.get("plan_sha256"), (plan.whole() if "plan_sha256" in state else None)
+    else:
+        saved, mine = state.get("plan_sha256"), plan
+    if mine is None or saved is None or saved == mine:
         return
     from turborlhf.engine.lifecycle import ConfigChanged, config_change_allowed
 
-    what = (f"--resume from {ckpt}: the examples of each step differ from the run's (the training data or "
-            "its batching changed since the checkpoint was written), so the rest of the run would repeat "
+    what = (f"--resume from {ckpt}: the examples of the steps done differ from the run's (the training data "
+            "or its batching changed since the checkpoint was written), so the rest of the run would repeat "
             "some examples and skip others")
     if not config_change_allowed():
         raise ConfigChanged(f"{what}; start a new run, or pass --resume-changed to continue anyway")
     logger.warning(f"[{tag}] --resume-changed: {what}")
 
 
-def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int, plan_sha256: Optional[str] = None) -> dict:
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler, step: int, plan: Optional[PlanDigest] = None) -> dict:
     """The resumable state of a one-optimizer trainer: optimizer, scheduler, RNG, `step`
-    (optimizer steps done) and its step plan's `plan_digest`; the counterpart of `restore`."""
+    (optimizer steps done) and its `PlanDigest` of the steps done; the counterpart of `restore`."""
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
              "step": step}
-    if plan_sha256 is not None:
-        state["plan_sha256"] = plan_sha256
+    if plan is not None:
+        state["plan_done_sha256"] = plan.done(step)
     return state
 
 
 def restore(ckpt: Optional[str | Path], optimizer: torch.optim.Optimizer, scheduler, tag: str = "train",
-            plan_sha256: Optional[str] = None) -> int:
+            plan: Optional[PlanDigest] = None) -> int:
     """Load the state written by `trainer_state` from checkpoint directory `ckpt` into `optimizer`
     and `scheduler`, restore the RNG, and return the step to continue from (0 when `ckpt` is None:
     a fresh run). Raises FileNotFoundError if `ckpt` has no ``trainer_state.pt``, and
-    `turborlhf.engine.lifecycle.ConfigChanged` if `plan_sha256` differs from the one the checkpoint
-    was written with (other data, or another batching of it: the rest of the run would repeat some
-    examples and skip others), unless ``--resume-changed`` allows it."""
+    `turborlhf.engine.lifecycle.ConfigChanged` if `plan`'s steps done differ from the checkpoint's
+    (other data, or another batching of it: the rest of the run would repeat some examples and skip
+    others), unless ``--resume-changed`` allows it."""
     if ckpt is None:
         return 0
     state = load_trainer_state(ckpt)
-    check_plan(state, plan_sha256, ckpt, tag)
+    check_plan(state, plan, ckpt, tag)
     load_optimizer_and_schedule(optimizer, scheduler, lambda: optimizer.load_state_dict(state["optimizer"]),
                                 state["scheduler"])
     set_rng_state(state["rng"])

@@ -18,7 +18,7 @@ import torch
 
 from turborlhf.algo import reduce_loss, sft_nll_loss
 from turborlhf.data.tokenize import pad_batch
-from turborlhf.engine.checkpoint import plan_digest, restore, save_checkpoint, trainer_state
+from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end
 from turborlhf.engine.run import export_model
 from turborlhf.engine.train import autocast, clip_and_step, make_optimizer, make_scheduler
@@ -89,14 +89,14 @@ def fit_steps(cfg, model, tokenizer, train_enc: list[dict], test_enc: list[dict]
     loop = cfg.train
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    plan_sha256 = plan_digest(plan, train_enc)      # resuming with other data or batches is refused
-    start = restore(ckpt, optim, sched, tag, plan_sha256)
+    steps_digest = PlanDigest(plan, train_enc)      # resuming with other data or batches is refused
+    start = restore(ckpt, optim, sched, tag, steps_digest)
     log = MetricsLogger(out, tag, len(plan), show=(M.LOSS, M.LR, M.TOKENS_PER_S), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     try:
         def checkpoint(step: int) -> Path:
             return save_checkpoint(out, step, {"policy": model}, tokenizer,
-                                   trainer_state(optim, sched, step, plan_sha256),
+                                   trainer_state(optim, sched, step, steps_digest),
                                    keep=loop.keep_checkpoints)
 
         for step in checkpointed_steps(start, len(plan), checkpoint, loop.save_every, tag):

@@ -51,7 +51,7 @@ from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
 from turborlhf.data.tokenize import encode_pair
-from turborlhf.engine.checkpoint import plan_digest, restore, save_checkpoint, trainer_state
+from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
@@ -202,14 +202,14 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     # 5. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    plan_sha256 = plan_digest(plan, train_enc)      # resuming with other data or batches is refused
-    start = restore(ckpt, optim, sched, "dpo", plan_sha256)
+    steps_digest = PlanDigest(plan, train_enc)      # resuming with other data or batches is refused
+    start = restore(ckpt, optim, sched, "dpo", steps_digest)
     log = MetricsLogger(out, "dpo", len(plan), show=(M.LOSS, M.R_ACC, M.R_MARGIN, M.EVAL_ACC, M.LR),
                         **tracker_kwargs(cfg), progress=cfg.log.progress, resume=bool(ckpt),
                         start_step=start)
     try:
         def checkpoint(step: int) -> Path:
-            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step, plan_sha256),
+            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step, steps_digest),
                                    keep=loop.keep_checkpoints)
 
         # 6. training loop: per-pair losses summed over micro-batches, divided by the step's pair count

@@ -39,7 +39,7 @@ from turborlhf.algo import kto_kl_estimate, kto_loss, reduce_seq_loss
 from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
 from turborlhf.data.tokenize import encode_prompt_response
-from turborlhf.engine.checkpoint import plan_digest, restore, save_checkpoint, trainer_state
+from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
@@ -206,13 +206,13 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     # 5. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    plan_sha256 = plan_digest(plan, train_enc)      # resuming with other data or batches is refused
-    start = restore(ckpt, optim, sched, "kto", plan_sha256)
+    steps_digest = PlanDigest(plan, train_enc)      # resuming with other data or batches is refused
+    start = restore(ckpt, optim, sched, "kto", steps_digest)
     log = MetricsLogger(out, "kto", len(plan), show=(M.LOSS, M.KL, M.R_MARGIN, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     try:
         def checkpoint(step: int) -> Path:
-            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step, plan_sha256),
+            return save_checkpoint(out, step, {"policy": model}, tok, trainer_state(optim, sched, step, steps_digest),
                                    keep=loop.keep_checkpoints)
 
         # 6. training loop: z0 once per step (no grad), then per-example losses / examples in the step

@@ -22,7 +22,7 @@ from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
 from turborlhf.data.jsonl import file_sha256
 from turborlhf.data.loaders import load_pairs
-from turborlhf.engine.checkpoint import plan_digest, restore, save_checkpoint, trainer_state
+from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
@@ -130,14 +130,14 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     # 4. optimizer, schedule, resume state
     optim = make_optimizer(model, cfg.optim)
     sched = make_scheduler(optim, cfg.optim, len(plan))
-    plan_sha256 = plan_digest(plan, train_enc)      # resuming with other data or batches is refused
-    start = restore(ckpt, optim, sched, "rm", plan_sha256)
+    steps_digest = PlanDigest(plan, train_enc)      # resuming with other data or batches is refused
+    start = restore(ckpt, optim, sched, "rm", steps_digest)
     log = MetricsLogger(out, "rm", len(plan), show=(M.LOSS, M.RM_ACC, M.EVAL_ACC, M.LR), **tracker_kwargs(cfg),
                         progress=cfg.log.progress, resume=bool(ckpt), start_step=start)
     try:
         def checkpoint(step: int) -> Path:
             return save_checkpoint(out, step, {"reward_model": model}, tok,
-                                   trainer_state(optim, sched, step, plan_sha256),
+                                   trainer_state(optim, sched, step, steps_digest),
                                    keep=loop.keep_checkpoints)
 
         # 5. training loop: per-pair losses summed over micro-batches, divided by pairs_per_step

@@ -63,7 +63,7 @@ from turborlhf.data.tokenize import encode_prompt
 from turborlhf.distributed.group import Sibling, WorkerError
 from turborlhf.distributed.roles import check_fsdp_batches
 from turborlhf.distributed.placement import RoleSpec, launch
-from turborlhf.engine.checkpoint import (check_plan, latest_checkpoint, load_trainer_state, plan_digest,
+from turborlhf.engine.checkpoint import (PlanDigest, check_plan, latest_checkpoint, load_trainer_state,
                                          save_checkpoint)
 from turborlhf.engine.lifecycle import checkpointed_steps, run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
@@ -523,12 +523,11 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
     start, st = 0, {}
     # the prompts of each step and their reward columns (and the PPO-ptx examples): an edited prompts
     # or ptx file is refused on resume
-    plan_sha256 = plan_digest(plan, list(zip(prompt_ids, columns or [None] * len(prompt_ids))))
-    if info.get("ptx_sha256"):
-        plan_sha256 = plan_digest([[0, 1]], [plan_sha256, info["ptx_sha256"]])
+    steps_digest = PlanDigest(plan, list(zip(prompt_ids, columns or [None] * len(prompt_ids))),
+                              info.get("ptx_sha256"))
     if ckpt:
         st = load_trainer_state(ckpt)
-        check_plan(st, plan_sha256, ckpt, "ppo")
+        check_plan(st, steps_digest, ckpt, "ppo")
         if A.kl_target is not None:       # the adapted coefficient; a fixed one is the config's (--resume-changed)
             kl_ctl.value = st["kl_coef"]
         if reward_stats is not None and st.get("reward_stats"):
@@ -553,7 +552,7 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
                    for role in ("actor", "critic") if cluster.get(role) is not None}
         state = {"kl_coef": kl_ctl.value, "reward_stats": reward_stats.__dict__ if reward_stats else None,
                  "rng": rng_state(), "gen": gen.get_state(), "step": step,
-                 "plan_sha256": plan_sha256}
+                 "plan_done_sha256": steps_digest.done(step)}
         pipe.wait()
         pending = pipe.state()              # the generated, untrained rollouts go with the checkpoint
         if pending is not None:
