@@ -196,3 +196,47 @@ def test_kept_logits_on_the_torch_path_go_rows_at_a_time(monkeypatch):
     assert seen == [8, 8, 8, 8, 5]
     for a, b, what in zip(ours, ref, ("logp", "entropy", "dh", "dW")):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=what)
+
+
+def _bf16_head_grad_error(fn):
+    """Relative error of the head weight's gradient under bf16 autocast against fp64 autograd."""
+    h, head, labels, _ = _case(N=4096, H=64, V=1024, seed=3, spread=1.0)
+    w = -torch.ones(4096) / 4096                    # an SFT-like upstream gradient: every chunk adds alike
+    W64 = head.weight.detach().double().requires_grad_()
+    (torch.log_softmax(h.double() @ W64.t(), -1).gather(-1, labels[:, None]).squeeze(-1) * w.double()).sum().backward()
+    dW = _run(fn, h, head, labels, w, bf16=True)[3]
+    return float((dW.double() - W64.grad).norm() / W64.grad.norm())
+
+
+def test_the_head_weight_gradient_of_many_bf16_chunks_is_summed_in_fp32(path):
+    """64 chunks of rows: each chunk's weight gradient adds into an fp32 sum, so the error stays that
+    of one bf16 matmul (summed in bf16 it grew with the chunks: 4.7× at 64 chunks)."""
+    one = _bf16_head_grad_error(lambda *a: head_logprobs(*a, rows=4096))
+    many = _bf16_head_grad_error(lambda *a: head_logprobs(*a, rows=64))
+    assert one < 5e-3 and many < 1.3 * one
+
+
+def test_the_plain_head_path_casts_the_weight_per_chunk_under_bf16():
+    """The plain path (an entropy bonus, a wrapped head) in 64 chunks: autocast's one cached cast of
+    the head weight summed the chunks' gradients in bf16 (3.6× the error of one chunk); each chunk
+    casts for itself now, and the chunks' gradients meet in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from turborlhf.models.forward import response_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    ids = torch.randint(0, 2048, (4, 1025))
+    mask = torch.ones_like(ids)
+
+    def head_grad(bf16, chunk):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            lp, _ = response_logprobs(model, ids, mask, mask, with_entropy=True, entropy_grad=True, chunk_tokens=chunk)
+        (-lp.sum() / lp.numel()).backward()
+        return model.lm_head.weight.grad.clone()
+
+    ref = head_grad(False, 4096)
+    one, many = ((head_grad(True, c) - ref).norm() / ref.norm() for c in (4096, 64))
+    assert one < 5e-3 and many < 1.3 * one

@@ -126,13 +126,18 @@ def _backward(z_NV: torch.Tensor, labels_N: torch.Tensor, T: float, lse_N: torch
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """(log p(label), entropy or None) per row of ``h_NH`` under ``softmax(h·Wᵀ / T)``, h and W in
-    the compute dtype; the entropy carries no gradient. With `keep`, every row's logits are kept for
-    the backward, which goes `rows` rows at a time; without, the forward goes `rows` rows at a time
-    too and the backward recomputes each chunk's logits with the same matmul (the same bits)."""
+    """(log p(label), entropy or None) per row of ``h_NH`` under ``softmax(h·Wᵀ / T)``, h in the
+    compute dtype `cdt`, the head weight cast to it here; the entropy carries no gradient. With
+    `keep`, every row's logits are kept for the backward, which goes `rows` rows at a time; without,
+    the forward goes `rows` rows at a time too and the backward recomputes each chunk's logits with
+    the same matmul (the same bits). The weight's gradient is summed over the chunks in fp32 and
+    returned in the weight's own dtype: summed in bf16, each chunk added a rounding (8 chunks of
+    bf16 doubled the error of one bf16 matmul, 64 chunks nearly quintupled it)."""
 
     @staticmethod
-    def forward(ctx, h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int, keep: bool):  # type: ignore[override]
+    def forward(ctx, h_NH, W_master, labels_N, temperature: float,  # type: ignore[override]
+                with_entropy: bool, rows: int, keep: bool, cdt: torch.dtype):
+        W_VH = W_master.to(cdt)
         if keep:
             z_NV = torch.mm(h_NH, W_VH.t())                              # N×V, compute dtype
             lse, logp, ent = _forward_rows(z_NV, labels_N, temperature, with_entropy, rows)
@@ -143,7 +148,7 @@ class _HeadLogprobs(torch.autograd.Function):
         # unless the logits are recomputed)
         h_kept = h_NH if ctx.needs_input_grad[1] or not keep else None
         ctx.save_for_backward(h_kept, W_VH, labels_N, z_NV, lse)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.master_dtype = temperature, rows, W_master.dtype
         if ent is not None:
             ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -154,17 +159,16 @@ class _HeadLogprobs(torch.autograd.Function):
         h_NH, W_VH, labels_N, z_NV, lse = ctx.saved_tensors
         N, rows = labels_N.shape[0], ctx.rows
         dh = torch.empty(N, W_VH.shape[1], dtype=W_VH.dtype, device=W_VH.device) if ctx.needs_input_grad[0] else None
-        dW = None
+        dW = torch.zeros(W_VH.shape, dtype=torch.float32, device=W_VH.device) if ctx.needs_input_grad[1] else None
         for s in range(0, N, rows):
             z = z_NV[s:s + rows] if z_NV is not None else torch.mm(h_NH[s:s + rows], W_VH.t())
             dz = _backward(z, labels_N[s:s + rows], ctx.temperature, lse[s:s + rows], g_logp_N[s:s + rows])
             del z
             if dh is not None:
                 torch.mm(dz, W_VH, out=dh[s:s + rows])
-            if ctx.needs_input_grad[1]:
-                part = torch.mm(dz.t(), h_NH[s:s + rows])
-                dW = part if dW is None else dW.add_(part)
-        return dh, dW, None, None, None, None, None
+            if dW is not None:
+                dW.add_(torch.mm(dz.t(), h_NH[s:s + rows]))
+        return dh, (dW.to(ctx.master_dtype) if dW is not None else None), None, None, None, None, None, None
 
 
 def _no_grad(h_NH, W_VH, labels_N, temperature: float, with_entropy: bool, rows: int, with_lse: bool = False):
@@ -222,5 +226,5 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Ten
             return _no_grad(h_NH.to(cdt), head.weight.to(cdt), *args)
         if keep_logits is None:
             keep_logits = keeps_logits(h_NH.shape[0], V, cdt.itemsize)
-        # the casts outside the Function: autograd hands each gradient back in its tensor's dtype
-        return _HeadLogprobs.apply(h_NH.to(cdt), head.weight.to(cdt), *args, bool(keep_logits))
+        # the weight's cast inside the Function, which sums its gradient in fp32
+        return _HeadLogprobs.apply(h_NH.to(cdt), head.weight, *args, bool(keep_logits), cdt)
