@@ -84,6 +84,19 @@ def _padded_only(monkeypatch):
     monkeypatch.setattr(F, "packs_sequences", lambda backbone: False)
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_a_batch_with_nothing_to_score_stays_in_the_graph(tiny_model, entropy_grad):
+    """A micro-batch whose rows have no scored token (empty responses): the log-probs still have a
+    gradient graph on both head paths, so the loss's backward runs (the entropy bonus's plain path
+    returned a detached tensor and the backward raised)."""
+    m = load_causal_lm(str(tiny_model))
+    ids, attn = pad_batch([[1, 5, 9], [1, 4]], 0)
+    lp, ent = response_logprobs(m, ids, attn, torch.zeros_like(attn), with_entropy=True, entropy_grad=entropy_grad)
+    assert lp.requires_grad and not lp.any()
+    (lp.sum() + (ent.sum() if entropy_grad else 0)).backward()
+
+
+
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_packed_forward_is_used_and_equals_padded(tiny_model, monkeypatch, per_sequence):
     """Packed rows equal padded ones, values and gradients, whichever way the packed attention

@@ -295,7 +295,7 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
         # would pass `head_logprobs`' limit
         recompute = torch.is_grad_enabled() and not keeps_logits(h_NH.shape[0], head.weight.shape[0], 4)
         own_cast = torch.is_grad_enabled() and h_NH.shape[0] > chunk_tokens
-        for s in range(0, h_NH.shape[0], chunk_tokens):
+        for s in range(0, max(h_NH.shape[0], 1), chunk_tokens):     # no position: one empty chunk, in the graph
             args = (head, h_NH[s:s + chunk_tokens], labels_N[s:s + chunk_tokens], temperature, with_entropy,
                     entropy_grad, scale, softcap, own_cast)
             lp, ent = checkpoint(_plain_head_chunk, *args, use_reentrant=False) if recompute else _plain_head_chunk(*args)
