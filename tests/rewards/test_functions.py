@@ -78,6 +78,15 @@ def test_bad_results_are_errors(rules, name, match):
         call_reward_function(fn, ["p", "q"], ["a", "b"], name=f"reward function {name!r}")
 
 
+@pytest.mark.parametrize("result, kind", [({0: 0.5, 1: 0.5}, "dict"), ({0.5, 1.0}, "set")])
+def test_a_mapping_or_a_set_is_not_a_list_of_rewards(result, kind):
+    """A dict gave its keys as the rewards, a set its own order: both are refused."""
+    with pytest.raises(RewardFunctionError, match=f"returned a {kind}; expected a list of 2 numbers"):
+        call_reward_function(lambda prompts, completions: result, ["p", "q"], ["a", "b"], name="f")
+    assert call_reward_function(lambda prompts, completions: (x for x in (0.5, 1.0)), ["p", "q"], ["a", "b"]) \
+        == [0.5, 1.0]
+
+
 def test_numpy_and_tensor_results_are_accepted(tmp_path):
     f = tmp_path / "arrays.py"
     f.write_text("import numpy as np, torch\n"

@@ -46,6 +46,7 @@ import inspect
 import math
 import numbers
 import sys
+from collections.abc import Set
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -229,6 +230,8 @@ def call_reward_function(fn: RewardFn, prompts: Sequence[str], responses: Sequen
     if hasattr(out, "tolist"):  # numpy array or tensor
         out = out.tolist()
     try:
+        if isinstance(out, (Mapping, Set)):         # its keys, or no order: not one value per response
+            raise TypeError
         values = list(out)
     except TypeError:
         raise RewardFunctionError(f"{name} returned a {type(out).__name__}; expected a list of "
