@@ -95,3 +95,38 @@ def test_slow_server_times_out():
 def test_bad_url():
     with pytest.raises(ValueError, match="http://"):
         RemoteRewardModel("localhost:8000")
+    with pytest.raises(ValueError, match="numeric port"):
+        RemoteRewardModel("http://127.0.0.1:80oo")
+    with pytest.raises(ValueError, match="no user name or password") as e:
+        RemoteRewardModel("http://user:secret@127.0.0.1:8000")
+    assert "secret" not in str(e.value)
+
+
+def test_a_redirect_is_an_error_and_the_token_stays_home():
+    """A 302 to another host was followed with the bearer token, and the POST arrived there as a GET
+    without its body; whatever it answered was taken as the scores."""
+    elsewhere = []
+
+    def serve(sock, reply):
+        try:
+            conn, _ = sock.accept()
+        except OSError:                 # closed by the test: nobody came
+            return
+        with conn:
+            elsewhere.append(conn.recv(65536)) if reply is None else conn.recv(65536)
+            conn.sendall(reply or b'HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{"scores": [0.0]}')
+
+    with socket.socket() as other, socket.socket() as first:
+        for s in (other, first):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            s.settimeout(5)
+        moved = (f"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:{other.getsockname()[1]}/score\r\n"
+                 "Content-Length: 0\r\nConnection: close\r\n\r\n").encode()
+        threading.Thread(target=serve, args=(first, moved), daemon=True).start()
+        threading.Thread(target=serve, args=(other, None), daemon=True).start()
+        client = RemoteRewardModel(f"http://127.0.0.1:{first.getsockname()[1]}", timeout_s=2, retries=0, token="TOKEN")
+        with pytest.raises(RemoteRewardError, match=r"redirected the request \(HTTP 302\) to http://127.0.0.1:\d+/score"):
+            client.score(["p"], ["r"])
+        time.sleep(0.2)
+        assert elsewhere == []

@@ -51,7 +51,8 @@ class RemoteRewardModel:
 
     Args:
         url: base URL of the server (``http://host:port``); a trailing ``/score`` is accepted.
-        timeout_s: seconds to wait for one HTTP answer (connect + read).
+        timeout_s: seconds the connection, and each read of the answer, may wait (urllib's
+            socket timeout: a server that keeps sending, however slowly, is waited for).
         retries: further tries after a failed one (total tries = ``retries + 1``).
         backoff_s: wait before the first retry; doubles after each further failure.
         role: how errors name the server (``reward model``, ``critic``, ...).
@@ -59,8 +60,12 @@ class RemoteRewardModel:
             empty: no ``Authorization`` header).
         max_texts: pairs per request; longer lists are split into several requests.
 
+    Redirects are not followed (an error naming the new location): the token would go along to
+    another host, and a redirected POST arrives as a GET without its body.
+
     Raises:
-        ValueError: a URL that is not ``http://`` or ``https://``, or negative retries/timeouts.
+        ValueError: a URL that is not ``http://`` or ``https://``, has no host, a port that is not
+            a number, or a user name or password in it; negative retries/timeouts.
     """
 
     def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 0.5,
@@ -70,6 +75,7 @@ class RemoteRewardModel:
             base = base[: -len("/score")]
         if not base.startswith(("http://", "https://")):
             raise ValueError(f"{role} URL must start with http:// or https://, got {url!r}")
+        _check_url(base, role)
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_texts < 1:
             raise ValueError(f"{role} at {base}: need timeout_s > 0, retries >= 0, backoff_s >= 0, max_texts >= 1")
         self.url, self.timeout_s, self.retries, self.backoff_s, self.role = base, timeout_s, retries, backoff_s, role
@@ -127,9 +133,13 @@ class RemoteRewardModel:
                 headers["Authorization"] = f"Bearer {self.token}"
             req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST", headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with _OPENER.open(req, timeout=self.timeout_s) as resp:
                     body = resp.read()
             except urllib.error.HTTPError as e:
+                if 300 <= e.code < 400:
+                    raise RemoteRewardError(f"{self.role} at {self.url} redirected the request (HTTP {e.code}) to "
+                                            f"{e.headers.get('Location')}; give the final URL (redirects are not "
+                                            "followed)") from None
                 detail = _error_text(e)
                 if e.code < 500:  # our request is wrong: retrying cannot help
                     hint = (f" (set ${TOKEN_ENV} to the server's token)" if e.code == 401 else "")
@@ -153,6 +163,33 @@ class RemoteRewardModel:
                                         f"{body[:200]!r}") from None
         raise RemoteRewardError(f"{self.role} at {self.url} did not answer after {tries} "
                                 f"{'try' if tries == 1 else 'tries'}: {last}")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Answer a redirect with its own HTTPError instead of following it."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _check_url(base: str, role: str) -> None:
+    """ValueError for a base URL without a host, with a port that is not a number, or with a user
+    name or password (the error names the URL without them)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{role} URL {parts.scheme}://...@{parts.hostname}: give no user name or password in it "
+                         f"(the server takes a bearer token: --token or ${TOKEN_ENV})")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if not parts.hostname or port == -1:
+        raise ValueError(f"{role} URL {base!r}: expected http(s)://host[:port] with a numeric port")
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
