@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,89 @@ def test_sft_reports_to_mlflow(tiny_model, tiny_data, tmp_path, monkeypatch):
     assert run.info.run_name == "sft" and run.data.params["optim.lr"] == "0.001"
     losses = [r["train/loss"] for r in metrics(out) if "train/loss" in r]
     assert [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")] == pytest.approx(losses)
+
+
+class _Recorder:
+    def __init__(self, fail_at=None):
+        self.rows, self.closed, self.fail_at = [], None, fail_at
+
+    def log(self, step, scalars):
+        if step == self.fail_at:
+            raise ConnectionError("tracking server hiccup")
+        self.rows.append(step)
+
+    def close(self, outcome="finished"):
+        self.closed = outcome
+
+
+def test_a_tracker_that_fails_to_log_is_dropped_and_the_run_goes_on(tmp_path, caplog):
+    """One failed `log` call (a tracking server's hiccup) ended the training run with a traceback."""
+    from turborlhf.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, "t", 3, tensorboard=False, progress=False)
+    flaky, steady = _Recorder(fail_at=2), _Recorder()
+    log._trackers = [flaky, steady]
+    for step in (1, 2, 3):
+        log.log(step, {"train/loss": 1.0})
+    log.close()
+    assert flaky.rows == [1] and steady.rows == [1, 2, 3]
+    assert (flaky.closed, steady.closed) == ("failed", "finished")
+    assert "_Recorder failed to log step 2 and is dropped" in caplog.text and "ConnectionError" in caplog.text
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("error, outcome", [(None, "finished"), (ValueError("bad batch"), "failed"),
+                                            (KeyboardInterrupt(), "killed")])
+def test_trackers_record_how_the_run_ended(tmp_path, error, outcome):
+    """Closed from the trainers' ``finally``: a crashed run was recorded as finished."""
+    from turborlhf.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, "t", 3, tensorboard=False, progress=False)
+    rec = log._trackers = [_Recorder()]
+    try:
+        try:
+            if error is not None:
+                raise error
+        finally:
+            log.close()
+    except BaseException as e:
+        assert e is error
+    assert rec[0].closed == outcome
+
+
+def test_mlflow_gets_the_status_and_names_it_accepts(tmp_path, monkeypatch):
+    """A reward source's name may hold characters MLflow refuses in a metric name (`len<=8`): they
+    become ``_`` there (the run died at its first step); a failed run is FAILED, not FINISHED."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from turborlhf.trackers import MLflowTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    t = MLflowTracker(tmp_path, project="p", run_name="r", config={})
+    t.log(1, {"rollout/reward_len<=8_mean": 0.5, "policy/kl": 0.1})
+    t.close("failed")
+    client = MlflowClient(tracking_uri=t.uri)
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FAILED"
+    assert sorted(run.data.metrics) == ["policy/kl", "rollout/reward_len__8_mean"]
+
+
+def test_a_fresh_run_hides_an_earlier_runs_tensorboard_events(tmp_path):
+    """A second run in the same directory (not resumed): TensorBoard showed both runs' curves."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from turborlhf.metrics import MetricsLogger
+
+    for run, loss in ((1, 5.0), (2, 1.0)):
+        if run == 2:
+            time.sleep(1.1)           # event files are named by the second they start in
+        log = MetricsLogger(tmp_path, "t", 2, progress=False)
+        for step in (1, 2):
+            log.log(step, {"train/loss": loss + step})
+        log.close()
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("train/loss")] == [(1, 2.0), (2, 3.0)]

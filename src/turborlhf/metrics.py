@@ -124,6 +124,14 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def _close_tracker(t, outcome: str) -> None:
+    """End tracker `t`'s run; a failure there is a warning (the run's own outcome stands)."""
+    try:
+        t.close(outcome)
+    except Exception as e:
+        logger.warning(f"{type(t).__name__} failed to close: {type(e).__name__}: {e}")
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
@@ -294,9 +302,10 @@ class MetricsLogger:
         names = list(report_to) if report_to is not None else (["tensorboard"] if tensorboard else [])
         self._trackers = []
         if "tensorboard" in names:
-            try:   # resumed: TensorBoard drops its events past the checkpoint too
+            try:   # TensorBoard hides the events of the run's steps to come: a resumed run's past the
+                # checkpoint, a fresh run's of an earlier run in this directory (all)
                 self._trackers += make_trackers(["tensorboard"], self.dir,
-                                                purge_step=start_step + 1 if resume else None)
+                                                purge_step=start_step + 1 if resume else 1)
             except Exception as e:  # tensorboard missing or broken: keep going with JSONL
                 logger.warning(f"[{name}] TensorBoard disabled: {e}")
         self._trackers += make_trackers([n for n in names if n != "tensorboard"], self.dir, project, run_name, config)
@@ -322,8 +331,15 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         scalars = finite_scalars(row)
-        for t in self._trackers:
-            t.log(step, scalars)
+        for t in list(self._trackers):
+            try:
+                t.log(step, scalars)
+            except Exception as e:      # a tracker's server hiccup: the run and metrics.jsonl go on
+                logger.warning(f"[{self.name}] {type(t).__name__} failed to log step {step} and is dropped for the "
+                               f"rest of the run ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}); "
+                               "every metric is still in metrics.jsonl")
+                self._trackers.remove(t)
+                _close_tracker(t, "failed")
         if self.progress:
             logger.info(self.progress_line(step, row))
         if self._callbacks:
@@ -352,10 +368,19 @@ class MetricsLogger:
         return " ".join(parts)
 
     def close(self) -> None:
+        """Close metrics.jsonl and end the trackers' runs, recorded as finished, failed (an exception
+        is on its way: this is called from the trainers' ``finally``) or killed (a signal, Ctrl-C,
+        a trainer object closed before its last step)."""
         if self._jsonl.closed:
             return
         self._jsonl.close()
+        from turborlhf.engine.lifecycle import RunInterrupted
+
+        error = sys.exc_info()[1]
+        outcome = ("finished" if error is None else
+                   "killed" if isinstance(error, (RunInterrupted, KeyboardInterrupt, GeneratorExit, SystemExit))
+                   else "failed")
         for t in self._trackers:
-            t.close()
+            _close_tracker(t, outcome)
         self._trackers = []
         _call(self._callbacks, "on_train_end", self.name, self._last_step)

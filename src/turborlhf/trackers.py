@@ -21,7 +21,11 @@ trackio      a Trackio run in project ``project``      ``TRACKIO_DIR`` (local SQ
 
 Every tracker gets the run's whole config once (flattened dotted keys for MLflow) and, per logged
 step, the finite numeric metrics under their canonical names (``train/loss``, ``policy/kl``...).
-A requested tracker whose package is missing raises `TrackerUnavailable` (a `UserError` and an
+A tracker that fails to log a step is dropped with a warning (the run and ``metrics.jsonl`` go
+on). Each run ends recorded as finished, failed (an exception) or killed (a signal, Ctrl-C), where
+the tracker keeps a status (W&B: a non-zero exit code for both; MLflow: ``FINISHED``/``FAILED``/
+``KILLED``). A fresh run in a directory that has TensorBoard events of an earlier run hides them
+(``purge_step``). A requested tracker whose package is missing raises `TrackerUnavailable` (a `UserError` and an
 ``ImportError``) naming the extra to install, when the run starts (`check_installed`), before any
 data or model loads; one that fails to start (W&B without an API key) raises it naming the tracker.
 """
@@ -29,12 +33,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from turborlhf.errors import UserError
 
-__all__ = ["TRACKERS", "Tracker", "TrackerUnavailable", "make_trackers", "check_installed", "flatten"]
+__all__ = ["TRACKERS", "OUTCOMES", "Tracker", "TrackerUnavailable", "make_trackers", "check_installed", "flatten"]
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 _INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install 'turborlhf[wandb]'",
@@ -56,14 +61,19 @@ def check_installed(names: Sequence[str]) -> None:
             raise TrackerUnavailable(f"log.report_to: {n} needs the {n!r} package ({_INSTALL[n]})")
 
 
+#: how a run ended, for `Tracker.close`: its last step done, an exception, or stopped (a signal,
+#: Ctrl-C, a trainer object closed before its last step)
+OUTCOMES = ("finished", "failed", "killed")
+
+
 class Tracker:
     """One destination of scalar metrics."""
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self, outcome: str = "finished") -> None:
+        """End the run, recorded as `outcome` (one of `OUTCOMES`) where the tracker keeps a status."""
 
 
 def _need(module: str, name: str, package: str):
@@ -98,7 +108,7 @@ class TensorBoardTracker(Tracker):
         for k, v in scalars.items():
             self.w.add_scalar(k, v, step)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
         self.w.close()
 
 
@@ -111,8 +121,8 @@ class WandbTracker(Tracker):
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, outcome: str = "finished") -> None:
+        self.run.finish(exit_code=0 if outcome == "finished" else 1)      # W&B: "failed" for a non-zero code
 
 
 class MLflowTracker(Tracker):
@@ -137,10 +147,16 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(_MLFLOW_BAD_CHARS.sub("_", k), v, now, step)
+                                                    for k, v in scalars.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, outcome: str = "finished") -> None:
+        self.client.set_terminated(self.run_id, outcome.upper())       # FINISHED, FAILED, KILLED
+
+
+# MLflow allows letters, digits, ``_ - . / :`` and spaces in a metric name; a reward source's own
+# name (``rollout/reward_len<=8_mean``) may have others: they become ``_`` there
+_MLFLOW_BAD_CHARS = re.compile(r"[^\w\-./: ]")
 
 
 class TrackioTracker(Tracker):
@@ -151,8 +167,8 @@ class TrackioTracker(Tracker):
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, outcome: str = "finished") -> None:
+        self.run.finish()               # Trackio keeps no run status
 
 
 _CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MLflowTracker,
@@ -186,7 +202,7 @@ def make_trackers(names: Sequence[str], out: Path, project: str = "turborlhf", r
                     from e
     except BaseException:
         for t in started:
-            t.close()
+            t.close("failed")
         raise
     return started
 
