@@ -189,3 +189,5 @@ def test_dynamic_sampling_counts_each_engines_items_once_per_round(monkeypatch):
     ro = rlvr.collect_rollouts(None, cfg, NS(pad_token_id=0), [[1, 2]] * 10, [0, 1, 2, 3], 0)
     assert len(rounds) == 2 and ro.metrics["rollout/groups_trained"] == 4
     assert ro.per_engine == [4, 4]
+    # both rounds' 8 rows of 2 tokens were generated (rollout/tokens_per_s counted the 8 trained rows only)
+    assert ro.metrics["rollout/tokens_generated"] == 2 * 8 * 2

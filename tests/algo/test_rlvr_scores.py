@@ -75,3 +75,14 @@ def test_a_reward_source_that_scored_no_row_logs_no_mean():
     out = _rollout_metrics(exp, 0.0)
     assert out["rollout/reward_acc_mean"] == 0.5 and "rollout/reward_code_mean" not in out
     assert all(v == v for v in out.values())
+
+
+def test_one_row_logs_a_reward_std_of_zero():
+    """One prompt and one sample per step (a valid config): torch's std of one value is NaN, which
+    metrics.jsonl wrote as a bare NaN (not JSON for most readers)."""
+    from turborlhf.trainers.ppo.driver import _rollout_metrics
+    A = PPOAlgoCfg(advantage_estimator="reinforce_pp", n_samples_per_prompt=1, missing_eos_penalty=None)
+    exp = score_and_advantages(A, None, None, 0, torch.ones(1, 2), [True], torch.zeros(1, 2), None, None,
+                               torch.tensor([1.0]), {"acc": torch.tensor([1.0])}, 0.0, None)
+    out = _rollout_metrics(exp, 0.0)
+    assert out["rollout/reward_std"] == 0.0 and all(v == v for v in out.values())

@@ -388,7 +388,8 @@ def _explained_variance(values_BR, returns_BR, mask_BR) -> float:
 
 def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     lens = exp.mask_BR.sum(-1)
-    out = {M.REWARD_MEAN: float(exp.raw_scores_B.mean()), M.REWARD_STD: float(exp.raw_scores_B.std()),
+    out = {M.REWARD_MEAN: float(exp.raw_scores_B.mean()),
+           M.REWARD_STD: float(exp.raw_scores_B.std()) if len(exp.raw_scores_B) > 1 else 0.0,   # NaN for one row
            M.SCORE_MEAN: float(exp.scores_B.mean()), M.RESPONSE_LEN: float(lens.mean()),
            M.EOS_FRAC: float(exp.eos_B.float().mean()), M.RETURN_MEAN: float(masked_mean(exp.returns_BR, exp.mask_BR)),
            M.ADV_MEAN: float(masked_mean(exp.adv_BR, exp.mask_BR))}
@@ -622,9 +623,11 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     metrics.update(stats)
     metrics.update(sync_metrics)
     metrics.update(rlvr.rlvr_metrics(exp, cfg) | ro.metrics)
+    # the tokens the engines generated in t_gen: with dynamic sampling, every round's, dropped groups' too
+    generated = ro.metrics.get("rollout/tokens_generated", float(exp.mask_BR.sum()))
     metrics.update({M.T_GENERATE: t_gen, M.T_EXPERIENCE: t_exp, M.T_TRAIN: t_train, "timing/weight_sync": t_sync,
-                    M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s":
-                    float(exp.mask_BR.sum()) / max(t_gen, 1e-9), M.LR: lr})
+                    M.T_STEP: time.perf_counter() - t_step, "rollout/tokens_per_s": generated / max(t_gen, 1e-9),
+                    M.LR: lr})
     metrics.update(pipe.metrics(batch))
     if len(per_engine) > 1:
         metrics.update({f"rollout/engine{r}_items": float(n) for r, n in enumerate(per_engine)})

@@ -126,7 +126,8 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     dropped groups, so every step trains on the same number of rows (``dynamic_sampling_fill``;
     when false it keeps only the kept groups, and fills only when none was kept). Returns the kept
     rows (with their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
-    ``rollout/groups_filled``, ``rollout/groups_trained``."""
+    ``rollout/groups_filled``, ``rollout/groups_trained`` and ``rollout/tokens_generated`` (every
+    round's response tokens, trained or dropped)."""
 
     A = cfg.algo
     G, N = A.n_samples_per_prompt, len(index)
@@ -135,10 +136,11 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
         return ro
     kept: list[Rollouts] = []
     dropped: list[Rollouts] = []
-    n_dropped = n_kept = rounds = 0
+    n_dropped = n_kept = rounds = generated = 0
     served = [0] * len(ro.per_engine)        # work items per engine over all rounds
     while True:
         served = [a + b for a, b in zip(served, ro.per_engine)]
+        generated += sum(len(r) for r in ro.responses)
         ids, attn, _, _ = assemble_prompt_response(ro.prompts, ro.responses, tok.pad_token_id)
         ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
                                [columns[i] for i in ro.prompt_index] if columns else None)()
@@ -162,7 +164,8 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     out = _concat(kept[:N] + (dropped[-filled:] if filled else []))
     out.per_engine = served      # (each group carried its round's counts: summed per kept group, none for the rest)
     out.metrics = {"rollout/groups_dropped": float(n_dropped), "rollout/sampling_rounds": float(rounds),
-                   "rollout/groups_filled": float(filled), "rollout/groups_trained": float(min(n_kept, N) + filled)}
+                   "rollout/groups_filled": float(filled), "rollout/groups_trained": float(min(n_kept, N) + filled),
+                   "rollout/tokens_generated": float(generated)}
     return out
 
 
