@@ -64,7 +64,7 @@ def _initial_reference() -> Any:
 
 class LoraCfg(Cfg):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 disables LoRA (full fine-tuning)")
-    alpha: float = Field(16.0, description="LoRA scaling alpha")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the adapters' update is scaled by alpha/rank)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],

@@ -58,6 +58,37 @@ def test_lora_targets_must_name_modules_of_the_model(tiny_model):
     assert is_lora(load_trainable("causal", dotted, tok, init=str(tiny_model)))
     with pytest.raises(ConfigError, match=r"model\.lora: .*target_modules is empty"):
         load_config(SFTConfig, None, ["data.train_file=x", "model.lora.rank=4", "model.lora.target_modules=[]"])
+    # a block, not a layer: peft's traceback with the block's whole repr; the hint leaves out the
+    # tied LM head and embedding (refused as targets)
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: mlp names LlamaMLP modules, which LoRA cannot adapt; "
+                                          r"name layers inside them \(down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                          r"up_proj, v_proj\)"):
+        load_trainable("causal", LORA.model_copy(update={"lora": LoraCfg(rank=4, target_modules=["mlp"])}),
+                       tok, init=str(tiny_model))
+    with pytest.raises(ConfigError, match=r"model\.lora\.alpha"):      # alpha 0: a zero update, nothing trains
+        load_config(SFTConfig, None, ["data.train_file=x", "model.lora.rank=4", "model.lora.alpha=0"])
+
+
+def test_a_resume_refuses_other_lora_settings_than_the_checkpoints(tiny_model, tmp_path):
+    """The adapters come from the checkpoint: a changed rank, alpha or target list under
+    --resume-changed was logged as taken and silently not used; LoRA switched on or off failed
+    with an error naming no field."""
+    from peft import PeftModel
+
+    tok = load_tokenizer(str(tiny_model))
+    m = load_trainable("causal", LORA, tok, init=str(tiny_model))
+    assert isinstance(m, PeftModel)
+    m.save_pretrained(tmp_path / "lora")
+    load_tokenizer(str(tiny_model)).save_pretrained(tmp_path / "lora")
+    assert is_lora(load_trainable("causal", LORA, tok, init=str(tiny_model), ckpt_dir=tmp_path / "lora"))
+    other = LORA.model_copy(update={"lora": LoraCfg(rank=8, alpha=8.0)})
+    with pytest.raises(ConfigError, match=r"lora\.rank: 4 -> 8: the checkpoint .* LoRA settings cannot change"):
+        load_trainable("causal", other, tok, init=str(tiny_model), ckpt_dir=tmp_path / "lora")
+    with pytest.raises(ConfigError, match=r"lora\.rank: 0, but the checkpoint .* holds LoRA adapters \(rank 4\)"):
+        load_trainable("causal", LORA.model_copy(update={"lora": LoraCfg()}), tok, init=str(tiny_model),
+                       ckpt_dir=tmp_path / "lora")
+    with pytest.raises(ConfigError, match=r"lora\.rank: 4, but the checkpoint .* was saved without LoRA"):
+        load_trainable("causal", LORA, tok, init=str(tiny_model), ckpt_dir=tiny_model)
 
 
 def test_merged_weights_equal_the_adapted_model_and_share_the_rest(tiny_model):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -224,6 +226,8 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
     src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
     model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
                           load_in_4bit=model_cfg.load_in_4bit, device=getattr(model_cfg, "device", "cpu"))
+    if ckpt_dir is not None:
+        _check_resumed_lora(ckpt_dir, lora)
     if lora is not None:
         if ckpt_dir is not None:
             from peft import PeftModel
@@ -233,6 +237,32 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
             model = apply_lora(model, lora)
     freeze_layers(model, getattr(model_cfg, "freeze_layers", 0))
     return model.train()
+
+
+def _check_resumed_lora(ckpt_dir, lora) -> None:
+    """ConfigError when the LoRA settings `lora` (None: full fine-tuning) differ from those the
+    checkpoint's model directory `ckpt_dir` was saved with: its adapters (or weights) are what a
+    resume loads, so a changed rank, alpha, dropout or target list would be logged but not used."""
+    from turborlhf.config import ConfigError
+
+    path = Path(ckpt_dir) / "adapter_config.json"
+    if not path.is_file():
+        if lora is not None:
+            raise ConfigError(f"lora.rank: {lora.rank}, but the checkpoint {ckpt_dir} was saved without LoRA (full "
+                              "fine-tuning); LoRA settings cannot change on resume (start a new run from its export)")
+        return
+    saved = json.loads(path.read_text())
+    if lora is None:
+        raise ConfigError(f"lora.rank: 0, but the checkpoint {ckpt_dir} holds LoRA adapters (rank {saved.get('r')}); "
+                          "LoRA settings cannot change on resume (start a new run from its export)")
+    was = {"rank": saved.get("r"), "alpha": saved.get("lora_alpha"), "dropout": saved.get("lora_dropout"),
+           "target_modules": sorted(saved.get("target_modules") or [])}
+    now = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": sorted(lora.target_modules)}
+    changed = [f"lora.{k}: {was[k]} -> {now[k]}" for k in now if was[k] != now[k]]
+    if changed:
+        raise ConfigError(f"{'; '.join(changed)}: the checkpoint {ckpt_dir} holds adapters of the earlier settings, "
+                          "which a resume loads; LoRA settings cannot change on resume (start a new run, from the "
+                          "checkpoint's export to keep its training)")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -336,17 +366,36 @@ def apply_lora(model: nn.Module, lora_cfg) -> nn.Module:
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), task_type=task,
                       modules_to_save=["score"] if task == "SEQ_CLS" else None)
-    names = [n for n, _ in model.named_modules()]      # peft matches a name or a dotted suffix of it
-    if missing := [t for t in pcfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]:
-        from turborlhf.config import ConfigError
+    from turborlhf.config import ConfigError
 
-        raise ConfigError(f"lora.target_modules: {', '.join(sorted(missing))} not in {type(model).__name__} (its "
-                          f"linear layers: {', '.join(sorted(_linear_names(model)))})")
+    modules = dict(model.named_modules())       # peft matches a name or a dotted suffix of it
+    for t in pcfg.target_modules:
+        hit = [m for n, m in modules.items() if n == t or n.endswith("." + t)]
+        if not hit:
+            raise ConfigError(f"lora.target_modules: {t} not in {type(model).__name__} (layers LoRA can adapt there: "
+                              f"{_adaptable_names(model, task)})")
+        if other := next((m for m in hit if not isinstance(m, _adaptable_types())), None):
+            raise ConfigError(f"lora.target_modules: {t} names {type(other).__name__} modules, which LoRA cannot "
+                              f"adapt; name layers inside them ({_adaptable_names(model, task)})")
     return get_peft_model(model, pcfg)
 
 
-def _linear_names(model: nn.Module) -> set[str]:
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+def _adaptable_types() -> tuple[type, ...]:
+    """Layer classes peft's LoRA adapts (QLoRA's 4-bit linears are ``nn.Linear`` subclasses)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D
+
+
+def _adaptable_names(model: nn.Module, task: str) -> str:
+    """The last names of `model`'s layers a target may name: not a tied embedding or LM head, not
+    a scalar model's ``score`` (trained whole)."""
+    skip = {"score"} if task == "SEQ_CLS" else set()
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        tied = (model.get_output_embeddings(), model.get_input_embeddings())
+        skip |= {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if any(m is t for t in tied)}
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, _adaptable_types())}
+    return ", ".join(sorted(names - skip))
 
 
 def merge_lora_for_save(model: nn.Module) -> nn.Module:
