@@ -122,9 +122,11 @@ def test_a_fresh_run_removes_the_earlier_export_unless_it_starts_from_it(tiny_mo
     (out / "eval.json").write_text("{}")        # an earlier run's final evaluation (rm, dpo, kto write one)
     (out / "ema").mkdir()                       # and PPO's EMA export (algo.ema_beta)
     (out / "ema" / "config.json").write_text("{}")
+    (out / "chat_template.jinja").write_text("{{ x }}")     # a tokenizer file the new export may not write
     start_run(load_config(SFTConfig, None, args[3:] + [f"model.name_or_path={tiny_model}"]), False, "sft")
     assert not (out / "model.safetensors").exists() and not (out / "eval.json").exists()
-    assert not (out / "ema").exists()
+    assert not (out / "ema").exists() and not (out / "chat_template.jinja").exists()
+    assert not (out / "config.json").exists() and (out / "config.yaml").exists()     # the run's own config stays
     assert main(args + [f"model.name_or_path={tiny_model}"]) == 0 and (out / "model.safetensors").exists()
 
 

@@ -45,9 +45,13 @@ def resolve_model_dir(checkpoint: str | Path, model: Optional[str] = None) -> Pa
     d = Path(checkpoint)
     if not d.is_dir():
         raise ExportError(f"{d}: no such directory")
-    latest = d / "checkpoints" / "latest"
-    if latest.exists():
-        d = d / "checkpoints" / latest.read_text().strip()
+    if (d / "checkpoints").is_dir():
+        from turborlhf.engine.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(d)        # as --resume finds it (a save cut short between its renames too)
+        if ckpt is None:
+            raise ExportError(f"{d}: its checkpoints/ holds no complete checkpoint")
+        d = ckpt
     if (d / "config.json").exists() or (d / "adapter_config.json").exists():
         if model:
             raise ExportError(f"{d} is a model directory; --model {model} applies to a checkpoint")
@@ -66,27 +70,21 @@ def resolve_model_dir(checkpoint: str | Path, model: Optional[str] = None) -> Pa
     return d / pick
 
 
-# what `save_pretrained` of a model and its tokenizer writes: an output holding only these is an
-# earlier export, which may be replaced
-_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "adapter_config.json",
-                 "adapter_model.safetensors", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
-                 "chat_template.json")
-
-
-def _check_output(src: Path, out: Path) -> None:
+def _check_output(src: Path, out: Path, what: str = "the checkpoint it exports from") -> None:
     """Refuse an `out` whose replacement would delete something other than an earlier export:
-    the source run or checkpoint (`src` inside `out`, or `out` inside it), or a directory holding
-    anything else. Raises ExportError naming it."""
+    the source run, checkpoint or LoRA base (`src` inside `out`, or `out` inside it: a checkpoint
+    that held another step's weights, or an export that checkpoint rotation deletes), or a
+    directory holding anything else. Raises ExportError naming it."""
     s, o = src.resolve(), out.resolve()
-    if o == s or o in s.parents:
-        raise ExportError(f"--output {out}: would replace the checkpoint it exports from ({src}); choose another "
+    if o == s or o in s.parents or s in o.parents:
+        raise ExportError(f"--output {out}: would replace {what} ({src}) or write inside it; choose another "
                           "directory")
     if o.exists() and not o.is_dir():
         raise ExportError(f"--output {out}: a file, not a directory")
     if o.is_dir():
-        other = sorted(p.name for p in o.iterdir() if not (p.is_file() and (p.name in _EXPORT_FILES or (
+        from turborlhf.engine.run import EXPORT_FILES
+
+        other = sorted(p.name for p in o.iterdir() if not (p.is_file() and (p.name in EXPORT_FILES or (
             p.name.startswith("model-") and p.name.endswith(".safetensors")))))
         if other:
             raise ExportError(f"--output {out}: holds {', '.join(other[:5])}{', ...' if len(other) > 5 else ''}, "
@@ -104,6 +102,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
     ``output``. Raises ``ExportError`` for a directory it cannot resolve, a missing base, or an
     output whose replacement would delete anything but an earlier export (`_check_output`)."""
     import torch
+    from transformers import AutoTokenizer
 
     from turborlhf.engine.checkpoint import save_hf_dir
     from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
@@ -120,6 +119,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
         base = base or acfg.get("base_model_name_or_path")
         if not base:
             raise ExportError(f"{adapter}: no base_model_name_or_path; give the base with --base")
+        if Path(base).is_dir():              # the adapters would be merged into it twice on a resume
+            _check_output(Path(base), Path(output), "the adapters' base model")
         scalar = acfg.get("task_type") == "SEQ_CLS"
         try:
             loaded = (load_scalar_model if scalar else load_causal_lm)(base, tok, dtype=torch.float32)
@@ -127,8 +128,13 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
             raise ExportError(f"{adapter}: cannot load the base model {base!r} ({e}); give it with --base") from None
         net = PeftModel.from_pretrained(loaded, str(src))
     else:
-        scalar = _is_scalar(json.loads((src / "config.json").read_text()))
+        saved = json.loads((src / "config.json").read_text())
+        scalar = _is_scalar(saved)
         net = (load_scalar_model if scalar else load_causal_lm)(str(src), tok, dtype=torch.float32)
+        # a full model is copied as it is: its own pad id and tokenizer (`load_tokenizer` may switch
+        # the pad to unk, and a reward model's pooling reads the rightmost token that is not the pad)
+        net.config.pad_token_id = saved.get("pad_token_id")
+        tok = AutoTokenizer.from_pretrained(str(src))
     return save_hf_dir(net.eval(), tok, output)
 
 

@@ -123,15 +123,35 @@ def _write_hf(model, tokenizer, out: Path, extra_config: Optional[dict] = None, 
     # gradient checkpointing turned the config's use_cache off for training: saved as it came
     use_cache = getattr(model, "_use_cache_before_checkpointing", None)
     trained_with = plain.config.use_cache if use_cache is not None else None
+    gen = plain.generation_config if tokenizer is not None and plain.can_generate() else None
+    eos_before = gen.eos_token_id if gen is not None else None
     try:
         if use_cache is not None:
             plain.config.use_cache = use_cache
+        if gen is not None:
+            gen.eos_token_id = _stop_ids_for_generate(eos_before, tokenizer)
         plain.save_pretrained(out, safe_serialization=True)
     finally:
         if use_cache is not None:
             plain.config.use_cache = trained_with
+        if gen is not None:
+            gen.eos_token_id = eos_before
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    for p in Path(out).rglob("*"):     # safetensors writes its file 0600: readable as any file here
+        usual_mode(p)
+
+
+def _stop_ids_for_generate(eos, tokenizer):
+    """The ``generation_config.eos_token_id`` an export gets: its own, plus the tokens a rollout of
+    `tokenizer` stops at (`turborlhf.data.chat.stop_ids`: the chat template's end-of-turn token, as
+    ``<|im_end|>`` when a base model is trained with ``data.chat_template=chatml``), so plain HF
+    ``generate`` stops where the trained responses end. An int where there is one."""
+    from turborlhf.data.chat import stop_ids
+
+    have = [eos] if isinstance(eos, int) else list(eos or [])
+    want = list(dict.fromkeys([*have, *stop_ids(tokenizer)]))
+    return want[0] if len(want) == 1 else (want or None)
 
 
 def save_hf_dir(model, tokenizer, out_dir: str | Path, extra_config: Optional[dict] = None) -> Path:

@@ -181,7 +181,7 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
                            "(--resume continues a run instead)")
         gone = clear_export(out)
         if gone:
-            logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported weights "
+            logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported model "
                            f"({', '.join(gone)})")
     return setup_run(cfg, str(out)), ckpt
 

@@ -257,6 +257,15 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
     return out
 
 
+# what `save_pretrained` of a model and its tokenizer writes besides the weights
+# (`is_exported_weights`): an output holding only these is an earlier export
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "adapter_config.json",
+                "adapter_model.safetensors", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+                "chat_template.json")
+
+
 def is_exported_weights(name: str) -> bool:
     """Whether a file name in a run directory is part of its exported weights (``model*.safetensors``
     and their index, a peft adapter's, ``pytorch_model*.bin``)."""
@@ -268,7 +277,9 @@ def is_exported_weights(name: str) -> bool:
 def clear_export(output_dir: str | Path) -> list[str]:
     """Remove the weights an earlier run exported into `output_dir` (``model*.safetensors``, their
     index, a peft adapter's, ``pytorch_model*.bin``), so that until the new run exports, the
-    directory cannot load as the old model beside the new run's config, and its final evaluation
+    directory cannot load as the old model beside the new run's config, and the rest of that
+    export (`EXPORT_FILES`: a chat template or tokenizer file the new run's tokenizer does not
+    write stayed and changed how the new export renders), and its final evaluation
     (``eval.json``: a new run without a test set would leave the old one beside its model), and
     PPO's ``ema/`` export (a new run without ``algo.ema_beta`` left the old EMA as its own).
     Returns the names removed."""
@@ -277,7 +288,7 @@ def clear_export(output_dir: str | Path) -> list[str]:
         return []
     gone = []
     for f in sorted(out.iterdir()):
-        if f.is_file() and (is_exported_weights(f.name) or f.name == "eval.json"):
+        if f.is_file() and (is_exported_weights(f.name) or f.name in EXPORT_FILES or f.name == "eval.json"):
             f.unlink()
             gone.append(f.name)
     ema = out / "ema"          # PPO's exported EMA of the actor (algo.ema_beta)
