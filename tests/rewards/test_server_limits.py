@@ -374,6 +374,35 @@ def test_non_loopback_address_needs_a_token(capsys, monkeypatch):
     assert "TURBORLHF_RM_TOKEN" in err
 
 
+def test_ipv6_loopback_serves_and_a_busy_port_is_one_line_before_the_model_loads(capsys):
+    """``--host ::1`` passed the loopback check, then the IPv4-only server died with a traceback; a
+    port in use was a traceback after the model had loaded."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        ipv6 = True
+    except OSError:
+        ipv6 = False
+    if ipv6:
+        server = make_server(lambda p, r: [float(len(x)) for x in r], host="::1", port=0)
+        t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        try:
+            assert server.url.startswith("http://[::1]:")
+            assert RemoteRewardModel(server.url, timeout_s=5).score(["p", "q"], ["ab", "abc"]) == [2.0, 3.0]
+        finally:
+            server.shutdown()
+            server.server_close()
+            server.scorer.close()
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve_main(["--model", "does-not-exist", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"serve-rm: error: cannot listen on {HOST}:{port}: Address already in use" in err
+
+
 # ----------------------------------------------------------------------------------------------
 # the client against broken servers (a raw socket on loopback)
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ Limits (`ServerLimits`; errors are JSON ``{"error": ...}`` with a 4xx/5xx code):
 - ``score_timeout_s`` (300 s): a request not scored by then gets 503 and its remaining items are
   dropped from the queue. So are those of a client that closed its connection while it waited (a
   client timing out and retrying would otherwise have every abandoned copy scored before its
-  retry, on a server already too busy to answer in time).
+  retry, on a server already too busy to answer in time); a client that only shuts down its
+  sending side after the request (``nc -N``) reads the same way and gets no answer.
 - JSON nested too deeply for the parser gets 400.
 
 Authentication: with a token (``--token`` or ``$TURBORLHF_RM_TOKEN``) every request must send
@@ -288,6 +289,25 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
+def _family(host: str) -> int:
+    """The socket family that binds `host` (an IPv6 address such as ``::1`` needs AF_INET6)."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return socket.AF_INET           # a name (localhost) or "" (every interface)
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError when (`host`, `port`) cannot be bound now (in use, or no such address here), so
+    ``serve-rm`` says so in one line before it loads the model rather than after."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as HTTPServer binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def check_bind(host: str, token: Optional[str]) -> None:
     """Raise ValueError when `host` is not loopback and there is no token: the server would let
     anyone on the network use the model (and its CPU/GPU) unauthenticated."""
@@ -324,12 +344,13 @@ class RewardHTTPServer(HTTPServer):
         self._count_tokens, self._count_lock = count_tokens, threading.Lock()
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self.rejected_busy = 0
+        self.address_family = _family(address[0])
         super().__init__(address, _Handler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def count_tokens(self, text: str, limit: Optional[int] = None) -> int:
         """Tokens of `text`, or 0 when it cannot exceed `limit` (default ``max_text_tokens``): a
@@ -670,6 +691,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         limits = ServerLimits(int(a.max_body_mb * 2**20), a.max_texts, a.max_text_tokens, a.read_timeout_s,
                               a.max_connections, a.score_timeout_s, max_response_tokens=max(1, a.max_len - 2))
         check_bind(a.host, a.token)
+        check_port(a.host, a.port)
     except ValueError as e:
         print(f"serve-rm: error: {e}", file=sys.stderr)
         return 2
