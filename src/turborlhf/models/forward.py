@@ -183,15 +183,16 @@ _LOGIT_SCALES = {"granite": ("logits_scaling", False), "granitemoe": ("logits_sc
                  "granitemoeshared": ("logits_scaling", False), "granitemoehybrid": ("logits_scaling", False),
                  "granite_swa": ("logits_scaling", False), "granitemoe_swa": ("logits_scaling", False),
                  "minicpm3": ("logits_scaling", False), "hyperclovax": ("logits_scaling", True),
-                 "cohere": ("logit_scale", True), "cohere2": ("logit_scale", True)}
+                 "cohere": ("logit_scale", True), "cohere2": ("logit_scale", True),
+                 "falcon_h1": ("lm_head_multiplier", True)}
 
 
 def final_logit_transform(model: nn.Module) -> tuple[float, Optional[float]]:
     """``(scale, softcap)``: what the model's causal-LM class does to its head's output before
     returning logits, ``softcap · tanh(scale · z / softcap)`` (no cap where None). transformers'
     Gemma2/Gemma3 cap them (``final_logit_softcapping``), Granite and MiniCPM3 divide them by
-    ``logits_scaling``, Cohere multiplies by ``logit_scale``; scoring with the bare head would
-    train another distribution than the model samples from. Raises ValueError for a model type
+    ``logits_scaling``, Cohere multiplies by ``logit_scale``, Falcon-H1 by ``lm_head_multiplier``;
+    scoring with the bare head would train another distribution than the model samples from. Raises ValueError for a model type
     not in `_LOGIT_SCALES` whose config scales its logits (``logits_scaling``/``logit_scale`` ≠ 1):
     whether it multiplies or divides is the class's choice."""
     cfg = getattr(backbone_of(model), "config", None) or getattr(model, "config", None)

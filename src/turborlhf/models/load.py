@@ -124,6 +124,10 @@ def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: boo
     _sync_special_ids(model, tokenizer)
     _disable_dropout(model)
     _unfreeze_padding_row(model)
+    if not load_in_4bit:            # packing, shared-prefix pairs and log-probs checked against the model's own
+        from turborlhf.models.probe import check_training_forward
+
+        check_training_forward(model, scalar=auto_cls.__name__.endswith("SequenceClassification"))
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 

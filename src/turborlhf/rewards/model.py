@@ -16,6 +16,7 @@ from turborlhf.data.tokenize import encode_pair, encode_prompt_response, pad_bat
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
+from turborlhf.models.probe import shares_prefixes
 
 __all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts", "load_reward_model",
            "check_reward_model", "NotARewardModelError", "warn_if_other_format"]
@@ -105,7 +106,7 @@ def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "auto",
     """
     B = len(encoded)
     with autocast(dtype, model):
-        if shared_prefix:
+        if shared_prefix and shares_prefixes(model):        # not for models found inexact at load (ALiBi)
             batch = pack_shared_prefix([e["chosen"] for e in encoded], [e["rejected"] for e in encoded],
                                        tokenizer.pad_token_id)
             return shared_prefix_scores(model, batch)
