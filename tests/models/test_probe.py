@@ -109,3 +109,14 @@ def test_a_logit_multiplier_is_applied_and_an_unknown_one_is_refused(tmp_path, m
     monkeypatch.delitem(F._LOGIT_SCALES, "falcon_h1")
     with pytest.raises(ValueError, match="model type 'falcon_h1': its log-probs differ from the model's own logits"):
         load_causal_lm(str(path))
+
+
+def test_an_architecture_without_a_scalar_head_is_one_clear_error(tmp_path):
+    """transformers has no sequence-classification class for CodeGen: its raw error listed every
+    model type it knows."""
+    from turborlhf.models.zoo import NotAModelError
+
+    path = _save(tmp_path / "codegen", T.CodeGenConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=96, rotary_dim=8))
+    with pytest.raises(NotAModelError, match="no sequence-classification class for CodeGenConfig, so it cannot be a "
+                                             "reward model or critic"):
+        load_scalar_model(str(path))

@@ -183,7 +183,9 @@ def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing:
                       device: str | torch.device = "cpu") -> nn.Module:
     """`AutoModelForSequenceClassification(num_labels=1)`: a reward model or critic, on `device`.
 
-    From a causal-LM directory the head is new; from a saved reward model it is reloaded.
+    From a causal-LM directory the head is new; from a saved reward model it is reloaded. Raises
+    `turborlhf.models.zoo.NotAModelError` for an architecture transformers has no
+    sequence-classification class for (Granite, OLMoE, CodeGen...).
     """
     import logging
 
@@ -195,6 +197,14 @@ def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing:
     try:
         return _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(name_or_path), tokenizer,
                                 gradient_checkpointing, dtype, load_in_4bit, device, num_labels=1)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        from turborlhf.models.zoo import NotAModelError
+
+        kind = str(e).split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1] if "<class '" in str(e) else "its config"
+        raise NotAModelError(f"{name_or_path}: transformers has no sequence-classification class for {kind}, so "
+                             "it cannot be a reward model or critic (scalar head); use another architecture") from None
     finally:
         hf_logging.set_verbosity(prev)
 
