@@ -120,3 +120,12 @@ def test_an_architecture_without_a_scalar_head_is_one_clear_error(tmp_path):
     with pytest.raises(NotAModelError, match="no sequence-classification class for CodeGenConfig, so it cannot be a "
                                              "reward model or critic"):
         load_scalar_model(str(path))
+
+
+def test_a_bf16_model_is_checked_too(tmp_path):
+    """A reward model scored in bf16 (serve-rm, the RM scorer) loads with bf16 weights: packing is
+    checked for it as well."""
+    path = _save(tmp_path / "stablelm", T.StableLmConfig(**BASE, partial_rotary_factor=0.25))
+    assert load_causal_lm(str(path), dtype=torch.bfloat16).config._attn_implementation == "sdpa"
+    llama = _save(tmp_path / "llama", T.LlamaConfig(**BASE))
+    assert load_causal_lm(str(llama), dtype=torch.bfloat16).config._attn_implementation == "turborlhf"
