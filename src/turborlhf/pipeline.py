@@ -15,8 +15,10 @@ Stage wiring (each stage section of the YAML overrides the command's own config)
 ``--resume`` skips stages whose directory holds a ``.done`` marker, only while the stage's settings
 are the ones it finished with (a training stage's config; the prepare stage's section, raw file and
 tokenizer; the eval section): a changed one is refused, naming the fields, or with
-``--resume-changed`` runs that stage again, and every later one. An interrupted stage resumes from
-its last checkpoint. The stage sections cannot move a stage's output (``output_dir``): the stages find
+``--resume-changed`` runs that stage again, and every later one. A stage whose input stage
+finished again since (in this or an earlier invocation) runs again too. An interrupted stage
+resumes from its last checkpoint. Without ``sft`` in ``stages``, RM, PPO and the evaluation start
+from an SFT model an earlier run finished in ``run_dir``, else from the base model. The stage sections cannot move a stage's output (``output_dir``): the stages find
 each other's models under ``run_dir``.
 
 The training stages (sft, rm, ppo) each run in a fresh process (`run_stage_in_child`), as the
@@ -36,6 +38,7 @@ import pickle
 import signal
 import sys
 import threading
+import uuid
 import time
 import traceback
 from pathlib import Path
@@ -49,12 +52,28 @@ logger = logging.getLogger(__name__)
 __all__ = ["run"]
 
 
-def _stage_cfg(cls, base: dict, section: dict, name: str):
-    if "output_dir" in section:
-        from turborlhf.config import ConfigError
+# what the pipeline wires between its stages: a stage section setting one would train on other
+# inputs than the evaluation compares (PPO scored by another RM, trained on the held-out prompts)
+_WIRED = {"model.name_or_path": "the base model is the pipeline's `model`, the RM's the SFT stage's",
+          "actor.name_or_path": "the actor starts from the SFT stage's model",
+          "reference": "the reference is the SFT stage's model",
+          "reward_model": "PPO and the evaluation score with the RM stage's model",
+          "data.train_file": "the prepare stage writes the data", "data.test_file": "the prepare stage writes the data",
+          "data.prompts_file": "the prepare stage writes the data"}
 
+
+def _stage_cfg(cls, base: dict, section: dict, name: str):
+    from turborlhf.config import ConfigError
+
+    if "output_dir" in section:
         raise ConfigError(f"{name}.output_dir: the pipeline writes each stage to <run_dir>/{name}, where the "
                           f"next stages read it; set run_dir instead")
+    for key, why in _WIRED.items():
+        node = section
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise ConfigError(f"{name}.{key}: set by the pipeline ({why}); run the command on its own to choose it")
     tree = json.loads(json.dumps(base))
     _deep_update(tree, json.loads(json.dumps(section)))
     return validate_section(cls, tree, name)
@@ -66,7 +85,7 @@ def stage_configs(cfg: PipelineConfig, model: str) -> dict:
     base model (path or zoo name). Raises ConfigError naming the stage section."""
     run_dir = Path(cfg.run_dir)
     data = run_dir / "data"
-    sft_out = str(run_dir / "sft") if "sft" in cfg.stages else model
+    sft_out = _sft_model(cfg, run_dir, model)
     pairs = {"train_file": str(data / "train_pairs.jsonl"), "test_file": str(data / "test_pairs.jsonl")}
     ppo_base = {"actor": {"name_or_path": sft_out}, "reference": sft_out, "reward_model": str(run_dir / "rm"),
                 "output_dir": str(run_dir / "ppo"), "data": {"prompts_file": str(data / "train_prompts.jsonl")}}
@@ -77,6 +96,21 @@ def stage_configs(cfg: PipelineConfig, model: str) -> dict:
                                     "data": pairs}, cfg.rm, "rm"),
         "ppo": _stage_cfg(PPOConfig, ppo_base, cfg.ppo, "ppo"),
     }
+
+
+def _sft_model(cfg: PipelineConfig, run_dir: Path, model: str) -> str:
+    """The model RM, PPO and the evaluation start from: the SFT stage's, when it is listed or an
+    earlier run finished it in `run_dir` (``stages: [ppo, eval]`` after ``[prepare, sft, rm]``),
+    else the base `model`."""
+    sft = run_dir / "sft"
+    return str(sft) if "sft" in cfg.stages or (sft / ".done").exists() else model
+
+
+def _marker(d: Path) -> dict:
+    try:
+        return json.loads((d / ".done").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def run(cfg: PipelineConfig, resume: bool = False) -> dict:
@@ -98,8 +132,11 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     _check_stage_inputs(cfg.stages, stage_dirs)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "pipeline.json", json.dumps(config_to_dict(cfg), indent=2))
-    sft_out = str(stage_dirs["sft"]) if "sft" in cfg.stages else model
+    sft_out = _sft_model(cfg, run_dir, model)
+    if "sft" not in cfg.stages:
+        logger.info(f"[pipeline] the SFT model: {sft_out}")
     settings = _stage_settings(cfg, model, sft_out)
+    reads = {stage: [n for n in _READS.get(stage, ()) if n != "sft" or sft_out != model] for stage in stage_dirs}
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
     rerun = False                         # a stage ran again: the later ones build on its new output
@@ -107,8 +144,16 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         done = stage_dirs[stage] / ".done"
         again = rerun                     # a finished stage trained again (changed config, or an earlier one did)
         if resume and done.exists() and not rerun:
+            marker = _marker(stage_dirs[stage])
+            inputs = {n: _marker(stage_dirs[n]).get("id") for n in reads[stage]}
+            if "inputs" in marker and (moved := [n for n in inputs if marker["inputs"].get(n) != inputs[n]]):
+                # an earlier stage finished again since (another invocation: a changed config, a new split)
+                logger.warning(f"[pipeline] {stage}: the {', '.join(moved)} stage's output changed since it "
+                               "finished: run again")
+                rerun = again = True
+        if resume and done.exists() and not rerun:
             changed = (_finished_with_another_config(stage_cfgs[stage], stage_dirs[stage]) if stage in _TRAINERS
-                       else _changed_settings(json.loads(done.read_text()).get("settings"), settings[stage]))
+                       else _changed_settings(marker.get("settings"), settings[stage]))
             if not changed:
                 logger.info(f"[pipeline] {stage}: done before, skipped")
                 continue
@@ -130,12 +175,17 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         elif stage == "eval":
             from turborlhf.report import evaluate_pipeline
 
-            evaluate_pipeline(cfg, run_dir, sft_out, data, timings, stage_cfgs["rm"].data.max_len)
-        rerun = rerun or again
+            evaluate_pipeline(cfg, run_dir, sft_out, data, timings, stage_cfgs["rm"].data.max_len,
+                              stage_cfgs["rm"].model.dtype, stage_cfgs["rm"].model.device)
+        rerun = True                      # every later stage reads this one's new (or resumed) output
         timings[stage] = round(time.perf_counter() - t0, 1)
         release_freed_memory()    # the next stage's working set differs (engine.malloc)
         stage_dirs[stage].mkdir(parents=True, exist_ok=True)
-        atomic_write_text(done, json.dumps({"seconds": timings[stage], "settings": settings.get(stage)}))
+        # its own id, and the ids of the outputs it read: a later --resume runs it again when one of
+        # them finished again since (in another invocation)
+        atomic_write_text(done, json.dumps({"seconds": timings[stage], "settings": settings.get(stage),
+                                            "id": uuid.uuid4().hex,
+                                            "inputs": {n: _marker(stage_dirs[n]).get("id") for n in reads[stage]}}))
         logger.info(f"[pipeline] {stage} took {format_duration(timings[stage])}")
     total = time.perf_counter() - t_all
     summary_path = run_dir / "summary.json"
@@ -144,6 +194,9 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
         # a stage ran again after the evaluation: that evaluation is of the models before it
         summary = {"stage_seconds": summary.get("stage_seconds", {}) if resume else {}}
     summary.setdefault("stage_seconds", {}).update(timings)
+    for stage, d in stage_dirs.items():         # stages finished in earlier invocations keep their times
+        if stage not in timings and "seconds" in (m := _marker(d)):
+            summary["stage_seconds"].setdefault(stage, m["seconds"])
     summary["total_seconds"] = round(total, 1)
     atomic_write_text(summary_path, json.dumps(summary, indent=2))
     from turborlhf.report import print_summary
@@ -153,7 +206,7 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     return summary
 
 
-# stage → the stages whose output it reads (the SFT model only when the sft stage is listed: else the base model)
+# stage → the stages whose output it reads (the SFT model only where `_sft_model` is the SFT stage's)
 _READS = {"sft": ("prepare",), "rm": ("prepare", "sft"), "ppo": ("prepare", "sft", "rm"),
           "eval": ("prepare", "sft", "rm", "ppo")}
 
@@ -168,7 +221,7 @@ def _check_stage_inputs(stages: list[str], stage_dirs: dict) -> None:
     for i, stage in enumerate(stages):
         for need in _READS.get(stage, ()):
             if need == "sft" and "sft" not in stages:
-                continue                          # the base model stands in for the SFT model
+                continue                          # a finished SFT stage, or the base model (`_sft_model`)
             if need not in stages[:i] and not (stage_dirs[need] / ".done").exists():
                 raise ConfigError(f"stages: {stage} reads the {need} stage's output ({stage_dirs[need]}), which no "
                                   f"earlier stage writes and no finished run left there: list {need} before {stage}")

@@ -48,7 +48,8 @@ def rm_eval_covers(rm_res: dict, test_pairs: str) -> bool:
     return Path(rm_res.get("data", "")).resolve() == Path(test_pairs).resolve()
 
 
-def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict, rm_max_len: int = 1024) -> dict:
+def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict, rm_max_len: int = 1024,
+                      rm_dtype: str = "auto", rm_device: str = "auto") -> dict:
     from turborlhf.evaluate import eval_policy_pair, eval_rm
 
     E = cfg.eval
@@ -57,10 +58,11 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     summary: dict = {"model": cfg.model, "run_dir": str(run_dir)}
     # the RM stage scored the same held-out pairs with the final model (rm/eval.json, at its max_len);
     # a reward model trained elsewhere, or by a version that wrote no length strata, is scored here
+    # (at the RM stage's length budget, precision and device)
     rm_eval, test_pairs = run_dir / "rm" / "eval.json", str(data / "test_pairs.jsonl")
     rm_res = json.loads(rm_eval.read_text()) if rm_eval.exists() else {}
     if not rm_eval_covers(rm_res, test_pairs):      # at the RM stage's length budget, as it trained
-        rm_res = eval_rm(rm_dir, test_pairs, max_len=rm_max_len)
+        rm_res = eval_rm(rm_dir, test_pairs, max_len=rm_max_len, dtype=rm_dtype, device=rm_device)
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]
     summary["rm_test_length"] = rm_res["length"]

@@ -64,6 +64,26 @@ def test_tiny_pipeline_and_eval_commands(tiny_model, tmp_path):
     # a fresh run of the first stage alone shows no evaluation of the models it replaces
     run_cli(*args, "stages=[prepare]")
     assert "rm_test_accuracy" not in json.loads((run_dir / "summary.json").read_text())
+    # ...and a later --resume trains every stage on the new split (they were skipped as done: SFT,
+    # RM and PPO of the old split, evaluated on prompts they had partly trained on)
+    dirs = {"prepare": "data", "sft": "sft", "rm": "rm", "ppo": "ppo", "eval": "eval"}
+    before = {s: (run_dir / d / ".done").stat().st_mtime_ns for s, d in dirs.items()}
+    run_cli(*args, "--resume")
+    after = {s: (run_dir / d / ".done").stat().st_mtime_ns for s, d in dirs.items()}
+    assert [s for s in before if after[s] != before[s]] == ["sft", "rm", "ppo", "eval"], (before, after)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "rm_test_accuracy" in summary and set(summary["stage_seconds"]) == set(before)
+    # the stages a run wires together cannot be pointed elsewhere by a stage section
+    for wired in ("ppo.reward_model=x", "ppo.reference=x", "ppo.data.prompts_file=x", "rm.model.name_or_path=x"):
+        assert main([str(a) for a in args] + [wired]) == 2, wired
+    # a run of the later stages alone starts from the SFT model an earlier run finished here
+    from turborlhf.config import PipelineConfig, load_config
+    from turborlhf.pipeline import stage_configs
+
+    later = load_config(PipelineConfig, REPO / "configs/tiny/pipeline.yaml",
+                        [f"model={tiny_model}", f"run_dir={run_dir}", "stages=[ppo,eval]"])
+    ppo = stage_configs(later, str(tiny_model))["ppo"]
+    assert ppo.actor.name_or_path == ppo.reference == str(run_dir / "sft")
 
     # the RM stage's scores stay valid for a copy of the run directory (same test pairs by content),
     # not for other pairs; an eval.json without the digest is matched by its path
