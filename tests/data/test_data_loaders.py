@@ -155,3 +155,42 @@ def test_a_data_key_no_record_has_is_an_error(tok, tmp_path):
     assert load_prompts(path, tok, keys={"prompt": "instruction"}) == ["Say hi"]
     with pytest.raises(DataError, match=r"no record has the key 'instrution' given for the prompt \(data.prompt_key"):
         load_prompts(path, tok, keys={"prompt": "instrution"})
+
+
+def test_conversations_the_loaders_cannot_render_faithfully_are_bad_lines(tmp_path):
+    """A template that refuses a record (roles must alternate) raised jinja2's error out of the
+    whole load; a tool call was dropped and its empty assistant turn trained; an empty middle turn
+    was trained as a bare end of turn; content parts read as a missing 'messages' key."""
+    alternating = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                   "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    a = lambda text: {"role": "assistant", "content": text}    # noqa: E731
+    rows = [
+        {"messages": USER + [a("Hello")]},                                                     # 1 fine
+        {"messages": [{"role": "system", "content": "S"}] + USER + [a("Hello")]},               # 2 refused
+        {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+                             {"role": "tool", "content": "22C"}, a("Warm.")]},                  # 3 tool call
+        {"messages": USER + [a(" "), {"role": "user", "content": "And?"}, a("Yes.")]},          # 4 empty turn
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, a("Hello")]},   # 5 parts
+    ]
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    own = make_tiny_tokenizer()          # the template is set on the tokenizer: not the shared fixture's
+    with pytest.warns(DataWarning, match="skipped 4 bad line"):
+        got = load_sft(write(tmp_path / "s.jsonl", rows), own, chat_template=alternating, multiturn=True)
+    assert len(got) == 1
+    kinds = {p.line: (p.kind, p.detail) for p in got.problems}
+    assert kinds[2][0] == "template_error" and "roles must alternate" in kinds[2][1]
+    assert kinds[3] == ("bad_value", "messages[1]: an assistant message with tool_calls, which turborlhf does not "
+                                     "render or train on")
+    assert kinds[4] == ("empty_response", "message 2 (an assistant turn) is empty")
+    assert kinds[5][0] == "bad_value" and "messages[0]: content must be a string, got list" in kinds[5][1]
+
+
+def test_a_prompt_ending_in_an_assistant_message_is_continued(tok, tmp_path):
+    """A prefilled assistant turn (TRL renders it with continue_final_message): it was closed and a
+    second assistant header followed."""
+    prefill = USER + [{"role": "assistant", "content": "Autumn"}]
+    got = load_prompts(write(tmp_path / "p.jsonl", [{"prompt": prefill}]), tok)
+    assert list(got) == [RENDERED + "Autumn"]

@@ -28,13 +28,38 @@ def is_messages(x: Any) -> bool:
     )
 
 
+def message_list_problem(x: Any) -> str | None:
+    """What is wrong with a list of message-like dicts (``messages[1]: content must be a string, got
+    list``), or None: fine, or not message-shaped at all (the parsers say what they expected).
+    Tool calls are refused: the content-only rendering (`clean_messages`) would drop them and
+    train an empty assistant turn in their place."""
+    if not (isinstance(x, list) and x and all(isinstance(m, dict) for m in x)
+            and any("role" in m or "content" in m for m in x)):
+        return None
+    for i, m in enumerate(x):
+        if not isinstance(m.get("role"), str):
+            return f"[{i}]: role must be a string, got {type(m.get('role')).__name__}"
+        if m.get("tool_calls"):
+            return f"[{i}]: an assistant message with tool_calls, which turborlhf does not render or train on"
+        if not isinstance(m.get("content"), str):
+            kind = type(m.get("content")).__name__
+            hint = " (content parts are not read: give the text)" if isinstance(m.get("content"), list) else ""
+            return f"[{i}]: content must be a string, got {kind}{hint}"
+    return None
+
+
 def clean_messages(messages: list[dict]) -> list[Message]:
     """Copy keeping only ``role`` and ``content`` (extra keys would confuse some templates)."""
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def render_prompt(tokenizer, messages: list[Message]) -> str:
-    """Render ``messages`` with the chat template plus the generation prompt (assistant header)."""
+    """Render ``messages`` with the chat template plus the generation prompt (assistant header).
+    A list ending in an assistant message (a prefill) is continued instead: no end of turn after
+    it and no new header (``continue_final_message``, as TRL renders such prompts)."""
+    if messages and messages[-1]["role"] == "assistant":
+        return tokenizer.apply_chat_template(clean_messages(messages), add_generation_prompt=False,
+                                             continue_final_message=True, tokenize=False)
     return tokenizer.apply_chat_template(
         clean_messages(messages), add_generation_prompt=True, tokenize=False
     )

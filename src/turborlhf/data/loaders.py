@@ -47,8 +47,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from turborlhf.data.chat import (has_chat_template, is_messages, render_conversation, render_prompt,
-                                 response_text, set_chat_template, turn_end)
+from turborlhf.data.chat import (has_chat_template, is_messages, message_list_problem, render_conversation,
+                                 render_prompt, response_text, set_chat_template, turn_end)
 from turborlhf.data.errors import DataError, Problem, format_problems
 from turborlhf.data.hh_rlhf import SAME_RESPONSE, convert_pair, prompt_messages_of, split_prompt_response
 from turborlhf.data.jsonl import JsonLineError
@@ -132,7 +132,11 @@ def _load(path: str | os.PathLike, parse: Callable[[dict], list], strict: bool, 
             if unseen:
                 unseen -= obj.keys()
                 first_keys = first_keys or sorted(obj)
-            records.extend(parse(_renamed(obj, rename)))
+            obj = _renamed(obj, rename)
+            for key in ("messages", "prompt", "chosen", "rejected", "completion", "response"):
+                if (why := message_list_problem(obj.get(key))) is not None:
+                    raise _Bad("bad_value", f"{key}{why}")
+            records.extend(parse(obj))
         except _Bad as e:
             detail = _own_names(e.detail, rename)
             if e.kind == "missing_key" and isinstance(obj, dict) and key_hint:    # where keys can be renamed
@@ -189,7 +193,17 @@ def _render(tokenizer, messages: list, what: str) -> str:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise _NoTemplate(f"{what} needs a chat template and tokenizer {name!r} has none: set data.chat_template "
                           "(chatml, plain or a Jinja string), or give prompts as plain text")
-    return render_prompt(tokenizer, messages)
+    return _templated(render_prompt, tokenizer, messages)
+
+
+def _templated(render, tokenizer, messages: list):
+    """`render` (`render_prompt`, `render_conversation`), a record the chat template itself refuses
+    (Gemma's without a system role, Llama-2's roles that do not alternate) reported as a bad record."""
+    try:
+        return render(tokenizer, messages)
+    except Exception as e:          # jinja2's TemplateError (raise_exception in the template), and the like
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise _Bad("template_error", f"the chat template refused it: {type(e).__name__}: {first}") from None
 
 
 # ------------------------------------------------------------------------------- field parsers
@@ -253,8 +267,10 @@ def _assistant_turns(messages: list[dict], tokenizer) -> list[tuple[str, str]]:
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:
             continue
+        if not m["content"].strip():       # the last turn: `_conversation`'s own check
+            raise _Bad("empty_response", f"message {i + 1} (an assistant turn) is empty")
         ctx = prompt if i == len(messages) - 1 else _render(tokenizer, messages[:i], "a conversation (message list)")
-        whole = render_conversation(tokenizer, messages[:i + 1])
+        whole = _templated(render_conversation, tokenizer, messages[:i + 1])
         if not ctx.startswith(done) or not whole.startswith(ctx + m["content"]):
             raise _Bad("multiturn_template", f"the chat template renders the turns before message {i + 1} differently "
                                              "once later ones follow; data.multiturn needs one that only appends")
