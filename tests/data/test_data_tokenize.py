@@ -258,3 +258,20 @@ def test_a_response_that_writes_its_own_end_token_gets_no_second_one(tok):
     assert [e["input_ids"][-2:].count(end) for e in pair.values()] == [1, 1]
     conv = encode_conversation(tok, [("Q:", " a" + end_text), ("Q2:", " b" + end_text)], 64)["input_ids"]
     assert conv.count(end) == 2
+
+
+def test_cut_responses_are_counted_in_one_warning(tok, caplog):
+    """Responses cut at max_len trained without their end token, and a reward model compared a cut
+    side with a whole one, without a word."""
+    import logging
+
+    from turborlhf.data.tokenize import encode_examples, report_truncation
+
+    rows = [{"prompt": "a " * 30, "response": "b " * 30}, {"prompt": "a", "response": "b"}]
+    with caplog.at_level(logging.WARNING):
+        report_truncation("sft", encode_examples(tok, rows, 16), 16)
+    assert "[sft] 1 of 2 responses were cut at data.max_len=16 (no end token) and 1 prompts lost their start" \
+        in caplog.text
+    caplog.clear()
+    report_truncation("sft", encode_examples(tok, rows[1:], 16), 16)
+    assert caplog.text == ""

@@ -270,6 +270,20 @@ def assemble_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequen
     return ids, attn, P, mask
 
 
+def report_truncation(tag: str, encoded: Sequence[dict], max_len: int, what: str = "data.max_len") -> None:
+    """Warn, once for a data set, how many of the `encoded` sequences (`encode_prompt_response`
+    records) had their response cut at `max_len` (trained without their end token; a reward model
+    compares a cut side with a whole one) and how many lost the start of their prompt."""
+    import logging
+
+    cut = sum(bool(e.get("response_truncated")) for e in encoded)
+    left = sum(bool(e.get("prompt_truncated")) for e in encoded)
+    if cut or left:
+        logging.getLogger(__name__).warning(
+            f"[{tag}] {cut} of {len(encoded)} responses were cut at {what}={max_len} (no end token) and "
+            f"{left} prompts lost their start; raise {what} to keep them whole")
+
+
 def encode_examples(tokenizer, rows: Sequence[dict], max_len: int) -> list[dict]:
     """`encode_prompt_response` of every ``{prompt, response}`` row (SFT data, best-of-n winners,
     tagged conditional-SFT examples) with budget `max_len`; `encode_conversation` of a row with

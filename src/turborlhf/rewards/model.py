@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from turborlhf.data.tokenize import encode_pair, encode_prompt_response, pad_batch
+from turborlhf.data.tokenize import encode_pair, encode_prompt_response, pad_batch, report_truncation
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
@@ -80,17 +80,21 @@ def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = to
     return model
 
 
-def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
+def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int, tag: Optional[str] = None) -> list[dict]:
     """Each pair → ``{"chosen": ids, "rejected": ids, "margin": float}`` (EOS appended), both
     sides truncated to ``max_len`` with one shared prompt (`turborlhf.data.tokenize.encode_pair`,
     as DPO): where a long response leaves less room for the prompt, the other side's prompt is
     cut to the same tokens, so the two scores compare the responses in the same context, and
-    the packed forward (`pair_scores`) still computes that prompt once."""
-    out = []
+    the packed forward (`pair_scores`) still computes that prompt once. With `tag`, the sides cut
+    at `max_len` are counted in a warning (`report_truncation`)."""
+    out, sides = [], []
     for p in pairs:
         e = encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len)
         out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
                     "margin": float(p.get("margin") or 0.0)})
+        sides += [e["chosen"], e["rejected"]]
+    if tag is not None:
+        report_truncation(tag, sides, max_len)
     return out
 
 

@@ -50,7 +50,7 @@ import torch
 from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.data.tokenize import encode_pair
+from turborlhf.data.tokenize import encode_pair, report_truncation
 from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -171,6 +171,7 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
     train_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in pairs]
+    report_truncation("dpo", [e[side] for e in train_enc for side in ("chosen", "rejected")], cfg.data.max_len)
     test_enc = []
     if cfg.data.test_file:
         test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs())

@@ -38,7 +38,7 @@ import torch
 from turborlhf.algo import kto_kl_estimate, kto_loss, reduce_seq_loss
 from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
-from turborlhf.data.tokenize import encode_prompt_response
+from turborlhf.data.tokenize import encode_prompt_response, report_truncation
 from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -169,6 +169,7 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     n_des = sum(bool(r["label"]) for r in rows)
     check_weights(n_des, len(rows) - n_des, A.desirable_weight, A.undesirable_weight)
     train_enc = _encode(tok, rows, cfg.data.max_len)
+    report_truncation("kto", train_enc, cfg.data.max_len)
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], loop.examples_per_step,
                       loop.epochs, loop.max_steps, loop.seed)
     if min(len(b) for b in plan) < 2:

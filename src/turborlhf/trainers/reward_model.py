@@ -112,7 +112,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
     pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
-    train_enc = encode_pairs(tok, pairs, cfg.data.max_len)
+    train_enc = encode_pairs(tok, pairs, cfg.data.max_len, tag="rm")
     test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
     if cfg.data.max_test_samples:
         test_pairs = test_pairs[:cfg.data.max_test_samples]

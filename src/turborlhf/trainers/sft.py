@@ -14,7 +14,7 @@ from typing import Iterator
 
 from turborlhf.config import SFTConfig
 from turborlhf.data.loaders import load_sft
-from turborlhf.data.tokenize import encode_examples
+from turborlhf.data.tokenize import encode_examples, report_truncation
 from turborlhf.engine.lifecycle import run_to_end, start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import seed_everything, set_threads
@@ -56,6 +56,7 @@ def train_steps(cfg: SFTConfig, resume: bool = False) -> Iterator[tuple[int, int
     if cfg.data.max_samples:
         rows = rows[:cfg.data.max_samples]
     train_enc = encode_examples(tok, rows, cfg.data.max_len)
+    report_truncation("sft", train_enc, cfg.data.max_len)
     test_rows = load_sft(cfg.data.test_file, tok, **cfg.data.loader_kwargs()) if cfg.data.test_file else []
     if cfg.data.max_test_samples:
         test_rows = test_rows[:cfg.data.max_test_samples]
