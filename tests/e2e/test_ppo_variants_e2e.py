@@ -225,7 +225,7 @@ def test_ptx_and_ema_export_and_resume(tiny_model, tiny_rm, tiny_data, tmp_path,
     capsys.readouterr()
     assert main(["ppo", "--config", str(REPO / "configs/tiny/ppo.yaml"), *map(str, _args(tiny_model, tiny_data, out,
                                                                                          extra)), "--resume"]) == 2
-    assert "the examples of each step differ" in capsys.readouterr().err
+    assert "the examples of the steps done differ" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

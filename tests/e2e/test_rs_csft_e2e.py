@@ -304,7 +304,7 @@ def test_rejection_sampling_and_conditional_sft_refuse_an_edited_data_file_on_re
         data.write_text("".join(lines[::-1]))
         capsys.readouterr()
         assert main(args + ["--resume"]) == 2
-        assert "the examples of each step differ" in capsys.readouterr().err
+        assert "the examples of the steps done differ" in capsys.readouterr().err
         assert main(args + ["--resume", "--resume-changed"]) == 0
 
     prompts = tmp_path / "prompts.jsonl"
