@@ -18,8 +18,9 @@ tokenizer; the eval section): a changed one is refused, naming the fields, or wi
 ``--resume-changed`` runs that stage again, and every later one. A stage whose input stage
 finished again since (in this or an earlier invocation) runs again too. An interrupted stage
 resumes from its last checkpoint. Without ``sft`` in ``stages``, RM, PPO and the evaluation start
-from an SFT model an earlier run finished in ``run_dir``, else from the base model. The stage sections cannot move a stage's output (``output_dir``): the stages find
-each other's models under ``run_dir``.
+from an SFT model an earlier run finished in ``run_dir``, else from the base model. The stage
+sections cannot move a stage's output (``output_dir``) or its wired inputs (the models and data
+files the pipeline passes between stages): the stages find each other's models under ``run_dir``.
 
 The training stages (sft, rm, ppo) each run in a fresh process (`run_stage_in_child`), as the
 separate commands of TRL's and OpenRLHF's recipes do: a stage started in the process that had

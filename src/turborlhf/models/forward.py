@@ -192,9 +192,10 @@ def final_logit_transform(model: nn.Module) -> tuple[float, Optional[float]]:
     returning logits, ``softcap · tanh(scale · z / softcap)`` (no cap where None). transformers'
     Gemma2/Gemma3 cap them (``final_logit_softcapping``), Granite and MiniCPM3 divide them by
     ``logits_scaling``, Cohere multiplies by ``logit_scale``, Falcon-H1 by ``lm_head_multiplier``;
-    scoring with the bare head would train another distribution than the model samples from. Raises ValueError for a model type
-    not in `_LOGIT_SCALES` whose config scales its logits (``logits_scaling``/``logit_scale`` ≠ 1):
-    whether it multiplies or divides is the class's choice."""
+    scoring with the bare head would train another distribution than the model samples from.
+    Raises ValueError for a model type not in `_LOGIT_SCALES` whose config scales its logits
+    (``logits_scaling``/``logit_scale`` ≠ 1): whether it multiplies or divides is the class's
+    choice."""
     cfg = getattr(backbone_of(model), "config", None) or getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     cap = getattr(cfg, "final_logit_softcapping", None)

@@ -271,7 +271,8 @@ def _check_resumed_lora(ckpt_dir, lora) -> None:
                           "LoRA settings cannot change on resume (start a new run from its export)")
     was = {"rank": saved.get("r"), "alpha": saved.get("lora_alpha"), "dropout": saved.get("lora_dropout"),
            "target_modules": sorted(saved.get("target_modules") or [])}
-    now = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": sorted(lora.target_modules)}
+    now = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+           "target_modules": sorted(lora.target_modules)}
     changed = [f"lora.{k}: {was[k]} -> {now[k]}" for k in now if was[k] != now[k]]
     if changed:
         raise ConfigError(f"{'; '.join(changed)}: the checkpoint {ckpt_dir} holds adapters of the earlier settings, "
