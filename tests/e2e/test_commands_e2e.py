@@ -126,6 +126,31 @@ def test_chat_is_multi_turn_and_streams(tiny_model, monkeypatch, capsys):
     assert streamed == whole == fast and streamed.count("\n") >= 2
 
 
+def test_chat_and_generate_refuse_what_they_cannot_serve_before_reading_a_line(tiny_model, tmp_path, monkeypatch,
+                                                                             capsys):
+    """chat never checked prompt + new tokens against the context (HF ran past it silently, the fast
+    engine ended the session at the first line); a template refusing the system message was a
+    traceback after the first line; a NaN temperature sampled garbage on the fast engine."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    base = ["chat", "--model", str(tiny_model), "--dtype", "fp32"]
+    for extra, message in ((["--max-prompt-len", "1020", "--max-new-tokens", "20"], "exceed the policy's context"),
+                           (["--temperature", "nan"], "temperature must be >= 0, got nan")):
+        capsys.readouterr()
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert message in err and err.startswith("error: ") and "Traceback" not in err
+    no_system = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not " \
+                "supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    assert main(base + ["--chat-template", no_system, "--system", "Be brief."]) == 2
+    assert "--system: the chat template refuses a system message (TemplateError: System role not supported)" \
+        in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["generate", "--model", str(tiny_model), "--prompts", str(prompts), "--output",
+                 str(tmp_path / "o.jsonl"), "--temperature", "nan"]) == 2
+    assert "temperature must be >= 0, got nan" in capsys.readouterr().err
+
+
 def test_export_merges_lora_checkpoint_and_pushes(tiny_model, tiny_data, tiny_rm, tmp_path, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

@@ -135,7 +135,7 @@ def generate_main(argv: list[str]) -> int:
         stats = generate_file(a.model, a.prompts, a.output, _params(a, n=a.n), a.engine, a.dtype, a.batch_size,
                               a.max_prompt_len, a.limit, keys={"prompt": a.prompt_key}, chat_template=a.chat_template,
                               device=a.device)
-    except (DataError, FileNotFoundError, ValueError) as e:
+    except (DataError, FileNotFoundError, ValueError, ImportError) as e:      # ImportError: --engine vllm
         print(f"error: {e}", file=sys.stderr)
         return 2
     logger.info(f"[generate] {stats['prompts']} prompts -> {stats['samples']} responses, {stats['tokens']} tokens in "
@@ -240,8 +240,9 @@ def chat_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from transformers import AutoConfig
 
-    from turborlhf.data.chat import set_chat_template, stop_ids
-    from turborlhf.evaluate import prompt_budget
+    from turborlhf.data.chat import render_prompt, set_chat_template, stop_ids
+    from turborlhf.errors import UserError
+    from turborlhf.evaluate import check_context, prompt_budget
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
     from turborlhf.rollout import make_engine
@@ -254,16 +255,26 @@ def chat_main(argv: list[str]) -> int:
         if not tok.chat_template:
             raise ValueError(f"{path}: the tokenizer has no chat template; give one with --chat-template "
                              "(chatml, plain or a Jinja string)")
+        # refused before the model loads and a line is typed: a context the replies cannot fit in,
+        # a system message the template will not render (Gemma's)
+        config = AutoConfig.from_pretrained(path)
+        budget = prompt_budget(config, a.max_prompt_len, a.max_new_tokens)
+        check_context(config, [[0] * budget], a.max_new_tokens)
+        if a.system is not None:
+            try:
+                render_prompt(tok, [{"role": "system", "content": a.system}, {"role": "user", "content": "x"}])
+            except Exception as e:
+                raise ValueError(f"--system: the chat template refuses a system message ({type(e).__name__}: "
+                                 f"{(str(e).strip().splitlines() or [''])[0]})") from None
         engine = make_engine(a.engine, path, dtype=a.dtype, device=a.device, max_batch_size=1)
         stream = isinstance(engine, HFEngine) and not a.no_stream
         tty = sys.stdin.isatty()
         if tty:
             print(f"[chat] {path} ({type(engine).__name__}{', streaming' if stream else ''}); "
                   "/reset = new conversation, /exit = quit", flush=True)
-        budget = prompt_budget(AutoConfig.from_pretrained(path), a.max_prompt_len, a.max_new_tokens)
         chat_loop(engine, tok, _params(a, stop=stop_ids(tok)), sys.stdin, sys.stdout, a.system, budget,
                   stream, prompt_marker="> " if tty else "")
-    except ValueError as e:
+    except (ValueError, UserError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

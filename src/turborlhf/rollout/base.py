@@ -50,7 +50,7 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:                   # NaN too: the fast engine sampled garbage
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
