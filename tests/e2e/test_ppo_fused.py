@@ -52,8 +52,11 @@ def test_fused_update_matches_unfused_and_skips_a_forward(micro, tiny_model, tin
     assert max_weight_diff(w_off, w_on) < 1e-5
     assert max_weight_diff(weights(tiny_model), w_on) > 1e-6                  # it trained
     for a, b in zip(m_off, m_on):
-        for k in ("policy/loss", "critic/loss", "policy/entropy", "policy/kl", "policy/grad_norm", "critic/grad_norm"):
+        for k in ("policy/loss", "critic/loss", "policy/entropy", "policy/grad_norm", "critic/grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        # the KL sums per-token differences of log-probs near -6 over a response: fp32 rounding of the
+        # two forwards (their batch shapes differ) leaves ~1e-6 (a real AVX2-only EPYC: 1.07e-6)
+        assert b["policy/kl"] == pytest.approx(a["policy/kl"], rel=1e-4, abs=1e-5)
         assert b["policy/clipfrac"] == 0.0 and b["policy/approx_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
