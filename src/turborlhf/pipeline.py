@@ -198,7 +198,8 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
     for stage, d in stage_dirs.items():         # stages finished in earlier invocations keep their times
         if stage not in timings and "seconds" in (m := _marker(d)):
             summary["stage_seconds"].setdefault(stage, m["seconds"])
-    summary["total_seconds"] = round(total, 1)
+    summary["stage_seconds"] = {st: summary["stage_seconds"][st] for st in stage_dirs if st in summary["stage_seconds"]}
+    summary["total_seconds"] = round(total, 1)      # this invocation's
     atomic_write_text(summary_path, json.dumps(summary, indent=2))
     from turborlhf.report import print_summary
 

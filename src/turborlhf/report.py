@@ -123,6 +123,8 @@ def print_summary(s: dict) -> None:
     if s.get("stage_seconds"):
         from turborlhf.metrics import format_duration
 
+        total, stages = s.get("total_seconds", 0), sum(s["stage_seconds"].values())
         print("stage times: " + ", ".join(f"{k} {format_duration(v)}" for k, v in s["stage_seconds"].items())
-              + f"; total {format_duration(s.get('total_seconds', 0))}")
+              + (f"; total {format_duration(total)}" if stages <= total + 1 else   # some ran in an earlier invocation
+                 f"; {format_duration(stages)} in all, this invocation {format_duration(total)}"))
     print("===================================================")
