@@ -281,14 +281,18 @@ def clear_export(output_dir: str | Path) -> list[str]:
     export (`EXPORT_FILES`: a chat template or tokenizer file the new run's tokenizer does not
     write stayed and changed how the new export renders), and its final evaluation
     (``eval.json``: a new run without a test set would leave the old one beside its model), and
-    PPO's ``ema/`` export (a new run without ``algo.ema_beta`` left the old EMA as its own).
+    PPO's ``ema/`` export (a new run without ``algo.ema_beta`` left the old EMA as its own), and
+    conditional SFT's tag file (`eval-policy` tags the prompts of any policy beside one).
     Returns the names removed."""
+    from turborlhf.data.conditioning import TAG_FILE
+
     out = Path(output_dir)
     if not out.is_dir():
         return []
     gone = []
     for f in sorted(out.iterdir()):
-        if f.is_file() and (is_exported_weights(f.name) or f.name in EXPORT_FILES or f.name == "eval.json"):
+        if f.is_file() and (is_exported_weights(f.name) or f.name in EXPORT_FILES
+                          or f.name in ("eval.json", TAG_FILE)):
             f.unlink()
             gone.append(f.name)
     ema = out / "ema"          # PPO's exported EMA of the actor (algo.ema_beta)
