@@ -16,14 +16,3 @@ def test_stage_times_total_is_this_invocations_and_says_so_after_a_resume(capsys
     print_summary(_summary({"prepare": 6, "sft": 264, "eval": 125}, 129))
     assert "eval 2m05s; 6m35s in all, this invocation 2m09s" in capsys.readouterr().out
 
-
-def test_a_new_run_clears_conditional_sfts_tag_file(tmp_path):
-    """eval-policy tags the prompts of any policy whose directory holds the tag file: a plain run
-    started over a conditional-SFT run must not leave it."""
-    from turborlhf.data.conditioning import TAG_FILE
-    from turborlhf.engine.run import clear_export
-
-    (tmp_path / TAG_FILE).write_text("{}")
-    (tmp_path / "metrics.jsonl").write_text("")
-    assert TAG_FILE in clear_export(tmp_path)
-    assert not (tmp_path / TAG_FILE).exists() and (tmp_path / "metrics.jsonl").exists()

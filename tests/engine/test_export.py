@@ -90,3 +90,15 @@ def test_export_finds_a_checkpoint_cut_short_between_its_renames_and_writes_nowh
     with pytest.raises(ExportError, match="would replace the adapters' base model"):
         export_checkpoint(tmp_path / "adapters", base)
     assert (base / "model.safetensors").read_bytes() == before
+
+
+def test_a_new_run_clears_conditional_sfts_tag_file(tmp_path):
+    """eval-policy tags the prompts of any policy whose directory holds the tag file: a plain run
+    started over a conditional-SFT run must not leave it."""
+    from turborlhf.data.conditioning import TAG_FILE
+    from turborlhf.engine.run import clear_export
+
+    (tmp_path / TAG_FILE).write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert TAG_FILE in clear_export(tmp_path)
+    assert not (tmp_path / TAG_FILE).exists() and (tmp_path / "metrics.jsonl").exists()
