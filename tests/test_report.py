@@ -15,4 +15,3 @@ def test_stage_times_total_is_this_invocations_and_says_so_after_a_resume(capsys
     # a --resume that ran the evaluation alone: the other stages' times come from the earlier invocation
     print_summary(_summary({"prepare": 6, "sft": 264, "eval": 125}, 129))
     assert "eval 2m05s; 6m35s in all, this invocation 2m09s" in capsys.readouterr().out
-
