@@ -246,19 +246,23 @@ def test_sum_of_squares_and_count_nonfinite_kernels():
     assert count_nonfinite([torch.ones(4, dtype=torch.float64)]) is None
 
 
-def test_choose_state_dtype():
-    from turborlhf.engine import cbuild
+def test_choose_state_dtype(monkeypatch):
+    from turborlhf.engine import cbuild, optim
     from turborlhf.engine.hardware import choose_state_dtype
 
     # on a GPU torch's fused fp32 AdamW, bf16 compute or not: the bf16-moment kernel is CPU-only
     for compute in (["bf16", "bf16"], ["fp32"], ["bf16", "fp32"]):
         dt, why = choose_state_dtype(compute, ["cuda"] * len(compute))
         assert dt == "fp32" and "CPU-only" in why, compute
-    has_cc = cbuild.compiler() is not None
+    has_kernel = load_kernel(warn=False) is not None
     for compute in (["fp32", "fp32"], ["bf16", "bf16"]):
         dt, why = choose_state_dtype(compute, ["cpu", "cpu"])
-        assert dt == ("bf16" if has_cc else "fp32") and ("C kernel" in why), compute
+        assert dt == ("bf16" if has_kernel else "fp32") and ("C kernel" in why), compute
     assert choose_state_dtype(["fp32", "fp32"], ["cpu", "cuda"])[0] == "fp32"      # not every model on the CPU
+    # a compiler whose build fails ($CC wrong, headers missing): fp32, not the ~70x slower torch fallback
+    monkeypatch.setattr(cbuild, "compiler", lambda: "gcc")
+    monkeypatch.setattr(optim, "load_kernel", lambda warn=True: None)
+    assert choose_state_dtype(["fp32"], ["cpu"]) == ("fp32", "fp32 moments: the bf16-moment C kernel failed to build here")
 
 
 def test_no_weight_decay_on_embeddings_whatever_their_name():

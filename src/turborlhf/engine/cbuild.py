@@ -29,6 +29,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +42,7 @@ __all__ = ["CFLAGS", "isa_flags", "cache_dir", "compiler", "build_shared_library
 
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}     # source path → library (None: the build failed)
+_unwarned: dict[str, str] = {}     # key of a failed build → its warning, not yet given (probed with warn=False)
 
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]     # + isa_flags()
 LDFLAGS = ["-shared", "-fopenmp"]
@@ -53,13 +55,16 @@ def cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The first CPU's ``model name`` and ``flags`` lines of /proc/cpuinfo: the name alone does not
+    tell CPU generations apart (a VM may report just "AMD EPYC" for a Zen 3 and a Zen 4), and a
+    ``-march=native`` build from one must not load on the other through a shared cache."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") or line.startswith("flags"):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((ln for ln in lines if ln.startswith("model name")), "")
+    flags = next((ln for ln in lines if ln.startswith("flags")), "")
+    return f"{model}\n{flags}" if model or flags else platform.processor()
 
 
 def isa_flags() -> list[str]:
@@ -91,7 +96,8 @@ def isa_flags() -> list[str]:
 
 def compiler() -> Optional[str]:
     """The C compiler to use ($CC, gcc or cc), or None where the kernels are not supported (no
-    compiler, not x86-64 Linux, or `TURBORLHF_KERNELS=0` in the environment)."""
+    compiler, not x86-64 Linux, or `TURBORLHF_KERNELS=0` in the environment). $CC is a command
+    line as make reads it (``ccache gcc``, ``gcc -pipe``): `build_shared_library` splits it."""
     if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
         return None
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -113,11 +119,13 @@ def _source_text(src: Path) -> str:
 
 
 def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
-    """Compile `src` into the cache (once); returns the library's path. `fast_math=False` drops
-    `-ffast-math` (IEEE semantics for denormals, inf and NaN). Raises RuntimeError with the
+    """Compile `src` into the cache (once); returns the library's path. `cc`: the compiler's
+    command line (`compiler`; split as a shell would, so ``ccache gcc`` works). `fast_math=False`
+    drops `-ffast-math` (IEEE semantics for denormals, inf and NaN). Raises RuntimeError with the
     compiler's message on failure."""
+    cc_argv = shlex.split(cc)
     cflags = _cflags(fast_math) + isa_flags()
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    ver = subprocess.run([*cc_argv, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([_source_text(src), ver, " ".join(cflags + LDFLAGS + LIBS),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
@@ -126,7 +134,7 @@ def build_shared_library(src: Path, cc: str, fast_math: bool = True) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = os.path.join(tmp, f"{src.stem}.o"), os.path.join(tmp, f"{src.stem}.so")
-        for cmd in ([cc, *cflags, "-c", str(src), "-o", obj], [cc, *LDFLAGS, obj, "-o", lib, *LIBS]):
+        for cmd in ([*cc_argv, *cflags, "-c", str(src), "-o", obj], [*cc_argv, *LDFLAGS, obj, "-o", lib, *LIBS]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -138,14 +146,20 @@ def load_library(src: Path, what: str, warn: bool = True, fast_math: bool = True
                  prepare: Optional[Callable[[ctypes.CDLL], None]] = None) -> Optional[ctypes.CDLL]:
     """`src` built (`build_shared_library`, `fast_math` as there) and loaded, once per process; None where kernels are
     not supported (`compiler`, `TURBORLHF_KERNELS=0`) or the build or load failed. `prepare(lib)`
-    runs once, after the load (e.g. to set the functions' ctypes types). A failure warns once
-    ("<what> unavailable (...); using torch ops", if `warn`) and is not retried in this process.
-    After the first call this is a dictionary lookup: the trainers ask for their kernels in every
-    layer's forward and backward."""
+    runs once, after the load (e.g. to set the functions' ctypes types). A failure is not retried in
+    this process, and warns once ("<what> unavailable (...); using torch ops") at the first call with
+    `warn`, even when a ``warn=False`` probe (e.g. `turborlhf.engine.hardware.choose_state_dtype`)
+    met it first. After the first call this is a dictionary lookup: the trainers ask for their
+    kernels in every layer's forward and backward."""
     if os.environ.get("TURBORLHF_KERNELS", "1") == "0":
         return None
     key = f"{src}|fast_math={fast_math}"
     if key in _loaded:
+        if warn and key in _unwarned:
+            with _lock:
+                msg = _unwarned.pop(key, None)
+            if msg is not None:
+                warnings.warn(msg)
         return _loaded[key]
     with _lock:
         if key not in _loaded:
@@ -157,7 +171,10 @@ def load_library(src: Path, what: str, warn: bool = True, fast_math: bool = True
                         prepare(lib)
                 except Exception as e:  # noqa: BLE001 - any build/load failure → the caller's torch path
                     lib = None
+                    msg = f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops"
                     if warn:
-                        warnings.warn(f"{what} unavailable ({type(e).__name__}: {str(e)[:300]}); using torch ops")
+                        warnings.warn(msg)
+                    else:
+                        _unwarned[key] = msg
             _loaded[key] = lib
         return _loaded[key]
