@@ -276,3 +276,39 @@ def test_math_accuracy_warns_on_a_reference_it_reads_as_text():
 def test_a_score_too_large_for_a_float_is_a_clear_error():
     with pytest.raises(RewardFunctionError, match="expected a finite number"):
         call_reward_function(lambda prompts, completions, **kw: [10 ** 400], ["p"], ["r"], "big")
+
+
+@pytest.mark.parametrize("text, ref, want", [
+    ("the numbers are -2, 3", "-23", None),          # a list, not -23
+    ("Answer:58", "58", 1.0), ("Answer:-5", "-5", 1.0), ("Answer:-5", "5", 0.0),
+    ("58: that is all", "58", 1.0),
+    ("5 apples... #### 1/2", "5", 0.0),              # its final answer is 1/2, not the earlier 5
+    ("#### 5\n#### 1/2", "5", 0.0),
+    ("#### 2. Step two\nso the total is 9", "9", 1.0),   # a markdown heading is no answer line
+    ("#### 1) Compute\n#### 7", "7", 1.0),
+])
+def test_numbers_read_as_written(text, ref, want):
+    """Each of these was read as another number: "-2, 3" as -23 (so \\boxed{-23} scored 1), the colon
+    hid "Answer:58" and turned "Answer:-5" into 5, "#### 1/2" let an earlier 5 score, and a numbered
+    heading "#### 2. Step" was read as the answer 2."""
+    if want is None:
+        assert not numbers_equal(ref, "-2, 3") and not numbers_equal("12,34", "1234")
+        return
+    assert gsm8k_accuracy([""], [text], answer=[ref]) == [want]
+
+
+def test_a_heading_does_not_beat_the_boxed_answer():
+    pytest.importorskip("math_verify")
+    from turborlhf.rewards.verifiers import math_accuracy
+
+    text = "#### 2. Simplify\nThe sum is \\boxed{9}."
+    assert math_accuracy([""], [text], answer=["9"]) == [1.0]
+    assert extract_hash_answer(text) is None
+
+
+@pytest.mark.parametrize("metadata", ['["a list"]', "not json", 3])
+def test_reasoning_gym_metadata_that_is_no_object_is_a_clear_error(metadata):
+    from turborlhf.rewards.verifiers import reasoning_gym_score
+
+    with pytest.raises(ValueError, match="metadata of row 0"):
+        reasoning_gym_score([""], ["<answer>1</answer>"], answer=["1"], metadata=[metadata])

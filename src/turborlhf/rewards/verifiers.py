@@ -14,7 +14,7 @@ prompt). Name one in a config without a file path, by its short name or its impo
 
 | name | 1.0 when | source |
 | --- | --- | --- |
-| ``gsm8k_accuracy`` | the final number (the last ``#### <number>``, else the last number of the response) equals ``answer`` | lm-evaluation-harness gsm8k "flexible-extract" |
+| ``gsm8k_accuracy`` | the final number (the last ``#### <number>``, else, with no ``####`` answer line, the last number of the response) equals ``answer`` | lm-evaluation-harness gsm8k "flexible-extract" |
 | ``gsm8k_strict_accuracy`` | the last ``#### <number>`` equals ``answer`` (no fallback) | lm-evaluation-harness gsm8k "strict-match" |
 | ``gsm8k_format`` | the response's last non-empty line is ``#### <number>``, its only ``####`` | GSM8K's own solutions (Cobbe et al. 2021) |
 | ``gsm8k_soft_format`` | partial credit towards ``gsm8k_format``: 0.5 for a ``#### <number>`` line, +0.25 if it is the only ``####``, +0.25 if it is the last line | shaped like open-r1's ``tag_count_reward`` |
@@ -24,7 +24,8 @@ prompt). Name one in a config without a file path, by its short name or its impo
 | ``reasoning_gym_score`` | the task's own ``score_answer`` on the ``<answer>...</answer>`` text (partial credit in [0, 1] for some tasks) | reasoning-gym (Stojanovski et al. 2025) |
 
 Numbers compare exactly as decimals after removing ``$``, thousands separators and a trailing
-period: ``1,080`` = ``1080`` = ``1080.00``; ``-3.5`` ≠ ``3.5``. ``math_accuracy`` needs the
+period: ``1,080`` = ``1080`` = ``1080.00``; ``-3.5`` ≠ ``3.5``; ``-2, 3`` is no number. A markdown heading
+(``#### 2. Step two``) is no answer line. ``math_accuracy`` needs the
 ``math`` extra (``pip install 'turborlhf[math]'``), ``reasoning_gym_score`` the ``reasoning-gym``
 extra; both are imported on first call.
 """
@@ -44,12 +45,19 @@ __all__ = ["BUILTIN_REWARDS", "extract_hash_answer", "extract_last_number", "num
 
 # a number as people write it: optional sign and $, thousands separators or plain digits, decimals
 # ("- 18", a list item or "20 - 5", is 18 or 5: a sign is only a sign right before the digits or a $).
-# A whole number only: not the start or the end of "3/4", "10^3", "12:30", "1e3", "12,3456", "3.14.15"
-_NUM = (r"(?<![\d.,/^:])(?<!\d[eE])(?<!\d[eE][-+])(?:(?:-?\$\s?-?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+)"
-        r"(?![\d/^:]|[.,]\d|[eE][-+]?\d)")
+# A whole number only: not the start or the end of "3/4", "10^3", "12:30", "1e3", "12,3456", "3.14.15";
+# a colon that follows a word is no part of a time ("Answer:58", "Answer:-5" are 58 and -5)
+_NUM = (r"(?<![\d.,/^])(?<!\d:)(?<!\d[eE])(?<!\d[eE][-+])"
+        r"(?:(?:-?\$\s?-?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+)"
+        r"(?![\d/^]|:\d|[.,]\d|[eE][-+]?\d)")
+# a markdown heading, not an answer line: "#### 2. Step two", "#### 1) Compute", "#### 3: Total"
+_HEADING_AFTER_NUMBER = r"[.):][^\S\n]*[^\W\d_]"
 # each run of spaces matched by one pattern only: "####" before a long run of spaces or newlines
 # stays linear (two adjacent \s* took seconds per 4,000 spaces, whole minutes per response)
-_HASH_RE = re.compile(rf"####\s*(?:\*+\s*)?({_NUM})")
+_HASH_RE = re.compile(rf"####\s*(?:\*+\s*)?({_NUM})(?!{_HEADING_AFTER_NUMBER})")
+# "####" before something written like a number ("#### 1/2", "#### 3:30", "#### 2.5.1"), headings aside:
+# where the last of these is no whole number, the response's final answer is not one
+_HASH_NUMBERLIKE_RE = re.compile(rf"####\s*(?:\*+\s*)?(?=-?\$?\s?-?\.?\d)(?!-?\$?\s?-?\d+{_HEADING_AFTER_NUMBER})")
 _NUM_RE = re.compile(_NUM)
 _FORMAT_LINE_RE = re.compile(rf"^\s*####\s*(?:\*+\s*)?(?:{_NUM})\s*(?:\*+\s*)?(?:\.\s*)?$")
 # LaTeX whose numbers are no answer by themselves: \frac{1}{2} is not 2, \sqrt{2} not 2
@@ -57,13 +65,28 @@ _LATEX_PARTS_RE = re.compile(r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|\\sqrt\s*(?
 _MINUS = str.maketrans({"\u2212": "-", "\u2013": "-"})      # typeset minus signs (−, –) read as "-"
 
 
+_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+# a sign and a dollar sign before the digits, spaces between them: "-$ 5", "$-5", "- 5"
+_LEAD_RE = re.compile(r"([-+]?)\s*\$?\s*([-+]?)\s*")
+
+
 def _to_decimal(text: Optional[str]) -> Optional[Decimal]:
-    """``"$1,080."`` → Decimal(1080); None when `text` is not a number."""
+    """``"$1,080."`` → Decimal(1080); None when `text` is not a number. Commas only as thousands
+    separators and spaces only after a leading sign or ``$``: ``"-2, 3"`` and ``"12,34"`` are no
+    number (a list is not -23, nor a decimal comma 1234)."""
     if text is None:
         return None
-    s = str(text).translate(_MINUS).strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    s = str(text).translate(_MINUS).strip().rstrip(".")
+    lead = _LEAD_RE.match(s)
+    s = lead.group(1) + lead.group(2) + s[lead.end():]
     if s.startswith("--"):
         s = s[2:]
+    if "," in s:
+        if not _THOUSANDS_RE.fullmatch(s):
+            return None
+        s = s.replace(",", "")
+    if not s or any(ch.isspace() or ch == "$" for ch in s):
+        return None
     try:
         d = Decimal(s)
     except InvalidOperation:
@@ -73,10 +96,25 @@ def _to_decimal(text: Optional[str]) -> Optional[Decimal]:
 
 def extract_hash_answer(text: str) -> Optional[str]:
     """The number after the last ``####`` of `text` (GSM8K's answer line), as written (a typeset
-    minus ``−`` as ``-``); None if there is none, or if it is only the start of an expression
-    (``#### 3/4``). ``"... #### 1,080"`` → ``"1,080"``."""
-    found = _HASH_RE.findall(text.translate(_MINUS))
-    return found[-1].strip() if found else None
+    minus ``−`` as ``-``); None if there is none, or if the last ``####`` written before a number is
+    followed by no whole number (``#### 3/4``, after an earlier ``#### 5`` too). A markdown heading
+    (``#### 2. Step two``) is no answer line. ``"... #### 1,080"`` → ``"1,080"``."""
+    return _hash_answer(text)[0]
+
+
+def _hash_answer(text: str) -> tuple[Optional[str], bool]:
+    """(`extract_hash_answer`, whether `text` ends its numbers with a ``####`` answer line at all:
+    True for ``#### 3/4`` too, whose answer is no whole number, so no other number may stand in)."""
+    text = text.translate(_MINUS)
+    last = None
+    for last in _HASH_RE.finditer(text):
+        pass
+    committed = None
+    for committed in _HASH_NUMBERLIKE_RE.finditer(text):
+        pass
+    if committed is not None and (last is None or committed.start() > last.start()):
+        return None, True
+    return (last.group(1).strip(), True) if last is not None else (None, False)
 
 
 def extract_last_number(text: str) -> Optional[str]:
@@ -123,7 +161,9 @@ def _require(name: str, answer: Optional[Sequence], n: int) -> Sequence:
 def gsm8k_accuracy(prompts: list[str], completions: list[str], answer: Optional[Sequence] = None,
                    **columns) -> list[float]:
     """1.0 where the response's final number equals the reference: the last ``#### <number>``,
-    else the last number anywhere (lm-evaluation-harness's "flexible-extract"); else 0.0.
+    else, where no ``####`` precedes something written as a number, the last number anywhere
+    (lm-evaluation-harness's "flexible-extract"); else 0.0. (``5 apples... #### 1/2`` answered
+    1/2: it scores 0 against 5.)
 
     Args:
         prompts, completions: B texts each. answer: B references (number or full solution).
@@ -133,7 +173,9 @@ def gsm8k_accuracy(prompts: list[str], completions: list[str], answer: Optional[
     answer = _require("gsm8k_accuracy", answer, len(completions))
     out = []
     for c, a in zip(completions, answer):
-        pred = extract_hash_answer(c) or extract_last_number(c)
+        pred, answered = _hash_answer(c)
+        if not answered:
+            pred = extract_last_number(c)
         out.append(float(numbers_equal(pred, _reference_number("gsm8k_accuracy", a))))
     return out
 
@@ -306,7 +348,8 @@ def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Opti
     the task), ``question`` (optional). Scores are in [0, 1]; some tasks give partial credit.
 
     Raises:
-        ValueError: a missing ``answer``/``metadata`` column or a metadata without ``source_dataset``.
+        ValueError: a missing ``answer``/``metadata`` column, a metadata that is no JSON object, or one without
+            ``source_dataset``.
     """
     answer = _require("reasoning_gym_score", answer, len(completions))
     if metadata is None:
@@ -314,7 +357,7 @@ def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Opti
                          "writes one)")
     out = []
     for i, (c, a, meta) in enumerate(zip(completions, answer, metadata)):
-        meta = json.loads(meta) if isinstance(meta, str) else dict(meta or {})
+        meta = _metadata(meta, i)
         task = meta.get("source_dataset")
         if not task:
             raise ValueError(f"reasoning_gym_score: metadata of row {i} has no 'source_dataset'")
@@ -324,6 +367,24 @@ def reasoning_gym_score(prompts: list[str], completions: list[str], answer: Opti
         entry = {"question": question[i] if question is not None else "", "answer": a, "metadata": meta}
         out.append(float(_rg_scorer(task)(_extract_answer_tag(c), entry)))
     return out
+
+
+def _metadata(meta: Any, i: int) -> dict:
+    """Row `i`'s reasoning-gym metadata as a dict (from a dict, a mapping or its JSON text)."""
+    if isinstance(meta, str):
+        try:
+            meta = json.loads(meta)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"reasoning_gym_score: metadata of row {i} is not JSON ({e})") from None
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        try:
+            meta = dict(meta)
+        except (TypeError, ValueError):
+            raise ValueError(f"reasoning_gym_score: metadata of row {i} is a {type(meta).__name__}, not an object "
+                             "with a 'source_dataset'") from None
+    return dict(meta)
 
 
 # short names usable as `rewards: [{kind: function, path: NAME}]`
