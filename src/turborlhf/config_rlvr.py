@@ -64,6 +64,11 @@ class RLVRAlgoFields(BaseModel):
         if self.dynamic_sampling and est not in GROUP_ESTIMATORS:
             raise ValueError(f"algo.dynamic_sampling drops groups of equal scores, which only have zero advantage "
                              f"under a group baseline: needs advantage_estimator in {GROUP_ESTIMATORS}, got {est}")
+        if self.dynamic_sampling and getattr(self, "kl_coef", 0) > 0 and not getattr(self, "kl_use_loss", True):
+            raise ValueError(f"algo.dynamic_sampling drops groups whose scores are all equal as having zero advantage, "
+                             f"but with algo.kl_coef={self.kl_coef} in the reward (kl_use_loss false) their tokens' "
+                             "advantages carry the KL penalty: set algo.kl_use_loss=true (GRPO's KL loss term) or "
+                             "algo.kl_coef=0 (DAPO)")
         if self.policy_loss == "gspo" and red != "seq_mean_token_mean":
             raise ValueError(f"algo.policy_loss=gspo averages over responses (its ratio is per response): set "
                              f"algo.loss_reduction=seq_mean_token_mean (got {red})")

@@ -184,7 +184,7 @@ def test_dynamic_sampling_counts_each_engines_items_once_per_round(monkeypatch):
     monkeypatch.setattr(rlvr, "generate", generate)
     monkeypatch.setattr(rlvr, "score_rows", score_rows)
     cfg = NS(algo=NS(n_samples_per_prompt=G, dynamic_sampling=True, dynamic_sampling_max_tries=5,
-                     dynamic_sampling_fill=True, normalize_reward=False, overlong_buffer_len=0,
+                     dynamic_sampling_fill=True, normalize_reward=False, overlong_buffer_len=0, overlong_filter=False,
                      missing_eos_penalty=None, reward_clip=10.0), rollout=NS(max_new_tokens=8), train=NS(seed=1))
     ro = rlvr.collect_rollouts(None, cfg, NS(pad_token_id=0), [[1, 2]] * 10, [0, 1, 2, 3], 0)
     assert len(rounds) == 2 and ro.metrics["rollout/groups_trained"] == 4

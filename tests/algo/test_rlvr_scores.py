@@ -49,7 +49,7 @@ def test_group_filter_with_normalised_rewards_drops_only_groups_equal_for_every_
     """raw [1, 0], the first response without EOS (penalty 1): raw + penalty reads [0, 0], and the
     filter dropped the group, but the trainer scores (raw − μ)/σ − penalty, apart unless σ = 1."""
     A = PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_reward=True, dynamic_sampling=True,
-                   missing_eos_penalty=1.0)
+                   missing_eos_penalty=1.0, kl_use_loss=True)
     cfg = SimpleNamespace(algo=A, rollout=SimpleNamespace(max_new_tokens=8))
     raw, ro = torch.tensor([1.0, 0.0]), _ro([False, True])
     assert kept_groups(cfg, raw, ro) == [True]
@@ -62,6 +62,28 @@ def test_group_filter_with_normalised_rewards_drops_only_groups_equal_for_every_
     plain = SimpleNamespace(algo=A.model_copy(update={"normalize_reward": False}), rollout=cfg.rollout)
     assert kept_groups(plain, raw, ro) == [False]
     assert kept_groups(plain, torch.tensor([1.0, 1.0]), _ro([False, True])) == [True]
+
+
+def test_dynamic_sampling_drops_a_group_the_overlong_filter_masks_entirely():
+    """Every response of the group cut at max_new_tokens: overlong_filter masks them all out of the
+    loss, yet their distinct scores kept the group, so a step could train on nothing."""
+    A = PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, dynamic_sampling=True, kl_use_loss=True,
+                   missing_eos_penalty=None, overlong_filter=True)
+    cfg = SimpleNamespace(algo=A, rollout=SimpleNamespace(max_new_tokens=8))
+    raw = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    ro = Rollouts([0] * 4, [[1]] * 4, [[5, 6]] * 4, [False, False, False, True], None, [1])
+    assert kept_groups(cfg, raw, ro) == [False, True]
+    plain = SimpleNamespace(algo=A.model_copy(update={"overlong_filter": False}), rollout=cfg.rollout)
+    assert kept_groups(plain, raw, ro) == [True, True]
+
+
+def test_dynamic_sampling_refuses_the_kl_in_the_reward():
+    """With the KL penalty in the reward, a group of equal scores still has non-zero advantages (the
+    KL term's): dropping it as signal-free was silently wrong."""
+    with pytest.raises(ValueError, match="algo.kl_use_loss=true"):
+        PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, dynamic_sampling=True, kl_coef=0.05)
+    PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, dynamic_sampling=True, kl_coef=0.0)
+    PPOAlgoCfg(advantage_estimator="rloo", n_samples_per_prompt=2, dynamic_sampling=True, kl_use_loss=True)
 
 
 def test_a_reward_source_that_scored_no_row_logs_no_mean():

@@ -109,11 +109,16 @@ def kept_groups(cfg, raw_B: torch.Tensor, ro: Rollouts) -> list[bool]:
     updates, so no score computed here equals it; a group is dropped when its raw scores and its
     penalties are each all equal (then the trainer's are equal for every σ), and kept otherwise
     (raw = [2, 0] with the first response lacking EOS reads [1, 0] raw + penalty, but ties at
-    σ = 2: kept, as it is signal for any other σ)."""
+    σ = 2: kept, as it is signal for any other σ). With ``algo.overlong_filter`` a group none of
+    whose responses ended (each masked out of the loss) is dropped too: it would train nothing."""
     G = cfg.algo.n_samples_per_prompt
     if not cfg.algo.normalize_reward:
-        return kept_groups_mask(filter_scores(cfg, raw_B, ro), G).tolist()
-    return (kept_groups_mask(raw_B.float(), G) | kept_groups_mask(_score_terms(cfg, ro), G)).tolist()
+        keep = kept_groups_mask(filter_scores(cfg, raw_B, ro), G)
+    else:
+        keep = kept_groups_mask(raw_B.float(), G) | kept_groups_mask(_score_terms(cfg, ro), G)
+    if cfg.algo.overlong_filter:      # every response cut at max_new_tokens: all masked out of the loss
+        keep &= torch.tensor(ro.finished, dtype=torch.bool).view(-1, G).any(dim=1)
+    return keep.tolist()
 
 
 def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list[int], step: int,
