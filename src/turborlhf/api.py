@@ -328,7 +328,7 @@ class _Trainer:
             tree = config_to_dict(args) if isinstance(args, cls) else _set_values(args, cls)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
-        out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default)
+        out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default).expanduser()
         tree["output_dir"] = str(out)
         from turborlhf.engine.lifecycle import lock_output_dir
 

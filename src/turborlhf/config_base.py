@@ -3,6 +3,7 @@ true/false for a number, no infinite or NaN float) and `ConfigError`. Imports ne
 transformers."""
 from __future__ import annotations
 
+import os
 import types
 import typing
 from typing import Any, Union
@@ -34,6 +35,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+# fields holding a local path (or a hub id / zoo name, which never starts with "~"), besides *_file and *_dir
+_PATH_FIELDS = frozenset({"name_or_path", "path", "input", "model", "reward_model", "ref_model"})
+
+
 class Cfg(BaseModel):
     """Base for all config parts: unknown keys are errors, instances are immutable, and true/false
     never stands for a number nor a number for true/false (pydantic's lax mode reads ``true`` as 1
@@ -50,7 +55,8 @@ class Cfg(BaseModel):
         """A section given as a mapping completes the command's own default of that section (a
         preset's ``algo``, SFT's ``optim.lr``), as `turborlhf.config_io.load_config` does:
         ``GRPOConfig(algo={"kl_coef": 0})`` ran GAE with a critic, the ``algo`` section's class
-        defaults, and ``SFTConfig(optim={...})`` lost SFT's learning rate."""
+        defaults, and ``SFTConfig(optim={...})`` lost SFT's learning rate. Epochs given without
+        ``max_steps`` count over a default step count, as in a file."""
         if not isinstance(data, dict):
             return data
         merged = dict(data)
@@ -59,7 +65,23 @@ class Cfg(BaseModel):
                 default = field.default_factory()
                 if isinstance(default, BaseModel):
                     merged[name] = _merge(default.model_dump(mode="json", exclude_unset=True), data[name])
+                    # ``train={"epochs": 2}`` over PPO's default of 20 steps: the epochs count, as in a YAML file
+                    # (`turborlhf.config_io._epochs_over_default_steps`)
+                    if ("epochs" in data[name] and "max_steps" not in data[name]
+                            and merged[name].get("max_steps")):
+                        merged[name]["max_steps"] = 0
         return merged
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _home_in_paths(cls, value: Any, info: ValidationInfo) -> Any:
+        """``~`` at the start of a path field (``output_dir: ~/runs/x``) is the home directory, as in
+        a shell: it wrote to a directory named ``~`` under the working directory."""
+        name = info.field_name or ""
+        if (isinstance(value, str) and value.startswith("~")
+                and (name.endswith(("_file", "_dir")) or name in _PATH_FIELDS)):
+            return os.path.expanduser(value)
+        return value
 
     @field_validator("*", mode="before")
     @classmethod

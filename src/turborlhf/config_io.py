@@ -114,14 +114,29 @@ def default_tree(cls: type[Cfg]) -> dict:
     return tree
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last value
+    silently: ``lr: 1e-5`` ... ``lr: 3e-4`` further down trained at 3e-4)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first at line {seen[key] + 1})", key_node.start_mark)
+            seen.setdefault(key, key_node.start_mark.line)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping a YAML config file holds; `ConfigError` naming the file when it is missing, not
-    YAML, or not a mapping."""
+    YAML (a key given twice in one mapping included), or not a mapping."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except (OSError, UnicodeDecodeError) as e:      # a directory, a binary file, no permission
         raise ConfigError(f"{p}: cannot read it as a YAML config ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:

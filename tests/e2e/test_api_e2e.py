@@ -555,6 +555,10 @@ def test_epochs_set_alone_count_over_a_default_step_limit():
     cfg = load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r", "train": {"epochs": 1}})
     assert cfg.train.max_steps == 0
     assert load_config(GRPOConfig, base={"data": {"prompts_file": "p"}, "reward_model": "r"}).train.max_steps == 20
+    # built directly, as TRL users do: train={"epochs": 2} kept the 20 steps
+    direct = GRPOConfig(data={"prompts_file": "p"}, reward_model="r", train={"epochs": 2})
+    assert (direct.train.epochs, direct.train.max_steps) == (2, 0)
+    assert GRPOConfig(data={"prompts_file": "p"}, reward_model="r", train={"epochs": 2, "max_steps": 5}).train.max_steps == 5
 
 
 def test_config_classes_built_directly_keep_the_commands_section_defaults():

@@ -29,6 +29,17 @@ def test_bad_config_names_the_field(tmp_path):
     assert main(["sft", "data.train_file=x", "--optim.lr", "abc"]) == 2
 
 
+def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
+    """PyYAML keeps the last of two equal keys: the run trained at the lr written further down."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {train_file: a.jsonl}\noptim:\n  lr: 1.0e-5\n  warmup_steps: 2\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError, match=r"line 5, column 3: key 'lr' given twice \(first at line 3\)"):
+        load_config(SFTConfig, f)
+    f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 1.0e-5}\ntrain: {lr: 2}\n")     # other mappings: fine
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        load_config(SFTConfig, f)
+
+
 def test_overrides_take_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 0.1}\n")
@@ -162,3 +173,15 @@ def test_an_unknown_key_close_to_a_field_is_suggested():
     with pytest.raises(ConfigError) as e:
         load_config(SFTConfig, None, ["data.train_file=x", "optim.zzzz=1"])
     assert "did you mean" not in str(e.value)
+
+
+def test_a_tilde_in_a_path_field_is_the_home_directory(tmp_path, monkeypatch):
+    """``output_dir: ~/runs/x`` wrote to ./~/runs/x."""
+    from turborlhf.config import PPOConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(SFTConfig, None, ["data.train_file=~/a.jsonl", "output_dir=~/runs/x", "model.name_or_path=~/m"])
+    assert (cfg.output_dir, cfg.data.train_file, cfg.model.name_or_path) == \
+        (f"{tmp_path}/runs/x", f"{tmp_path}/a.jsonl", f"{tmp_path}/m")
+    ppo = PPOConfig(reward_model="~/rm", data={"prompts_file": "p"}, output_dir="~/o")
+    assert (ppo.reward_model, ppo.output_dir, ppo.data.prompts_file) == (f"{tmp_path}/rm", f"{tmp_path}/o", "p")
