@@ -452,7 +452,21 @@ class PPOConfig(Cfg):
     def model_post_init(self, context: Any) -> None:
         if not self.reward_model and not self.rewards:
             raise ValueError("no reward: set reward_model or rewards (a list of {kind, path, weight})")
+        # the names `turborlhf.rewards.combine.build_reward` gives (metrics rollout/reward_<name>_mean)
+        names = (["rm"] if self.reward_model else []) + [r.name or f"{r.kind}{i}" for i, r in enumerate(self.rewards)]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            which = ", ".join(f"rewards[{i}]" + (f".name={r.name}" if r.name else f" (default name {n})")
+                              for i, r in enumerate(self.rewards) if (n := r.name or f"{r.kind}{i}") in dup)
+            raise ValueError(f"rewards: two sources named {dup[0]!r} ({which}{'; reward_model is rm' if 'rm' in dup else ''}"
+                             "): give each a distinct name")
         est = self.algo.advantage_estimator
+        if (self.algo.needs_critic and self.critic is not None
+                and "name_or_path" not in self.critic.model_fields_set):
+            # no reward model to write in (`_critic_section_starts_from_the_reward_model`): the critic
+            # would start from ModelCfg's default model, whatever the actor is
+            raise ValueError("critic.name_or_path: a critic section without it starts from the reward model, and no "
+                             "reward source is a model: set critic.name_or_path")
         if self.algo.needs_critic and self.critic_init is None:
             raise ValueError("advantage_estimator=gae needs a critic: set critic.name_or_path (no model reward "
                              "source to initialise it from)")

@@ -97,6 +97,11 @@ def test_ppo_critic_section_without_a_model_starts_from_the_reward_model():
     sources = dict(base, reward_model=None, rewards=[{"kind": "function", "path": "f.py:g"},
                                                      {"kind": "model", "path": "rm2"}])
     assert PPOConfig(**sources, critic={"freeze_layers": 1}).critic_init == "rm2"
+    # no model to start from (function rewards only): an error, not ModelCfg's default model
+    functions = dict(base, reward_model=None, rewards=[{"kind": "function", "path": "f.py:g"}])
+    with pytest.raises(ValueError, match="critic.name_or_path"):
+        PPOConfig(**functions, critic={"freeze_layers": 1})
+    assert PPOConfig(**functions, critic={"name_or_path": "c"}).critic_init == "c"
 
 
 def test_loaded_models_have_no_dropout_even_where_modules_copied_the_rate(tmp_path):

@@ -1,4 +1,5 @@
 """Combining reward sources: score = Σ weight · score."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,21 @@ def test_function_sources_get_texts_and_are_weighted(tmp_path):
 def test_duplicate_names_are_rejected():
     with pytest.raises(ValueError, match="unique"):
         CombinedReward([("x", 1.0, None), ("x", 2.0, None)])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["rewards=[{kind: function, path: a.py:f, name: acc}, {kind: function, path: b.py:g, name: acc}]"],
+     "'acc' (rewards[0].name=acc, rewards[1].name=acc)"),
+    (["reward_model=rm_dir", "rewards=[{kind: function, path: a.py:f, name: rm}]"], "'rm' (rewards[0].name=rm; reward_model"),
+    (["rewards=[{kind: function, path: a.py:f, name: function1}, {kind: function, path: b.py:g}]"],
+     "rewards[1] (default name function1)"),
+])
+def test_duplicate_reward_names_are_a_config_error(overrides, named):
+    """They were refused only once the models had loaded, by a traceback from CombinedReward."""
+    from turborlhf.config import ConfigError, GRPOConfig, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(GRPOConfig, None, ["data.prompts_file=p.jsonl", *overrides])
 
 
 def test_a_function_returning_none_leaves_its_rows_to_the_other_sources(tmp_path):
