@@ -394,6 +394,10 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
         if not self.needs_critic and self.critic_warmup_steps:
             raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps} but advantage_estimator={est} "
                              "trains no critic")
+        rows = self.prompts_per_step * self.n_samples_per_prompt
+        if self.num_mini_batches > rows:     # a mini-batch is at least one row: fewer updates than asked, silently
+            raise ValueError(f"num_mini_batches={self.num_mini_batches} is more than the {rows} rows of a step "
+                             f"(prompts_per_step × n_samples_per_prompt): at most {rows}")
 
 
 class PPOConfig(Cfg):

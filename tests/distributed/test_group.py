@@ -73,7 +73,7 @@ def test_fsdp_config_errors_name_the_fields():
     load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", base + ["algo.num_mini_batches=1", "optim.offload=true"])
     # dynamic sampling that trains on the kept groups alone: a step's rows need not split evenly (it hung)
     grpo = [*base, "algo.num_mini_batches=1", "algo.advantage_estimator=grpo", "algo.n_samples_per_prompt=2",
-            "algo.dynamic_sampling=true"]
+            "algo.kl_use_loss=true", "algo.dynamic_sampling=true"]
     load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", grpo)
     with pytest.raises(ConfigError, match=r"fsdp .* algo.dynamic_sampling_fill=false"):
         load_config(PPOConfig, REPO / "configs/tiny/ppo.yaml", grpo + ["algo.dynamic_sampling_fill=false"])

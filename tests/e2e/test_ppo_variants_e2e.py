@@ -194,6 +194,14 @@ def test_a_batch_is_cut_into_exactly_the_mini_batches_it_can_hold(B, G, n_mini, 
             assert sorted(set((m // G).tolist())) == sorted((m // G).tolist()[::G])
 
 
+def test_more_mini_batches_than_rows_is_a_config_error():
+    """A mini-batch holds at least one row: 16 asked of 8 rows ran 8 updates, silently."""
+    with pytest.raises(ValueError, match=r"num_mini_batches=16 is more than the 8 rows"):
+        PPOAlgoCfg(prompts_per_step=8, num_mini_batches=16)
+    assert PPOAlgoCfg(prompts_per_step=4, advantage_estimator="rloo", n_samples_per_prompt=2,
+                      num_mini_batches=8).num_mini_batches == 8
+
+
 # ----------------------------------------------------------------------------------------------
 # PPO-ptx + EMA with a critic, and exact resume of both
 # ----------------------------------------------------------------------------------------------
