@@ -263,3 +263,14 @@ def test_kto_refuses_a_one_example_test_set(tiny_model, tiny_data, tmp_path, cap
                  f"data.train_file={tiny_data / 'train_kto.jsonl'}", f"data.test_file={tiny_data / 'test_kto.jsonl'}",
                  "data.max_test_samples=1", "train.max_steps=1", f"output_dir={tmp_path / 'k'}"]) == 2
     assert "data.test_file: KTO's evaluation needs at least 2 examples" in capsys.readouterr().err
+
+
+def test_kto_refuses_a_one_example_train_set(tiny_model, tiny_data, tmp_path, capsys):
+    """One training example ended in a ValueError traceback."""
+    from turborlhf.cli import main
+
+    base = ["kto", "--config", str(REPO / "configs/tiny/kto.yaml"), f"model.name_or_path={tiny_model}",
+            f"data.train_file={tiny_data / 'train_kto.jsonl'}", "data.test_file=null", "train.max_steps=1"]
+    assert main(base + ["data.max_samples=1", f"output_dir={tmp_path / 'k'}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_file: KTO needs at least 2 training examples" in err and "got 1 (data.max_samples)" in err

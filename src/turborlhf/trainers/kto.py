@@ -172,8 +172,13 @@ def train_steps(cfg: KTOConfig, resume: bool = False) -> Iterator[tuple[int, int
     report_truncation("kto", train_enc, cfg.data.max_len)
     plan = plan_steps([len(e["input_ids"]) for e in train_enc], loop.examples_per_step,
                       loop.epochs, loop.max_steps, loop.seed)
+    # the KL reference point z0 pairs each step's examples with each other (a step holds examples_per_step, or
+    # all of them when there are fewer: plan_steps drops a remainder)
     if min(len(b) for b in plan) < 2:
-        raise ValueError("KTO needs at least 2 training examples per step (mismatched pairs)")
+        from turborlhf.config import ConfigError
+        cap = " (data.max_samples)" if cfg.data.max_samples else ""
+        raise ConfigError(f"data.train_file: KTO needs at least 2 training examples (its KL reference point pairs "
+                          f"them), got {len(train_enc)}{cap}")
     step_kl = [_kl_pairs(tok, rows, idx, cfg.data.max_len) for idx in plan]
     test_enc, test_kl = [], []
     if cfg.data.test_file:
