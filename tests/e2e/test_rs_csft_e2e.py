@@ -102,6 +102,27 @@ def test_rejection_sampling_threshold_and_accumulate(tiny_model, tiny_rm, tiny_d
 # Conditional SFT
 # ----------------------------------------------------------------------------------------------
 
+def test_nan_scores_stay_out_of_the_round_metrics_and_the_bins():
+    """One NaN score made every rejection-sampling round metric NaN, and put every conditional-SFT
+    example in the best bin (all edges NaN)."""
+    from turborlhf.errors import RunError
+    from turborlhf.trainers.conditional_sft import _without_nan_scores, bin_edges
+    from turborlhf.trainers.rejection_sampling import BEST_SCORE, GAIN, _round_metrics, select_best
+
+    scores = torch.tensor([[1.0, float("nan")], [3.0, 0.0]])
+    fin = torch.ones(2, 2, dtype=torch.bool)
+    best, keep, _ = select_best(scores, fin)
+    m = _round_metrics(scores, fin, best, keep, [[1], [1, 2], [1], [1]], 1.0)
+    assert m["rollout/reward_mean"] == pytest.approx(4 / 3) and m[BEST_SCORE] == 2.0
+    assert m[GAIN] == pytest.approx(2 - 4 / 3) and not math.isnan(m["rollout/reward_std"])
+    with pytest.raises(ValueError, match="NaN"):
+        bin_edges(torch.tensor([0.0, float("nan"), 1.0]), 2)
+    rows, kept = _without_nan_scores([{"i": 0}, {"i": 1}, {"i": 2}], torch.tensor([0.5, float("nan"), 2.0]))
+    assert [r["i"] for r in rows] == [0, 2] and kept.tolist() == [0.5, 2.0]
+    with pytest.raises(RunError, match="all 1 examples NaN"):
+        _without_nan_scores([{}], torch.tensor([float("nan")]))
+
+
 CHATML = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 SYS = "<|im_start|>system\nBe nice<|im_end|>\n" + CHATML
 

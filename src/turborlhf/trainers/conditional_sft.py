@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from turborlhf.config import ConditionalSFTConfig
+from turborlhf.errors import RunError
 from turborlhf.data.conditioning import TAG_FILE, chat_anchors, condition_prompt, load_tag_info
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.chat import set_chat_template, stop_ids
@@ -83,14 +84,29 @@ def bin_edges(scores_B: torch.Tensor, n_bins: int, binning: str = "quantile") ->
     """The K-1 inner edges e_1 ≤ … ≤ e_{K-1} (K = n_bins) of the score bins.
 
     binning: 'quantile' (e_k = k/K-quantile of scores_B, linear interpolation: equal counts) or
-    'uniform' (equal widths over [min, max]). Raises ValueError for an unknown binning, K < 2 or
-    an empty `scores_B`.
+    'uniform' (equal widths over [min, max]). Raises ValueError for an unknown binning, K < 2,
+    an empty `scores_B` or a NaN in it.
     """
     if binning not in BINNINGS:
         raise ValueError(f"unknown binning {binning!r}; choose one of {sorted(BINNINGS)}")
     if n_bins < 2 or scores_B.numel() == 0:
         raise ValueError(f"need n_bins >= 2 and at least one score, got {n_bins} and {scores_B.numel()}")
+    if bool(torch.isnan(scores_B).any()):
+        raise ValueError("a NaN score has no bin (its edges would all be NaN)")
     return [float(e) for e in BINNINGS[binning](scores_B.flatten(), n_bins)]
+
+
+def _without_nan_scores(rows: list[dict], scores_B: torch.Tensor) -> tuple[list[dict], torch.Tensor]:
+    """`rows` and their scores without those the reward model scored NaN, with a warning (a NaN made
+    every bin edge NaN, which put every example in the best bin); `RunError` if none is left."""
+    nan = torch.isnan(scores_B)
+    if not bool(nan.any()):
+        return rows, scores_B
+    if bool(nan.all()):
+        raise RunError(f"conditional SFT: the reward model scored all {len(rows)} examples NaN")
+    logger.warning(f"[csft] the reward model scored {int(nan.sum())} of {len(rows)} examples NaN; they are left out")
+    keep = (~nan).nonzero().flatten().tolist()
+    return [rows[i] for i in keep], scores_B[keep]
 
 
 def score_bins(scores_B: torch.Tensor, edges: list[float]) -> torch.Tensor:
@@ -214,6 +230,8 @@ def _scored_examples(cfg: ConditionalSFTConfig, tok, policy: Callable, out: Path
         t0 = time.perf_counter()
     scores, test_scores = _score_rows(cfg, [rows, test_rows])
     logger.info(f"[csft] scored {len(rows) + len(test_rows)} responses in {time.perf_counter() - t0:.1f}s")
+    (rows, scores), (test_rows, test_scores) = _without_nan_scores(rows, scores), _without_nan_scores(test_rows,
+                                                                                                    test_scores)
     edges = bin_edges(scores, cfg.tags.n_bins, cfg.tags.binning)
     bins, test_bins = score_bins(scores, edges), score_bins(test_scores, edges)
     info = make_tag_info(cfg.tags, edges, chat_anchors(tok), scores, bins)

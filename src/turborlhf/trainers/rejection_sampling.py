@@ -214,10 +214,19 @@ def _best_rows(prompts: list[str], texts: list[str], scores_BN: torch.Tensor, fi
 
 def _round_metrics(scores_BN: torch.Tensor, fin_BN: torch.Tensor, best_B: torch.Tensor, keep_B: torch.Tensor,
                    response_ids: list[list[int]], t_gen: float) -> dict:
-    all_mean = float(scores_BN.mean())
-    best_mean = float(scores_BN.gather(1, best_B[:, None]).mean())
+    """The round's rollout metrics. Scores the reward model gave as NaN (never selected) are left out of
+    the means: one of them made every score metric of the round NaN. ``best_score_mean`` is the mean
+    score of the selected candidates (the per-prompt maxima; with ``missing_eos_penalty``, the raw
+    scores of the candidates its penalised scores select), over prompts with a non-NaN score."""
+    scores = scores_BN.float()
+    valid = scores[~torch.isnan(scores)]
+    winners = scores.gather(1, best_B[:, None]).squeeze(1)
+    winners = winners[~torch.isnan(winners)]
+    nan = float("nan")
+    all_mean = float(valid.mean()) if valid.numel() else nan
+    best_mean = float(winners.mean()) if winners.numel() else nan
     lens = torch.tensor([len(r) for r in response_ids], dtype=torch.float32)
-    return {M.REWARD_MEAN: all_mean, M.REWARD_STD: float(scores_BN.flatten().std()) if scores_BN.numel() > 1 else 0.0,
+    return {M.REWARD_MEAN: all_mean, M.REWARD_STD: float(valid.std()) if valid.numel() > 1 else 0.0,
             BEST_SCORE: best_mean, GAIN: best_mean - all_mean, KEPT: float(keep_B.float().mean()),
             M.RESPONSE_LEN: float(lens.mean()), M.EOS_FRAC: float(fin_BN.float().mean()),
             "rollout/tokens_per_s": float(lens.sum()) / max(t_gen, 1e-9)}
