@@ -125,9 +125,13 @@ def _same_tokenizer(processing_class, path: str) -> None:
     from turborlhf.models.load import load_tokenizer
 
     own = load_tokenizer(path)
-    if own.get_vocab() != processing_class.get_vocab() or own.chat_template != processing_class.chat_template:
-        raise UserError(f"processing_class: differs from the tokenizer of model {path} (its vocabulary or chat "
-                        "template), which the run reads from the model directory; save it there "
+    differs = [what for what, a, b in (("vocabulary", own.get_vocab(), processing_class.get_vocab()),
+                                       ("chat template", own.chat_template, processing_class.chat_template),
+                                       ("eos_token", own.eos_token, processing_class.eos_token))
+               if a != b]
+    if differs:
+        raise UserError(f"processing_class: differs from the tokenizer of model {path} (its {' and '.join(differs)}), "
+                        "which the run reads from the model directory; save it there "
                         "(processing_class.save_pretrained), or pass the model loaded in memory")
 
 
@@ -549,6 +553,9 @@ class _Trainer:
 
         steps, self._steps = self._steps, None
         if steps is None:
+            if self._result is None and self._stopped is None:      # never started: it held output_dir all the same
+                self._stopped = RuntimeError("close() ended it")
+                self._release()
             return
         # this object's run is over: train()/step() would start it again from step 0
         self._stopped = RuntimeError("close() ended it")
@@ -583,7 +590,35 @@ class RewardTrainer(_Trainer):
 
     def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None) -> None:
+        if _has_column(train_dataset, "margin"):
+            args = _margin_on(args)
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks)
+
+
+def _has_column(data: Any, name: str) -> bool:
+    """Whether an in-memory dataset (a ``datasets.Dataset`` or a list of dicts) has the column `name`."""
+    if isinstance(data, (str, os.PathLike)) or data is None:
+        return False
+    cols = getattr(data, "column_names", None)
+    if isinstance(cols, list):
+        return name in cols
+    return isinstance(data, Sequence) and bool(data) and all(isinstance(r, dict) and name in r for r in data)
+
+
+def _margin_on(args: Any) -> Any:
+    """`args` with ``train.margin`` true unless it sets it: TRL's RewardTrainer subtracts a dataset's
+    ``margin`` column in the loss (−log σ(r_c − r_r − margin)); it was ignored here."""
+    if args is None:
+        return {"train": {"margin": True}}
+    if isinstance(args, dict):
+        train = args.get("train")
+        if isinstance(train, dict) and "margin" in train:
+            return args
+        return {**args, "train": {**(train if isinstance(train, dict) else {}), "margin": True}}
+    train = getattr(args, "train", None)
+    if train is not None and hasattr(train, "model_fields_set") and "margin" not in train.model_fields_set:
+        return args.model_copy(update={"train": train.model_copy(update={"margin": True})})
+    return args
 
 
 class DPOTrainer(_Trainer):
@@ -678,7 +713,7 @@ class _RLTrainer(_Trainer):
             table = self._prompt_columns()
             names = {k: [] for cols in table.values() for k in cols}
             for key, fn in self._callables.items():     # a column the function needs but the data lacks: now
-                callable_kwargs(fn, [], [], names, f"reward function {key!r}")
+                callable_kwargs(fn, [], [], names, f"reward function {key!r}", completion_ids=[])   # given at every call
             callables = RewardCallables(self._callables, table)
         return train_steps(self.args, resume, callables)
 

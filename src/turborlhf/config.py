@@ -465,6 +465,9 @@ class PPOConfig(Cfg):
             raise ValueError(f"rewards: two sources named {dup[0]!r} ({which}{'; reward_model is rm' if 'rm' in dup else ''}"
                              "): give each a distinct name")
         est = self.algo.advantage_estimator
+        if self.reference is not None and not self.algo.needs_reference:
+            raise ValueError(f"reference={self.reference} is unused with algo.kl_coef=0 and no algo.kl_target (no KL "
+                             "term): drop one of them")
         if (self.algo.needs_critic and self.critic is not None
                 and "name_or_path" not in self.critic.model_fields_set):
             # no reward model to write in (`_critic_section_starts_from_the_reward_model`): the critic

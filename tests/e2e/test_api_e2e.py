@@ -66,6 +66,22 @@ def test_grpo_in_memory_dataset_reward_reads_answer_column(tiny_model, tmp_path)
     assert trainer.args.algo.advantage_estimator == "grpo" and trainer.args.rewards[0].kind == "callable"
 
 
+def test_a_reward_function_requiring_completion_ids_is_accepted(tiny_model, tmp_path):
+    """TRL passes completion_ids to every reward function: one that requires it was refused as
+    needing a column the data lacks."""
+    from turborlhf import GRPOTrainer
+
+    seen = []
+
+    def by_ids(prompts, completions, completion_ids):
+        seen.append(len(completion_ids))
+        return [float(len(ids)) for ids in completion_ids]
+
+    GRPOTrainer(model=str(tiny_model), reward_funcs=by_ids, train_dataset=_questions(),
+                args={"train": {"max_steps": 1}, "output_dir": str(tmp_path / "g"), **QUIET}).train()
+    assert seen and seen[0] > 0
+
+
 def test_reward_function_missing_column_is_named(tiny_model, tmp_path):
     from turborlhf import GRPOTrainer
     from turborlhf.rewards.functions import RewardFunctionError
@@ -289,6 +305,27 @@ def test_the_cli_refuses_a_callable_source_in_one_line(tiny_model, tiny_data, tm
                "rewards=[{kind: callable, path: accuracy}]", f"output_dir={tmp_path}", "log.tensorboard=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: rewards: the callable reward source 'accuracy' exists only in")
+
+
+def test_close_of_a_trainer_never_started_frees_its_output_dir(tiny_model, tiny_data, tmp_path):
+    """A trainer built and closed without a step kept output_dir locked until the process ended: no
+    other process could run there."""
+    import subprocess
+    import sys
+
+    from turborlhf import SFTTrainer
+
+    out = tmp_path / "sft"
+    trainer = SFTTrainer(model=str(tiny_model), train_dataset=str(tiny_data / "train_sft.jsonl"),
+                         args={"output_dir": str(out), "train": {"max_steps": 1}, **QUIET})
+    probe = [sys.executable, "-c", "import sys; from pathlib import Path; from turborlhf.engine.lifecycle import "
+             "lock_output_dir; lock_output_dir(Path(sys.argv[1]))", str(out)]
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "src")}
+    assert subprocess.run(probe, env=env, capture_output=True).returncode != 0        # held
+    trainer.close()
+    assert subprocess.run(probe, env=env, capture_output=True).returncode == 0
+    with pytest.raises(RuntimeError):
+        trainer.step()
 
 
 def test_close_then_resume_from_checkpoint_reproduces_the_run(tiny_model, tiny_data, tmp_path):
@@ -517,6 +554,11 @@ def test_trl_habits_that_were_silently_ignored(tiny_model, tiny_data, tmp_path):
     set_chat_template(tok, "plain")
     with pytest.raises(UserError, match="processing_class: differs from the tokenizer of model"):
         SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), processing_class=tok)
+    # another end-of-turn token (an existing one): the run would stop responses at the model's own, silently
+    tok = load_tokenizer(str(tiny_model))
+    tok.eos_token = tok.pad_token if tok.pad_token != tok.eos_token else tok.convert_ids_to_tokens(0)
+    with pytest.raises(UserError, match="its eos_token"):
+        SFTTrainer(model=str(tiny_model), args=args, train_dataset=_pairs(tiny_data), processing_class=tok)
 
     class HFStyle:
         def on_log(self, args, state, control, logs=None): ...
@@ -589,3 +631,27 @@ def test_a_loaded_ppo_config_given_to_grpo_is_refused(tmp_path):
                                         "output_dir": str(tmp_path / "g")})
     with pytest.raises(UserError, match="sets every algo field .* build it as GRPOConfig"):
         GRPOTrainer(model="m", reward_funcs="gsm8k_accuracy", args=args)
+
+
+def test_reward_trainer_uses_a_margin_column_as_trl_does(tiny_model, tiny_data, tmp_path):
+    """TRL's RewardTrainer subtracts a dataset's margin column in the loss; it was ignored here."""
+    from turborlhf import RewardTrainer
+    from turborlhf.config import RMConfig
+
+    rows = [{**r, "margin": 2.0} for r in _pairs(tiny_data).select(range(8)).to_list()]
+    common = {"train": {"max_steps": 1, "pairs_per_step": 4, "micro_batch_size": 4}, **QUIET}
+    on = RewardTrainer(model=str(tiny_model), train_dataset=rows, args={**common, "output_dir": str(tmp_path / "a")})
+    assert on.args.train.margin
+    on.close()
+    off = RewardTrainer(model=str(tiny_model), train_dataset=rows,
+                        args={**common, "output_dir": str(tmp_path / "b"), "train": {**common["train"], "margin": False}})
+    assert not off.args.train.margin
+    off.close()
+    cfg = RMConfig(model={"name_or_path": str(tiny_model)}, data={"train_file": "x"}, output_dir=str(tmp_path / "c"))
+    obj = RewardTrainer(model=str(tiny_model), train_dataset=rows, args=cfg)
+    assert obj.args.train.margin
+    obj.close()
+    no_col = RewardTrainer(model=str(tiny_model), train_dataset=_pairs(tiny_data).select(range(8)),
+                           args={**common, "output_dir": str(tmp_path / "d")})
+    assert not no_col.args.train.margin
+    no_col.close()

@@ -137,3 +137,30 @@ def test_freeze_layers_freezes_every_input_side_parameter(tmp_path):
     model = load_trainable("causal", ModelCfg(name_or_path=str(tmp_path / "gpt2"), freeze_layers=2, device="cpu"), tok)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("transformer.h.2.", "transformer.ln_f.")) for n in trainable), trainable
+
+
+def test_ppo_refuses_a_reference_it_would_not_use():
+    """reference (the API's ref_model) with kl_coef=0 was accepted and never loaded, silently."""
+    from turborlhf.config import GRPOConfig
+
+    base = dict(reward_model="rm", data={"prompts_file": "p.jsonl"}, reference="ref")
+    with pytest.raises(ValueError, match="reference=ref is unused with algo.kl_coef=0"):
+        GRPOConfig(**base, algo={"kl_coef": 0.0})
+    assert GRPOConfig(**base).reference == "ref"
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):
+    """Its top token ids fell past the embedding: an IndexError in the middle of a step."""
+    from transformers import AutoModelForCausalLM
+
+    from turborlhf.config import ModelCfg
+    from turborlhf.errors import UserError
+    from turborlhf.models.load import load_trainable
+
+    d = save_tiny_causal_lm(tmp_path / "m")
+    tok = load_tokenizer(str(d))
+    model = AutoModelForCausalLM.from_pretrained(str(d))
+    model.resize_token_embeddings(len(tok) - 4)
+    model.save_pretrained(str(d))
+    with pytest.raises(UserError, match=f"its embedding has {len(tok) - 4} rows for the tokenizer's {len(tok)} tokens"):
+        load_trainable("causal", ModelCfg(name_or_path=str(d)), tok)

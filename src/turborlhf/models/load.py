@@ -240,6 +240,13 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
     src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
     model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
                           load_in_4bit=model_cfg.load_in_4bit, device=getattr(model_cfg, "device", "cpu"))
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if rows is not None and rows < len(tokenizer):     # an id past the table: an IndexError mid-step
+        from turborlhf.errors import UserError
+
+        raise UserError(f"{init}: its embedding has {rows} rows for the tokenizer's {len(tokenizer)} tokens; give "
+                        "the tokenizer it was trained with, or resize its embeddings (resize_token_embeddings) "
+                        "and save it")
     if ckpt_dir is not None:
         _check_resumed_lora(ckpt_dir, lora)
     if lora is not None:
