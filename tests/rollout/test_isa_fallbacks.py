@@ -168,3 +168,40 @@ def test_kernel_unit_tests_pass_built_for_avx2(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout.splitlines()[-1]
+
+
+def test_an_explicit_precision_slower_than_fp32_warns_once_with_its_measured_slowdown(tiny_model, monkeypatch):
+    """dtype=bf16 or fp16 given to the HF engine (`turborlhf generate`, `chat`) and fp16 to FastEngine
+    ran 4-7x slower than fp32 on a CPU without native support, without a word."""
+    import warnings
+
+    from turborlhf.engine import hardware
+    from turborlhf.rollout.fast import FastEngine
+    from turborlhf.rollout.hf import HFEngine
+
+    monkeypatch.setattr(hardware, "cpu_fp16_slowdown", lambda: 6.5)
+    monkeypatch.setattr(hardware, "_warned", set())
+    with pytest.warns(UserWarning, match=r"dtype=fp16 on this CPU: a linear measured 6.5x slower than fp32"):
+        HFEngine(str(tiny_model), dtype="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HFEngine(str(tiny_model), dtype="fp16")                          # once per process
+    monkeypatch.setattr(hardware, "_warned", set())
+    with pytest.warns(UserWarning, match=r"6.5x slower than fp32"):
+        FastEngine(str(tiny_model), dtype="fp16", kernels=False)
+    asked = []
+    monkeypatch.setattr(hardware, "choose_precision", lambda req, dev="cpu": asked.append((req, dev)))
+    HFEngine(str(tiny_model), dtype="bf16")
+    assert asked == [("bf16", "cpu")]                 # bf16 goes through the precision choice, which warns where emulated
+    monkeypatch.setattr(hardware, "cpu_fp16_slowdown", lambda: 0.5)
+    monkeypatch.setattr(hardware, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hardware.warn_if_slower_than_fp32(torch.float16)                 # faster: nothing to say
+        hardware.warn_if_slower_than_fp32(torch.float32)
+
+
+def test_mkldnn_linears_in_fp16_are_refused_in_one_line():
+    """FastEngine(dtype='fp16', linear_backend='mkldnn') failed inside oneDNN's packing with a raw error."""
+    with pytest.raises(ValueError, match="linear_backend='mkldnn' packs bf16 or fp32 weights, not fp16"):
+        choose_linear_backend("mkldnn", torch.float16, None, False, False)

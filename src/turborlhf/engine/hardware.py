@@ -32,7 +32,7 @@ __all__ = ["cpu_features", "host_cpu_features", "isa_limits", "cpu_model", "AVX5
            "host_summary",
            "gpu_summary", "HardwareError", "resolve_device", "Precision", "choose_precision", "compute_dtype",
            "choose_state_dtype", "state_dtype_for", "cpu_bf16_slowdown", "DEVICES", "DTYPES", "weight_dtype_conflict",
-           "cached_probe", "best_time"]
+           "cached_probe", "best_time", "cpu_fp16_slowdown", "warn_if_slower_than_fp32"]
 
 # Flags (as /proc/cpuinfo spells them) that decide turborlhf's CPU paths
 _KNOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -271,7 +271,39 @@ def cpu_bf16_slowdown() -> float:
                         lambda: _time_linear(torch.bfloat16) / max(_time_linear(torch.float32), 1e-9))
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_fp16_slowdown() -> float:
+    """Measured time of an fp16 ``F.linear`` over the fp32 one on this CPU, cached per host as
+    `cpu_bf16_slowdown` (CPUs without AVX-512-FP16 convert fp16 for every product)."""
+    import torch
+
+    return cached_probe("fp16_over_fp32",
+                        lambda: _time_linear(torch.float16) / max(_time_linear(torch.float32), 1e-9))
+
+
 _warned: set[str] = set()
+
+
+def warn_if_slower_than_fp32(dtype, device="cpu", what: str = "dtype") -> None:
+    """One warning, with the measured slowdown, where an explicit `dtype` (a ``torch.dtype``) is
+    slower than fp32 on `device`: bf16 where it is emulated (`choose_precision`'s warning), fp16 on a
+    CPU whose fp16 linear measured slower than fp32 (`cpu_fp16_slowdown`). `what` names the setting.
+    The rollout engines call it for their compute dtype: the trainers' precisions go through
+    `choose_precision` already."""
+    import torch
+
+    dev = getattr(device, "type", None) or str(device).split(":")[0]
+    if dtype == torch.bfloat16:
+        choose_precision("bf16", dev)
+    elif dtype == torch.float16 and dev == "cpu":
+        slow = cpu_fp16_slowdown()
+        if slow <= 1.0:
+            return
+        msg = (f"{what}=fp16 on this CPU: a linear measured {slow:.1f}x slower than fp32; "
+               f"{what}=auto would choose {compute_dtype('auto', 'cpu')}")
+        if msg not in _warned:
+            _warned.add(msg)
+            warnings.warn(msg, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)

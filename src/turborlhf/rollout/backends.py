@@ -161,6 +161,9 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, kernels, compile: 
     if requested == "mkldnn":
         if not mkldnn_packing_available():
             raise ValueError("linear_backend='mkldnn' but this torch build lacks oneDNN linear packing")
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"linear_backend='mkldnn' packs bf16 or fp32 weights, not {_dt(dtype)}: use "
+                             "linear_backend='dense' or dtype='fp32'")
         if mk_isa:
             raise ValueError(f"linear_backend='mkldnn' in bf16 needs {'/'.join(MKLDNN_BF16_FEATURES)} for oneDNN's "
                              f"weight packing, this CPU has {has}; use dtype='fp32' or linear_backend='dense'")

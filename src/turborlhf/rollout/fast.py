@@ -128,6 +128,10 @@ class FastEngine(FastEngineWeights):
                  linear_backend: str = "auto", int8_max_batch: int = 0, kernels: bool | str = "auto",
                  weight_dtype: Optional[str] = None):
         self.dtype = resolve_dtype(dtype)
+        if self.dtype == torch.float16:     # (bf16's case: the linear backend's choice warns, naming the ISA)
+            from turborlhf.engine.hardware import warn_if_slower_than_fp32
+
+            warn_if_slower_than_fp32(self.dtype, "cpu", "dtype")
         if kernels not in ("auto", True, False):
             raise ValueError(f"kernels must be 'auto', True or False, got {kernels!r}")
         self._k = None

@@ -40,6 +40,9 @@ class HFEngine:
 
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device.type)
+        from turborlhf.engine.hardware import warn_if_slower_than_fp32
+
+        warn_if_slower_than_fp32(self.dtype, self.device, "dtype")
         if isinstance(model_or_path, torch.nn.Module):
             model = copy.deepcopy(model_or_path)
         else:
