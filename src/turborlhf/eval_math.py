@@ -136,8 +136,10 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     if tool != "none" and engine == "vllm":
         raise UserError(f"--tool {tool} needs --engine fast, hf or auto (vLLM's sampling loop has no hook for it)")
     tool_fn = make_tool(tool, tok)
+    used: dict = {}
     _, response_ids, finished, _ = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
-                                                      engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn)
+                                                      engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn,
+                                                      used=used)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     if score_fn is None:
@@ -153,7 +155,8 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
            "tool": tool, "tool_calls": getattr(tool_fn, "calls", 0),
            "policy": policy, "data": data, "reward": reward or "gsm8k", "engine": engine, "temperature": temperature,
            "max_new_tokens": max_new_tokens, "seed": seed, "generate_seconds": round(t_gen, 2),
-           "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2)}
+           "tokens_per_s": round(sum(lens) / max(t_gen, 1e-9), 1), "seconds": round(time.perf_counter() - t0, 2),
+           "hardware": {"rollout": used}}      # what auto resolved to
     shown = "" if fmt is None else f", format {res['format_rate']:.3f}"
     print(f"[eval-math] accuracy {res['accuracy']:.3f}{shown} on {k} problems "
           f"({sum(lens)} tokens in {t_gen:.0f}s)", flush=True)

@@ -42,14 +42,16 @@ def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8,
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
     model = load_reward_model(model_dir, tok, device=device)
-    dtype = compute_dtype(dtype, next(model.parameters()).device)
+    dev = next(model.parameters()).device
+    dtype = compute_dtype(dtype, dev)
     pairs = load_pairs(data, tok)
     if limit:
         pairs = pairs[:limit]
     ch, rj = score_pairs(model, tok, encode_pairs(tok, pairs, max_len), dtype, batch_size)
     res = summarize_scores(ch, rj)
     res["length"] = length_strata(pairs, (ch > rj).tolist())
-    res.update({"model": model_dir, "data": data, "seconds": round(time.perf_counter() - t0, 2)})
+    res.update({"model": model_dir, "data": data, "seconds": round(time.perf_counter() - t0, 2),
+                "hardware": {"dtype": dtype, "device": str(dev)}})    # what auto resolved to
     return res
 
 
@@ -105,11 +107,13 @@ def prompt_budget(config, max_prompt_len: Optional[int], max_new_tokens: int) ->
 
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
-                       dtype: str = "auto", device="cpu", tool=None, raw_logprobs: bool = False) -> tuple:
+                       dtype: str = "auto", device="cpu", tool=None, raw_logprobs: bool = False,
+                       used: Optional[dict] = None) -> tuple:
     """Seeded generation for text prompts → (prompt_ids, response_ids, finished, logprobs); `dtype`
     and `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
     rollout tool (`turborlhf.rollout.tools`) or None; `raw_logprobs`: logprobs holds the engine's
-    temperature-1 log-prob of each response token (``raw_logprobs``), else it is None.
+    temperature-1 log-prob of each response token (``raw_logprobs``), else it is None. `used`, if
+    given, receives the engine's class, precision and device (`engine_record`), for the result.
     Raises UserError when the longest prompt plus `max_new_tokens` exceeds the policy's context."""
     from transformers import AutoConfig
 
@@ -123,6 +127,8 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     check_context(policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy)), ids,
                   max_new_tokens)
     eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
+    if used is not None:
+        used.update(engine_record(eng))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=stop_ids(tok), seed=seed, return_logprobs=raw_logprobs,
                             logprobs_mode="raw_logprobs")
@@ -136,6 +142,17 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     n_tok = sum(len(r) for r in out.response_ids)
     logger.info(f"[generate] {len(ids)} prompts, {n_tok} tokens in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return ids, out.response_ids, out.finished, out.logprobs
+
+
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}
+
+
+def engine_record(eng) -> dict:
+    """What a rollout engine resolved ``auto`` to: ``{"engine", "dtype", "device"}`` (a result's
+    ``hardware.rollout``; README: Hardware)."""
+    dt = str(getattr(eng, "dtype", ""))
+    return {"engine": type(eng).__name__, "dtype": _DTYPE_NAMES.get(dt, dt),
+            "device": str(getattr(eng, "device", "cpu"))}
 
 
 @dataclasses.dataclass
@@ -158,6 +175,7 @@ class PolicySamples:
     tag: Optional[dict]
     generate_seconds: float
     model: object = None
+    rollout_hardware: dict = dataclasses.field(default_factory=dict)     # `engine_record` of the engine
 
 
 def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: int, temperature: float, top_p: float,
@@ -204,9 +222,10 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     # policy forward's (the weight-sync check measures them equal to ~1e-6) and save that forward; a
     # bf16 engine rounds differently from the scoring models, so they score both sides there
     engine_logps = kl_wanted and gen_dtype == "fp32" and engine != "vllm"
+    used: dict = {}
     p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
                                                     engine, max_prompt_len, dtype=gen_dtype, device=device,
-                                                    raw_logprobs=engine_logps)
+                                                    raw_logprobs=engine_logps, used=used)
     plain = p_ids if tag is None else [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     keep = kl_wanted and r_logps is None
@@ -215,7 +234,7 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
 
         policy = attention_for_compute_device(policy.to(device), device)
     return PolicySamples(policy_dir, prompts, gen_prompts, p_ids, plain, tok, r_ids, fin, r_logps, texts, tag,
-                         time.perf_counter() - t0, policy if keep else None)
+                         time.perf_counter() - t0, policy if keep else None, used)
 
 
 def _reward_sequences(rm_tok, s: PolicySamples) -> list[list[int]]:
@@ -265,9 +284,11 @@ def _kl_to_reference(s: PolicySamples, reference_dir: str, dtype: str, device) -
             "kl_policy_logprobs": "engine" if s.model is None else "forward"}
 
 
-def _policy_result(s: PolicySamples, scores, reward_model_dir: str, settings: dict, samples_out: Optional[str]) -> dict:
+def _policy_result(s: PolicySamples, scores, reward_model_dir: str, settings: dict, samples_out: Optional[str],
+                   scoring: Optional[dict] = None) -> dict:
     """`eval_policy`'s result for one policy's samples and their reward-model scores; writes
-    `samples_out` (JSONL: prompt, response, score, and the conditioned prompt of a tagged policy)."""
+    `samples_out` (JSONL: prompt, response, score, and the conditioned prompt of a tagged policy).
+    ``hardware``: the engine's precision and device (``rollout``) and the scoring models' (`scoring`)."""
     import torch
 
     lens = torch.tensor([len(r) for r in s.response_ids], dtype=torch.float32)
@@ -275,7 +296,8 @@ def _policy_result(s: PolicySamples, scores, reward_model_dir: str, settings: di
            "n": len(s.prompts), "response_length_mean": float(lens.mean()),
            "eos_fraction": float(torch.tensor(s.finished, dtype=torch.float32).mean()),
            "policy": s.policy_dir, "reward_model": reward_model_dir, **settings,
-           "generate_seconds": round(s.generate_seconds, 2), **(s.tag or {})}
+           "generate_seconds": round(s.generate_seconds, 2), **(s.tag or {}),
+           "hardware": {"rollout": s.rollout_hardware, "scoring": scoring or {}}}
     if samples_out:
         with open(samples_out, "w") as f:
             for p, g, t, sc in zip(s.prompts, s.gen_prompts, s.texts, scores.tolist()):
@@ -318,7 +340,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     scores = score_token_ids(rm, rm_tok.pad_token_id, _reward_sequences(rm_tok, s), dtype)
     settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                 "max_prompt_len": max_prompt_len}
-    res = _policy_result(s, scores, reward_model_dir, settings, samples_out)
+    res = _policy_result(s, scores, reward_model_dir, settings, samples_out, {"dtype": dtype, "device": str(dev)})
     if reference_dir:
         res.update(_kl_to_reference(s, reference_dir, dtype, dev))
     res["seconds"] = round(time.perf_counter() - t0, 2)
@@ -357,8 +379,9 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     base_scores, pol_scores = score_pairs(rm, rm_tok, pairs, dtype, batch_size=8)
     settings = {"seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                 "max_prompt_len": max_prompt_len}
-    res_base = _policy_result(base, base_scores, reward_model_dir, settings, samples_out[0])
-    res_pol = _policy_result(pol, pol_scores, reward_model_dir, settings, samples_out[1])
+    scoring = {"dtype": dtype, "device": str(dev)}
+    res_base = _policy_result(base, base_scores, reward_model_dir, settings, samples_out[0], scoring)
+    res_pol = _policy_result(pol, pol_scores, reward_model_dir, settings, samples_out[1], scoring)
     res_pol.update(_kl_to_reference(pol, base_dir, dtype, dev))
     seconds = round(time.perf_counter() - t0, 2)
     res_base["seconds"] = res_pol["seconds"] = seconds

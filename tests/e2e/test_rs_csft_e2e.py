@@ -296,6 +296,25 @@ def test_eval_policy_kl_of_a_policy_to_itself_is_zero_under_bf16(tiny_model, tin
     assert res["kl_policy_logprobs"] == "forward" and res["kl_to_reference"] == 0.0
 
 
+def test_evaluations_record_what_auto_resolved_to(tiny_model, tiny_rm, tiny_data):
+    """eval-policy, eval-rm and eval-math results did not say which precision and device their
+    ``auto`` chose, so two hosts' numbers could not be told apart."""
+    import turborlhf.evaluate as ev
+    from turborlhf.engine.hardware import compute_dtype
+    from turborlhf.eval_math import eval_math
+
+    res = ev.eval_policy(str(tiny_model), str(tiny_rm), str(tiny_data / "test_prompts.jsonl"), n=2, max_new_tokens=4,
+                         engine="hf", dtype="fp32")
+    assert res["hardware"] == {"rollout": {"engine": "HFEngine", "dtype": "fp32", "device": "cpu"},
+                               "scoring": {"dtype": "fp32", "device": "cpu"}}
+    rm = ev.eval_rm(str(tiny_rm), str(tiny_data / "test_pairs.jsonl"), max_len=64, limit=2)
+    assert rm["hardware"] == {"dtype": compute_dtype("auto", "cpu"), "device": "cpu"}
+    problems = tiny_data / "math.jsonl"
+    problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n')
+    m = eval_math(str(tiny_model), str(problems), n=2, max_new_tokens=4, engine="fast", dtype="fp32")
+    assert m["hardware"]["rollout"]["engine"] == "FastEngine" and m["hardware"]["rollout"]["dtype"] == "fp32"
+
+
 def test_conditional_sft_without_a_test_set_drops_an_earlier_runs(tiny_model, tiny_rm, tiny_data, tmp_path):
     """A fresh run without data.test_file in a directory an earlier run scored a test set in kept
     that scored_test.jsonl, which its --resume then evaluated on."""
