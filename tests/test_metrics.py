@@ -91,3 +91,16 @@ def test_an_evaluation_row_gives_its_own_seconds_not_a_rate(tmp_path, monkeypatc
     assert "| 70.00 s/step" in log.progress_line(2, {})
     assert log.progress_line(2, {"eval/loss": 1.0}).endswith("| 260.0 s after the step")
     log.close()
+
+
+def test_non_finite_values_are_written_as_strict_json_nulls(tmp_path):
+    """A NaN loss was written as a bare NaN, which is no JSON: jq and JavaScript readers failed on
+    the whole file."""
+    log = MetricsLogger(tmp_path, "t", 2, tensorboard=False, progress=False)
+    log.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/lr": 1e-5,
+                "extra": {"a": [1.0, float("-inf")]}})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    row = json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in {line}"))
+    assert row["train/loss"] is None and row["train/grad_norm"] is None and row["train/lr"] == 1e-5
+    assert row["extra"] == {"a": [1.0, None]}

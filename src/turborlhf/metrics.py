@@ -271,6 +271,18 @@ def trim_jsonl(path: Path, last_step: int, one_row_per_step: bool = False) -> No
     os.replace(tmp, path)
 
 
+def _json_safe(v: Any) -> Any:
+    """`v` for strict JSON: a non-finite float becomes null (`metrics.jsonl`'s convention for a value
+    that is not a number: a NaN loss, a mean over no rows)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
 class MetricsLogger:
     """Write metrics to ``<output_dir>/metrics.jsonl``, experiment trackers and the console log
     (one progress line per logged step, `console_logging`).
@@ -328,7 +340,8 @@ class MetricsLogger:
 
         row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
                                 for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
+        # strict JSON: a bare NaN/Infinity (Python's default) breaks jq, JavaScript and other readers
+        self._jsonl.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")
         self._jsonl.flush()
         scalars = finite_scalars(row)
         for t in list(self._trackers):

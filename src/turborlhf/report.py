@@ -27,7 +27,7 @@ def plot_ppo(metrics_file: Path, out_png: Path) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, title in zip(axes, ("rollout/reward_mean", "policy/kl", "rollout/response_length"),
                               ("reward (RM score, mean)", "KL to reference (per sequence)", "response length (tokens)")):
-        ax.plot(steps, [r.get(key, math.nan) for r in rows], marker="o", ms=3)
+        ax.plot(steps, [math.nan if r.get(key) is None else r[key] for r in rows], marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
