@@ -713,7 +713,8 @@ class _RLTrainer(_Trainer):
             table = self._prompt_columns()
             names = {k: [] for cols in table.values() for k in cols}
             for key, fn in self._callables.items():     # a column the function needs but the data lacks: now
-                callable_kwargs(fn, [], [], names, f"reward function {key!r}", completion_ids=[])   # given at every call
+                # completion_ids: given at every call
+                callable_kwargs(fn, [], [], names, f"reward function {key!r}", completion_ids=[])
             callables = RewardCallables(self._callables, table)
         return train_steps(self.args, resume, callables)
 

@@ -462,8 +462,8 @@ class PPOConfig(Cfg):
         if dup:
             which = ", ".join(f"rewards[{i}]" + (f".name={r.name}" if r.name else f" (default name {n})")
                               for i, r in enumerate(self.rewards) if (n := r.name or f"{r.kind}{i}") in dup)
-            raise ValueError(f"rewards: two sources named {dup[0]!r} ({which}{'; reward_model is rm' if 'rm' in dup else ''}"
-                             "): give each a distinct name")
+            rm = "; reward_model is rm" if "rm" in dup else ""
+            raise ValueError(f"rewards: two sources named {dup[0]!r} ({which}{rm}): give each a distinct name")
         est = self.algo.advantage_estimator
         if self.reference is not None and not self.algo.needs_reference:
             raise ValueError(f"reference={self.reference} is unused with algo.kl_coef=0 and no algo.kl_target (no KL "

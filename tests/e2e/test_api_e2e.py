@@ -600,7 +600,8 @@ def test_epochs_set_alone_count_over_a_default_step_limit():
     # built directly, as TRL users do: train={"epochs": 2} kept the 20 steps
     direct = GRPOConfig(data={"prompts_file": "p"}, reward_model="r", train={"epochs": 2})
     assert (direct.train.epochs, direct.train.max_steps) == (2, 0)
-    assert GRPOConfig(data={"prompts_file": "p"}, reward_model="r", train={"epochs": 2, "max_steps": 5}).train.max_steps == 5
+    both = GRPOConfig(data={"prompts_file": "p"}, reward_model="r", train={"epochs": 2, "max_steps": 5})
+    assert both.train.max_steps == 5
 
 
 def test_config_classes_built_directly_keep_the_commands_section_defaults():
@@ -643,8 +644,8 @@ def test_reward_trainer_uses_a_margin_column_as_trl_does(tiny_model, tiny_data, 
     on = RewardTrainer(model=str(tiny_model), train_dataset=rows, args={**common, "output_dir": str(tmp_path / "a")})
     assert on.args.train.margin
     on.close()
-    off = RewardTrainer(model=str(tiny_model), train_dataset=rows,
-                        args={**common, "output_dir": str(tmp_path / "b"), "train": {**common["train"], "margin": False}})
+    off_args = {**common, "output_dir": str(tmp_path / "b"), "train": {**common["train"], "margin": False}}
+    off = RewardTrainer(model=str(tiny_model), train_dataset=rows, args=off_args)
     assert not off.args.train.margin
     off.close()
     cfg = RMConfig(model={"name_or_path": str(tiny_model)}, data={"train_file": "x"}, output_dir=str(tmp_path / "c"))

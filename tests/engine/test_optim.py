@@ -262,7 +262,8 @@ def test_choose_state_dtype(monkeypatch):
     # a compiler whose build fails ($CC wrong, headers missing): fp32, not the ~70x slower torch fallback
     monkeypatch.setattr(cbuild, "compiler", lambda: "gcc")
     monkeypatch.setattr(optim, "load_kernel", lambda warn=True: None)
-    assert choose_state_dtype(["fp32"], ["cpu"]) == ("fp32", "fp32 moments: the bf16-moment C kernel failed to build here")
+    assert choose_state_dtype(["fp32"], ["cpu"]) == ("fp32",
+                                                    "fp32 moments: the bf16-moment C kernel failed to build here")
 
 
 def test_no_weight_decay_on_embeddings_whatever_their_name():

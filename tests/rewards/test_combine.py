@@ -44,7 +44,8 @@ def test_duplicate_names_are_rejected():
 @pytest.mark.parametrize("overrides, named", [
     (["rewards=[{kind: function, path: a.py:f, name: acc}, {kind: function, path: b.py:g, name: acc}]"],
      "'acc' (rewards[0].name=acc, rewards[1].name=acc)"),
-    (["reward_model=rm_dir", "rewards=[{kind: function, path: a.py:f, name: rm}]"], "'rm' (rewards[0].name=rm; reward_model"),
+    (["reward_model=rm_dir", "rewards=[{kind: function, path: a.py:f, name: rm}]"],
+     "'rm' (rewards[0].name=rm; reward_model"),
     (["rewards=[{kind: function, path: a.py:f, name: function1}, {kind: function, path: b.py:g}]"],
      "rewards[1] (default name function1)"),
 ])

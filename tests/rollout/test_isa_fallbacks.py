@@ -192,7 +192,7 @@ def test_an_explicit_precision_slower_than_fp32_warns_once_with_its_measured_slo
     asked = []
     monkeypatch.setattr(hardware, "choose_precision", lambda req, dev="cpu": asked.append((req, dev)))
     HFEngine(str(tiny_model), dtype="bf16")
-    assert asked == [("bf16", "cpu")]                 # bf16 goes through the precision choice, which warns where emulated
+    assert asked == [("bf16", "cpu")]      # bf16 goes through the precision choice, which warns where emulated
     monkeypatch.setattr(hardware, "cpu_fp16_slowdown", lambda: 0.5)
     monkeypatch.setattr(hardware, "_warned", set())
     with warnings.catch_warnings():
