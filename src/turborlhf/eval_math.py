@@ -54,7 +54,8 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
     (a prompt file's other columns kept).
 
     Raises:
-        DataError: no usable line (`turborlhf.data.loaders`); FileNotFoundError.
+        DataError: no usable line (`turborlhf.data.loaders`: an ``answer`` neither a string nor a
+            number is a ``bad_value`` line); FileNotFoundError.
     """
     from turborlhf.data.chat import render_prompt, require_chat_template
     from turborlhf.data.errors import DataError, Problem
@@ -65,6 +66,8 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 
     def parse(obj: dict) -> list[dict]:
         answer = obj.get("answer")
+        if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+            raise _Bad("bad_value", f"'answer' must be a string or a number, got {type(answer).__name__}")
         if "prompt" in obj and "answer" in obj and (answer is None and "metadata" in obj or isinstance(
                 answer, (str, int, float)) and not isinstance(answer, bool)):
             # a reasoning-gym task without one reference answer ("answer": null) is scored from its metadata

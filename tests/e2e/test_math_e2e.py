@@ -166,3 +166,27 @@ def test_eval_math_reads_reasoning_gym_tasks_without_a_reference_answer(tiny_mod
     path.write_text(json.dumps(row) + "\n")
     (got,) = load_problems(str(path), load_tokenizer(str(tiny_model)))
     assert got["answer"] is None and got["metadata"] == row["metadata"] and "Color the graph" in got["prompt"]
+
+
+def test_eval_math_answer_of_the_wrong_type_is_a_bad_value(tiny_model, tmp_path):
+    """A record whose ``answer`` is a list or a dict was reported as a missing key ("need
+    'question'+'answer' ... the record has ['answer', 'prompt']"): it is a wrong type, named with its file,
+    line and key."""
+    from turborlhf.data.errors import DataError
+    from turborlhf.eval_math import load_problems
+    from turborlhf.models.load import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model))
+    rows = (({"prompt": "2+2?", "answer": ["4"]}, "list"), ({"question": "2+2?", "answer": {"n": 4}}, "dict"))
+    for row, kind in rows:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps(row) + "\n")
+        with pytest.warns(UserWarning) as w:
+            (got,) = load_problems(str(path), tok)
+        assert got["answer"] == "2"
+        (msg,) = [str(x.message) for x in w if "skipped" in str(x.message)]
+        assert str(path) in msg and "missing_key" not in msg and "\n" not in msg
+        assert f"bad_value (1) at line 2 (line 2: 'answer' must be a string or a number, got {kind})" in msg
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=rf"bad_value \(1\) at line 1 \(line 1: 'answer' .* got {kind}\)"):
+            load_problems(str(path), tok)
