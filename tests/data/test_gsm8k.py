@@ -85,3 +85,25 @@ def test_prompt_records_keep_the_columns(sample, tmp_path, tiny_model):
 def test_shipped_gsm8k_files_convert_cleanly(tmp_path):
     report = prepare_gsm8k(GSM8K_TRAIN, tmp_path)
     assert report["lines_read"] == 7473 and report["prompts_written"] == 7473 and report["problems_total"] == 0
+
+
+def test_prepare_gsm8k_reads_parquet(tmp_path, capsys):
+    """A Parquet file (the hub's openai/gsm8k ships them) failed with a raw UTF-8 decode error from the
+    JSON-lines reader; it is read by row, named without its suffix, and a damaged one is refused in one line."""
+    import datasets
+
+    path = tmp_path / "train-00000-of-00001.parquet"
+    datasets.Dataset.from_list([{"question": "How many?", "answer": "2 * 540 = 1080\n#### 1,080"},
+                                {"question": "Q?", "answer": "I do not know"}]).to_parquet(str(path))
+    out = tmp_path / "out"
+    assert main(["prepare-data", "gsm8k", "--input", str(path), "--output-dir", str(out)]) == 0
+    assert "no_final_answer: 1 (lines 2)" in capsys.readouterr().out
+    (row,) = [obj for _, obj in read_jsonl(out / "train-00000-of-00001_prompts.jsonl")]
+    assert row["answer"] == "1080" and row["question"] == "How many?"
+    with pytest.raises(DataError, match=r"1 bad row\(s\): no_final_answer \(1\) at row 2"):
+        prepare_gsm8k(path, tmp_path / "strict", strict=True)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1\xff\xfe not parquet")
+    assert main(["prepare-data", "gsm8k", "--input", str(bad), "--output-dir", str(out)]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert str(bad) in err and "not a readable parquet file" in err and "UTF-8" not in err

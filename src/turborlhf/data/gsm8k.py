@@ -3,9 +3,11 @@ training (``turborlhf ppo``) and evaluation (``turborlhf eval-math``).
 
 Source format (Cobbe et al. 2021, arXiv:2110.14168; ``data/gsm8k/``): one JSON object per line,
 ``{"question": str, "answer": str}``, the answer a worked solution whose last line is
-``#### <number>`` (sometimes with thousands separators: ``#### 1,080``).
+``#### <number>`` (sometimes with thousands separators: ``#### 1,080``). The same columns in a
+``.parquet``, ``.arrow``, ``.csv`` or ``.json`` file (the hub's ``openai/gsm8k`` ships Parquet) or
+a saved dataset directory are read too (`turborlhf.data.sources.open_rows`, numbered by row).
 
-Output: ``<name>_prompts.jsonl`` (``<name>`` = the input file name without ``.jsonl[.gz]``), one
+Output: ``<name>_prompts.jsonl`` (``<name>`` = the input file name without its data suffix), one
 line per problem::
 
     {"prompt": [{"role": "user", "content": question + "\\n\\n" + GSM8K_INSTRUCTION}],
@@ -42,6 +44,7 @@ from typing import Any
 from turborlhf.data.chat import Message
 from turborlhf.data.errors import DataError, Problem, format_problems, group_problems
 from turborlhf.data.jsonl import JsonLineError, read_jsonl, write_jsonl, write_text_atomic
+from turborlhf.data.sources import DATASETS_SUFFIXES, open_rows
 
 __all__ = ["GSM8K_INSTRUCTION", "PROBLEM_KINDS", "gsm8k_messages", "convert_gsm8k", "sft_response", "prepare_gsm8k",
            "split_name", "write_report", "summarize"]
@@ -81,9 +84,9 @@ def sft_response(solution: str, answer: str) -> str:
 
 
 def split_name(path: str | Path) -> str:
-    """``data/gsm8k/test-1000.jsonl.gz`` -> ``test-1000``."""
+    """``data/gsm8k/test-1000.jsonl.gz`` -> ``test-1000`` (``train.parquet`` -> ``train``)."""
     name = Path(path).name
-    for suffix in (".gz", ".jsonl", ".json"):
+    for suffix in (".gz", ".jsonl", ".json", *DATASETS_SUFFIXES):
         name = name[: -len(suffix)] if name.endswith(suffix) else name
     return name
 
@@ -93,19 +96,22 @@ def write_report(out: Path, name: str, report: dict) -> None:
 
 
 def prepare_gsm8k(input_path: str | Path, output_dir: str | Path, strict: bool = False) -> dict:
-    """Convert a GSM8K ``.jsonl[.gz]`` file into ``<name>_prompts.jsonl`` and ``<name>_report.json``
-    in `output_dir`; return the report (lines read, rows written, problems by kind with lines).
+    """Convert a GSM8K ``.jsonl[.gz]`` file (or ``.parquet``, ``.arrow``, ``.csv``, ``.json``, a
+    saved dataset directory) into ``<name>_prompts.jsonl`` and ``<name>_report.json`` in
+    `output_dir`; return the report (lines read, rows written, problems by kind with lines).
 
     Raises:
-        FileNotFoundError: no input file. DataError: ``strict`` and a bad line, or no usable line.
+        FileNotFoundError: no input file. DataError: ``strict`` and a bad line, or no usable line;
+        a file its suffix says is Parquet (Arrow, CSV) that datasets cannot read.
     """
     rows, problems, n_read = [], [], 0
-    for line, obj in read_jsonl(input_path):
+    unit, records = open_rows(input_path) if Path(input_path).exists() else ("line", read_jsonl(input_path))
+    for line, obj in records:
         n_read += 1
         res = convert_gsm8k(obj, line)
         (problems if isinstance(res, Problem) else rows).append(res)
     if problems and (strict or not rows):
-        raise DataError(f"{input_path}: {len(problems)} bad line(s): {format_problems(problems)}")
+        raise DataError(f"{input_path}: {len(problems)} bad {unit}(s): {format_problems(problems, unit=unit)}")
     if not rows:
         raise DataError(f"{input_path}: no records")
     out, name = Path(output_dir), split_name(input_path)
