@@ -186,3 +186,36 @@ def test_identical_group_gives_zero_and_errors():
 def test_sequence_to_token():
     out = sequence_to_token(t([1.0, -2.0]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
     assert torch.equal(out, t([[1.0, 1.0, 0.0], [-2.0, 0.0, 0.0]]))
+
+
+def test_int_and_bool_rewards_are_computed_in_float():
+    """A 0/1 verifier's rewards as an int or bool tensor (``torch.tensor([1, 0, 1, 1])``) crashed the group
+    baselines with raw torch errors (``mean(): could not infer output dtype``, bool subtraction), and
+    discounted returns and GAE truncated to integers (or stayed bool) silently; all compute in float now."""
+    from turborlhf.algo import kept_groups_mask
+
+    ref = t([[1.0, 0.0, 1.0, 1.0]])
+    for scores in (torch.tensor([[1, 0, 1, 1]]), torch.tensor([[True, False, True, True]])):
+        for fn in (group_normalized_advantages, group_mean_baseline, leave_one_out_advantages):
+            got = fn(scores)
+            assert got.is_floating_point() and torch.allclose(got.double(), fn(ref), atol=1e-6)
+        assert kept_groups_mask(scores.view(-1), 2).tolist() == [True, False]
+    mask = torch.ones(1, 3, dtype=torch.long)
+    for rewards in (torch.tensor([[0, 0, 1]]), torch.tensor([[False, False, True]])):
+        assert torch.allclose(discounted_returns(rewards, mask, 0.9), torch.tensor([[0.81, 0.9, 1.0]]))
+        adv, ret = gae(torch.zeros(1, 3, dtype=torch.long), rewards, mask, 1.0, 0.95)
+        assert torch.allclose(adv, torch.tensor([[0.9025, 0.95, 1.0]])) and torch.allclose(ret, adv)
+    r = kl_penalized_rewards(torch.tensor([1]), torch.tensor([[1, 0, 0]]), mask, 0.1, clip=0.5)
+    assert torch.allclose(r, torch.tensor([[-0.1, 0.0, 0.5]]))
+
+
+def test_negative_eps_and_inverted_clip_are_refused():
+    """A negative GRPO eps gave inf advantages (std + eps = 0) and a negative or inverted score clip set
+    every score to the clip's upper end, both silently; each is a ValueError naming the argument."""
+    with pytest.raises(ValueError, match="eps must be >= 0, got -0.5"):
+        group_normalized_advantages(t([[1.0, 0.0, 1.0, 1.0]]), eps=-0.5)
+    args = (t([0.3]), t([[0.0, 0.0]]), torch.ones(1, 2), 0.1)
+    for clip in (-1.0, (1.0, -1.0)):
+        with pytest.raises(ValueError, match=r"kl_penalized_rewards: clip must be >= 0 or a range"):
+            kl_penalized_rewards(*args, clip=clip)
+    assert kl_penalized_rewards(*args, clip=(-0.1, 0.1))[0, 1].item() == pytest.approx(0.1)

@@ -242,3 +242,13 @@ def test_value_grads_and_garbage_padding():
     reduce_loss(loss, MASK).backward()
     assert torch.isfinite(v.grad).all()
     assert v.grad[0, 2] == 0 and v.grad[0, 1] == 0  # token (0,1): clipped branch active → no grad
+
+
+def test_value_clipfrac_refuses_a_clip_value_loss_refuses():
+    """``value_clipfrac`` took a negative clip and counted every moved token as clipped (1.0 instead of
+    0.5), silently, where ``value_loss`` refuses ``clip <= 0``."""
+    v, old, ret, mask = t([[0.5, 0.0]]), t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.ones(1, 2)
+    assert value_clipfrac(v, old, ret, mask, 0.2).item() == pytest.approx(0.5)
+    for clip in (-0.2, 0.0):
+        with pytest.raises(ValueError, match=f"value_clipfrac: clip must be > 0, got {clip}"):
+            value_clipfrac(v, old, ret, mask, clip)

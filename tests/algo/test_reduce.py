@@ -105,3 +105,16 @@ def test_reduce_seq_loss():
     assert reduce_seq_loss(loss).item() == pytest.approx(3.0)
     assert (reduce_seq_loss(loss[:2], num_seqs=3) + reduce_seq_loss(loss[2:], num_seqs=3)).item() == pytest.approx(3.0)
     assert reduce_seq_loss(loss[:0]).item() == 0.0
+
+
+def test_negative_counts_are_refused():
+    """A negative num_tokens, num_seqs or max_len was clamped to 1 and gave a wrong loss silently (the sum
+    instead of an error); numbers are checked, tensors are not read (no device sync)."""
+    loss, mask = torch.ones(2, 3), torch.ones(2, 3)
+    for mode, arg in (("token_mean", "num_tokens"), ("seq_mean_token_mean", "num_seqs"), ("token_sum_norm", "max_len")):
+        with pytest.raises(ValueError, match=f"reduce_loss: {arg} must be >= 0, got -5"):
+            reduce_loss(loss, mask, mode, **{arg: -5})
+    with pytest.raises(ValueError, match="reduce_seq_loss: num_seqs must be >= 0, got -1"):
+        reduce_seq_loss(torch.ones(2), num_seqs=-1)
+    assert reduce_loss(loss, mask, num_tokens=torch.tensor(6)).item() == 1.0
+    assert reduce_loss(loss * 0, mask * 0, num_tokens=0).item() == 0.0

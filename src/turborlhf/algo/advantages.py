@@ -5,6 +5,10 @@ Shapes: ``B`` sequences, ``T`` response tokens (right padding assumed by the pee
 function here treats masked positions as *absent*: they are skipped by the recursions and
 their values, which may be garbage, are never read), ``G`` samples per prompt.
 
+Rewards, scores, values and KL given as integer or bool tensors (a 0/1 verifier's
+``torch.tensor([1, 0, 1, 1])``) are computed in the default float dtype: torch's integer
+arithmetic would refuse them (``mean``) or truncate discounted sums silently.
+
 Sources: docs/reference/formulas.md §5–§7; OpenRLHF ``openrlhf/models/utils.py::compute_reward``,
 ``experience_maker.py::get_advantages_and_returns / get_cumulative_returns /
 compute_advantages_and_returns``; TRL ``grpo_trainer.py``, ``rloo_trainer.py``; GAE:
@@ -40,6 +44,11 @@ def _zero_masked(x: torch.Tensor, mask_b: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_b, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself if floating point (or complex), else `x` in the default float dtype (int and bool rewards)."""
+    return x if x.is_floating_point() or x.is_complex() else x.to(torch.get_default_dtype())
+
+
 def kl_penalized_rewards(
     scores_B: torch.Tensor,
     kl_BT: torch.Tensor,
@@ -69,15 +78,19 @@ def kl_penalized_rewards(
         at all (its score is dropped).
 
     Raises:
-        ValueError: shape mismatch, or ``kl_coef < 0``.
+        ValueError: shape mismatch, ``kl_coef < 0``, a negative ``clip`` or a ``(lo, hi)`` with
+            ``lo > hi``.
     """
     _check_BT("kl_penalized_rewards", kl_BT, mask_BT)
     if scores_B.shape != kl_BT.shape[:1]:
         raise ValueError(f"kl_penalized_rewards: scores_B shape {tuple(scores_B.shape)} != ({kl_BT.shape[0]},)")
     if kl_coef < 0:
         raise ValueError(f"kl_penalized_rewards: kl_coef must be >= 0, got {kl_coef}")
+    scores_B, kl_BT = _as_float(scores_B), _as_float(kl_BT)
     if clip is not None:
         lo, hi = (-clip, clip) if isinstance(clip, (int, float)) else clip
+        if lo > hi:        # torch's clamp would set every score to hi
+            raise ValueError(f"kl_penalized_rewards: clip must be >= 0 or a range (lo, hi) with lo <= hi, got {clip}")
         scores_B = scores_B.clamp(lo, hi)
     mask_b = mask_BT.bool()
     dtype = torch.promote_types(kl_BT.dtype, scores_B.dtype)
@@ -123,6 +136,7 @@ def gae(
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae: gamma and lam must be in [0, 1], got {gamma}, {lam}")
     mask_b = mask_BT.bool()
+    values_BT, rewards_BT = _as_float(values_BT), _as_float(rewards_BT)
     dtype = torch.promote_types(values_BT.dtype, rewards_BT.dtype)
     values_BT = _zero_masked(values_BT.detach().to(dtype), mask_b)
     rewards_BT = _zero_masked(rewards_BT.detach().to(dtype), mask_b)
@@ -163,7 +177,7 @@ def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: f
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"discounted_returns: gamma must be in [0, 1], got {gamma}")
     mask_b = mask_BT.bool()
-    rewards_BT = _zero_masked(rewards_BT.detach(), mask_b)
+    rewards_BT = _zero_masked(_as_float(rewards_BT.detach()), mask_b)
     returns_BT = torch.zeros_like(rewards_BT)
     running_B = rewards_BT.new_zeros(rewards_BT.shape[0])
     for t in reversed(range(rewards_BT.shape[1])):
@@ -205,9 +219,12 @@ def group_normalized_advantages(
         adv_BG (same shape); broadcast to tokens with :func:`sequence_to_token`.
 
     Raises:
-        ValueError: if ``scores_BG`` is not 2-D or ``G < 2``.
+        ValueError: if ``scores_BG`` is not 2-D, ``G < 2`` or ``eps < 0``.
     """
     _check_BG("group_normalized_advantages", scores_BG)
+    if eps < 0:        # std + eps could reach 0 or flip the advantages' sign
+        raise ValueError(f"group_normalized_advantages: eps must be >= 0, got {eps}")
+    scores_BG = _as_float(scores_BG)
     adv_BG = scores_BG - scores_BG.mean(dim=1, keepdim=True)
     if std:
         adv_BG = adv_BG / (scores_BG.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
@@ -232,6 +249,7 @@ def group_mean_baseline(scores_BG: torch.Tensor) -> torch.Tensor:
         ValueError: if ``scores_BG`` is not 2-D or ``G < 2``.
     """
     _check_BG("group_mean_baseline", scores_BG)
+    scores_BG = _as_float(scores_BG)
     return scores_BG - scores_BG.mean(dim=1, keepdim=True)
 
 
@@ -253,6 +271,7 @@ def leave_one_out_advantages(scores_BG: torch.Tensor) -> torch.Tensor:
         ValueError: if ``scores_BG`` is not 2-D or ``G < 2``.
     """
     _check_BG("leave_one_out_advantages", scores_BG)
+    scores_BG = _as_float(scores_BG)
     G = scores_BG.shape[1]
     baseline_BG = (scores_BG.sum(dim=1, keepdim=True) - scores_BG) / (G - 1)
     return scores_BG - baseline_BG
@@ -302,7 +321,7 @@ def kept_groups_mask(scores_B: torch.Tensor, group_size: int, atol: float = 0.0)
         raise ValueError(f"kept_groups_mask: need group_size >= 1 and atol >= 0, got {group_size}, {atol}")
     if scores_B.dim() != 1 or scores_B.shape[0] % group_size:
         raise ValueError(f"kept_groups_mask: expected scores of shape (N*{group_size},), got {tuple(scores_B.shape)}")
-    scores_NG = scores_B.view(-1, group_size)
+    scores_NG = _as_float(scores_B).view(-1, group_size)
     return (scores_NG.amax(dim=1) - scores_NG.amin(dim=1)) > atol
 
 

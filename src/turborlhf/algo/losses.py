@@ -594,9 +594,11 @@ def value_clipfrac(
         Detached 0-d tensor (masked mean over the local batch).
 
     Raises:
-        ValueError: shape mismatch.
+        ValueError: shape mismatch or ``clip <= 0`` (as :func:`value_loss`).
     """
     _check_same("value_clipfrac", values_BT, old_values_BT, returns_BT, mask_BT, ndim=2)
+    if clip is not None and clip <= 0:      # a negative clip would count every token as clipped
+        raise ValueError(f"value_clipfrac: clip must be > 0, got {clip}")
     mask_b = mask_BT.bool()
     if clip is None:
         return values_BT.new_zeros(())

@@ -41,6 +41,13 @@ __all__ = ["REDUCTION_MODES", "reduce_loss", "reduce_seq_loss"]
 Count = int | float | torch.Tensor | None
 
 
+def _check_counts(name: str, **counts: Count) -> None:
+    """A negative count given as a number: the clamp to >= 1 would hide it (tensors are not read: no device sync)."""
+    for arg, value in counts.items():
+        if isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
+
+
 def _as_den(value: Count, default: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     den = default if value is None else torch.as_tensor(value, device=like.device)
     return den.to(like.dtype).clamp(min=1)
@@ -104,7 +111,8 @@ def reduce_loss(
         gives exactly 0 (with a zero gradient), never ``nan``.
 
     Raises:
-        ValueError: unknown ``mode``, or ``loss_BT``/``mask_BT`` not 2-D of the same shape.
+        ValueError: unknown ``mode``, ``loss_BT``/``mask_BT`` not 2-D of the same shape, or a
+            negative ``num_tokens``/``num_seqs``/``max_len`` given as a number.
 
     Invariant (tested): with global ``num_tokens``/``num_seqs``/``max_len``, the sum of the
     values over any split of the batch into micro-batches equals the whole-batch value.
@@ -116,6 +124,7 @@ def reduce_loss(
             f"reduce_loss: expected 2-D loss_BT and mask_BT of equal shape, got {tuple(loss_BT.shape)} "
             f"and {tuple(mask_BT.shape)}"
         )
+    _check_counts("reduce_loss", num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
     return REDUCTION_MODES[mode](loss_BT, mask_BT.bool(), num_tokens, num_seqs, max_len)
 
 
@@ -132,8 +141,9 @@ def reduce_seq_loss(loss_B: torch.Tensor, num_seqs: Count = None) -> torch.Tenso
         ``Σ_i loss_i / num_seqs`` as a 0-d tensor; 0 for an empty ``loss_B``.
 
     Raises:
-        ValueError: if ``loss_B`` is not 1-D.
+        ValueError: if ``loss_B`` is not 1-D, or ``num_seqs`` is a negative number.
     """
     if loss_B.dim() != 1:
         raise ValueError(f"reduce_seq_loss: expected a 1-D loss_B, got shape {tuple(loss_B.shape)}")
+    _check_counts("reduce_seq_loss", num_seqs=num_seqs)
     return loss_B.sum() / _as_den(num_seqs, torch.tensor(loss_B.shape[0]), loss_B)
