@@ -447,3 +447,30 @@ def test_a_checkpoints_random_state_covers_the_mps_device(monkeypatch):
     assert state["mps"].tolist() == [7]
     train.set_rng_state(state)
     assert [s.tolist() for s in calls] == [[7]]
+
+
+def test_an_unavailable_device_names_its_config_field(monkeypatch):
+    """``model.device=cuda`` on a host without CUDA (or ``rollout.device=mps`` without MPS) was refused as
+    "device=cuda but torch sees no CUDA device", naming no setting; the error names the dotted field."""
+    from turborlhf.config import PPOConfig
+    from turborlhf.engine.run import resolve_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    hardware._choose.cache_clear()
+    ppo = ["data.prompts_file=p.jsonl", "reward_model=rm", "actor.name_or_path=a"]
+    sft = ["data.train_file=x.jsonl"]
+    cases = [(SFTConfig, [*sft, "model.device=cuda"], r"^model\.device=cuda but torch sees no CUDA"),
+             (SFTConfig, [*sft, "model.device=mps"], r"^model\.device=mps but "),
+             (PPOConfig, [*ppo, "actor.device=cuda"], r"^actor\.device=cuda but torch sees no CUDA"),
+             (PPOConfig, [*ppo, "rollout.engine=hf", "rollout.device=cuda"], r"^rollout\.device=cuda but ")]
+    try:
+        for cls, overrides, want in cases:
+            with pytest.raises(HardwareError, match=want) as e:
+                resolve_hardware(load_config(cls, overrides=overrides), show=False)
+            assert "\n" not in str(e.value)
+    finally:
+        hardware._choose.cache_clear()
+    with pytest.raises(HardwareError, match=r"^rollout\.device must be one of auto, cpu, cuda, mps, got 'tpu'"):
+        resolve_device("tpu", "rollout.device")

@@ -166,24 +166,25 @@ class HardwareError(UserError, ValueError):
     message says which and why): a `UserError`, so the command line prints one line."""
 
 
-def resolve_device(name: str = "auto"):
+def resolve_device(name: str = "auto", field: str = "device"):
     """``"auto"`` → the first of cuda, mps, cpu that torch can use; an explicit name is checked.
 
     Returns a ``torch.device`` (``cuda`` means the current CUDA device: under Ray each GPU worker
-    sees one). Raises `HardwareError` for an unknown name or a device torch cannot use here."""
+    sees one). Raises `HardwareError` for an unknown name or a device torch cannot use here, its
+    message naming `field` (the setting the name came from, e.g. ``model.device``)."""
     import torch
 
     name = (name or "auto").lower()
     if name not in DEVICES:
-        raise HardwareError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+        raise HardwareError(f"{field} must be one of {', '.join(DEVICES)}, got {name!r}")
     has_cuda = torch.cuda.is_available()
     has_mps = bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
     if name == "auto":
         name = "cuda" if has_cuda else "mps" if has_mps else "cpu"
     if name == "cuda" and not has_cuda:
-        raise HardwareError("device=cuda but torch sees no CUDA device (torch.cuda.is_available() is False)")
+        raise HardwareError(f"{field}=cuda but torch sees no CUDA device (torch.cuda.is_available() is False)")
     if name == "mps" and not has_mps:
-        raise HardwareError("device=mps but torch.backends.mps.is_available() is False")
+        raise HardwareError(f"{field}=mps but torch.backends.mps.is_available() is False")
     return torch.device(name)
 
 

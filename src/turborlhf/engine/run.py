@@ -38,20 +38,22 @@ def setup_run(cfg: Cfg, output_dir: str) -> Path:
     return out
 
 
-def _device_type(name: str, check: bool) -> str:
+def _device_type(name: str, check: bool, field: str = "device") -> str:
     """``resolve_device(name).type``; with `check` False an explicit name is taken as given (a
-    plan for a device this host lacks)."""
+    plan for a device this host lacks). `field`: the config field `name` came from, which a
+    `HardwareError` names (``model.device=cuda but torch sees no CUDA device ...``)."""
     from turborlhf.engine.hardware import resolve_device
 
-    return resolve_device(name).type if check or name in ("auto", None) else name
+    return resolve_device(name, field).type if check or name in ("auto", None) else name
 
 
-def _device_of(section: Cfg, top: Cfg, check: bool = True) -> str:
-    """The device type a model/engine section computes on ('cpu', 'cuda', 'mps')."""
+def _device_of(section: Cfg, top: Cfg, check: bool = True, field: str = "device") -> str:
+    """The device type a model/engine section computes on ('cpu', 'cuda', 'mps'); `field` names
+    its ``device`` setting in errors."""
     dist = getattr(top, "distributed", None)
     if dist is not None and getattr(dist, "device", None) in ("cpu", "gpu"):      # ppo: roles by distributed.device
         return "cuda" if dist.device == "gpu" else "cpu"
-    return _device_type(getattr(section, "device", "auto"), check)
+    return _device_type(getattr(section, "device", "auto"), check, field)
 
 
 def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: bool = True) -> C:
@@ -64,8 +66,9 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
     Prints the choices once as a start-up table (`name` labels it; not with `show=False`);
     `setup_run` saves them in ``hardware.json``. Explicit values are kept
     (`choose_precision` warns once where an explicit bf16 is emulated). Raises `HardwareError` for
-    a device this host lacks, unless `check_devices` is False (`turborlhf plan` sizing a run for
-    another machine: explicit devices are taken as given, precision as for that device)."""
+    a device this host lacks, naming its field (``model.device=cuda but torch sees no CUDA
+    device ...``), unless `check_devices` is False (`turborlhf plan` sizing a run for another
+    machine: explicit devices are taken as given, precision as for that device)."""
     from turborlhf.config import SYNC_TOLERANCE, ConfigError, ModelCfg, OptimCfg, RolloutCfg
     from turborlhf.engine.hardware import choose_precision, choose_state_dtype
     from turborlhf.rollout.backends import choose_rollout_dtype, choose_weight_dtype
@@ -74,7 +77,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
     dist = getattr(cfg, "distributed", None)
     if dist is not None and getattr(dist, "device", None) == "auto":
         actor = getattr(cfg, "actor", None)
-        dev = _device_type(getattr(actor, "device", "auto"), check_devices)
+        dev = _device_type(getattr(actor, "device", "auto"), check_devices, "actor.device")
         kind = "gpu" if dev == "cuda" else "cpu"
         why = "a CUDA device is visible" if kind == "gpu" else f"roles run on a CPU slot (best device here: {dev})"
         if kind == "cpu" and dist.backend == "ray" and (dist.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -94,7 +97,7 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
             value = getattr(node, field)
             where = f"{path}{field}"
             if isinstance(value, ModelCfg):
-                dev = _device_of(value, cfg, check_devices)
+                dev = _device_of(value, cfg, check_devices, f"{where}.device")
                 if value.load_in_4bit and check_devices:       # before anything is written or loaded
                     from turborlhf.models.load import quantization_config_4bit
                     quantization_config_4bit(f"{where}.load_in_4bit")
@@ -125,12 +128,14 @@ def resolve_hardware(cfg: C, name: str = "", show: bool = True, check_devices: b
                     choices[f"{where}.device"] = {"value": dev, "reason": "rollout.engine=fast runs on the CPU"}
                 elif value.device == "auto":
                     policy = getattr(cfg, "model", None)        # the trainers with one model section
-                    dev = _device_of(policy if isinstance(policy, ModelCfg) else value, cfg, check_devices)
+                    own = isinstance(policy, ModelCfg)
+                    dev = _device_of(policy if own else value, cfg, check_devices,
+                                     "model.device" if own else f"{where}.device")
                     upd["device"] = dev
                     choices[f"{where}.device"] = {"value": dev, "reason": "where the policy trains" + (
                         " (FastEngine is CPU-only: HFEngine there)" if dev != "cpu" and value.engine == "auto" else "")}
                 else:
-                    dev = _device_type(value.device, check_devices)
+                    dev = _device_type(value.device, check_devices, f"{where}.device")
                 if value.engine == "fast" and dev != "cpu":   # it failed once every model had loaded
                     raise ConfigError(f"{where}.engine=fast runs on the CPU only, not on {dev} ({where}.device="
                                       f"{value.device}); use {where}.engine=auto or hf there, or {where}.device=cpu")
