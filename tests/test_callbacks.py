@@ -64,3 +64,24 @@ def test_a_callback_added_between_steps_sees_the_next_ones(tmp_path):
     assert [e[:2] for e in late.events] == [("step", 2), ("log", 2), ("end", "sft")]
     assert [e[:2] for e in first.events] == [("begin", "sft"), ("step", 1), ("log", 1), ("step", 2), ("log", 2),
                                              ("end", "sft")]
+
+
+def test_a_callback_class_instead_of_an_instance_is_named():
+    """``callbacks=[MyCallback]`` (the class) was diagnosed as a hook with the wrong signature (its unbound
+    ``on_step_end(self, step, metrics)``), or accepted when it had no hooks; a transformers callback class
+    gets the transformers message, not an invitation to instantiate it."""
+    import pytest
+    from transformers import TrainerCallback as HFCallback
+
+    from turborlhf.api import _check_callback
+    from turborlhf.errors import UserError
+    from turborlhf.metrics import check_callback
+
+    for cls in (Record, TrainerCallback, type("Empty", (), {})):
+        want = rf"^callbacks\[1\]: a class, not an instance: pass {cls.__name__}\(\)$"
+        for check in (check_callback, _check_callback):
+            with pytest.raises(UserError, match=want):
+                check(cls, "callbacks[1]")
+        check_callback(cls(), "callbacks[1]")
+    with pytest.raises(UserError, match=r"^callback: a transformers TrainerCallback \(TrainerCallback\) takes HF's"):
+        _check_callback(HFCallback, "callback")

@@ -108,12 +108,14 @@ class _History:
 
 
 def _check_callback(cb: Any, what: str) -> None:
-    """A transformers ``TrainerCallback`` (HF's ``(args, state, control)`` hooks) or any hook that
-    cannot take turborlhf's arguments is refused naming it (`turborlhf.metrics.check_callback`)."""
+    """A transformers ``TrainerCallback`` (HF's ``(args, state, control)`` hooks; its class or an
+    instance), a class given instead of an instance, or any hook that cannot take turborlhf's
+    arguments is refused naming it (`UserError`, `turborlhf.metrics.check_callback`)."""
     from turborlhf.metrics import check_callback
 
-    if type(cb).__module__.startswith("transformers"):
-        raise UserError(f"{what}: a transformers TrainerCallback ({type(cb).__name__}) takes HF's "
+    kind = cb if isinstance(cb, type) else type(cb)
+    if kind.__module__.startswith("transformers"):
+        raise UserError(f"{what}: a transformers TrainerCallback ({kind.__name__}) takes HF's "
                         "(args, state, control) arguments; write an object with turborlhf's hooks "
                         "(turborlhf.metrics.TrainerCallback: on_train_begin, on_step_end, on_log, on_train_end)")
     check_callback(cb, what)

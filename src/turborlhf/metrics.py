@@ -197,13 +197,16 @@ _HOOK_ARGS = {"on_train_begin": ("sft", 1), "on_step_end": (1, {}), "on_log": (1
 def check_callback(cb: Any, what: str) -> None:
     """Refuse (`turborlhf.errors.UserError` naming `what` and the hook) a callback whose hook
     cannot take the arguments `TrainerCallback` documents (HF's ``(args, state, control, ...)``
-    failed at the first call, mid-run); warn about ``on_*`` methods no run calls (HF's
-    ``on_evaluate``, ``on_save``...: the evaluation rows reach ``on_log``)."""
+    failed at the first call, mid-run), or a class given instead of an instance (its hooks are
+    unbound: they were blamed for their signature); warn about ``on_*`` methods no run calls
+    (HF's ``on_evaluate``, ``on_save``...: the evaluation rows reach ``on_log``)."""
     import inspect
     import warnings
 
     from turborlhf.errors import UserError
 
+    if isinstance(cb, type):
+        raise UserError(f"{what}: a class, not an instance: pass {cb.__name__}()")
     for hook, args in _HOOK_ARGS.items():
         fn = getattr(cb, hook, None)
         if fn is None:
