@@ -330,6 +330,34 @@ def test_a_grpo_or_rloo_file_is_planned_with_its_preset(tiny_model, tmp_path, ca
     assert rc == 0 and plan["command"] == "rloo"
 
 
+def test_guess_command_reads_ppo_keys_and_rejects_a_section_that_is_no_mapping(tmp_path, capsys):
+    """`algo: 3` crashed the guess with a TypeError (a traceback, not a one-line error), and a GRPO
+    file without an `actor` section (`reward_model`, `rollout`, `algo.advantage_estimator`) was guessed
+    as rejection-sampling; a `rewards` list or a bare `data.prompts_file` could not be guessed at all.
+    ppo-only keys (in any section) now make it ppo, grpo or rloo, and a section that is not a mapping
+    is a ConfigError naming it."""
+    from turborlhf.config import ConfigError
+    from turborlhf.plan import guess_command
+
+    grpo = {"reward_model": "rm", "rollout": {"max_new_tokens": 8}, "data": {"prompts_file": "p.jsonl"}}
+    assert guess_command("run.yaml", {**grpo, "algo": {"advantage_estimator": "grpo"}}) == "ppo"
+    assert guess_command("my_grpo.yaml", {**grpo, "algo": {"prompts_per_step": 2}}) == "grpo"
+    assert guess_command("run.yaml", {"rewards": [{"kind": "function", "path": "f.py:f"}],
+                                      "data": {"prompts_file": "p.jsonl"}}) == "ppo"
+    assert guess_command("run.yaml", {"data": {"prompts_file": "p.jsonl"}}) == "ppo"
+    assert guess_command("run.yaml", {**grpo, "model": {}}) == "rejection-sampling"
+    assert guess_command("run.yaml", {**grpo, "algo": {"rounds": 2}}) == "rejection-sampling"
+    assert guess_command("run.yaml", {"reward_model": "rm", "data": {"train_file": "t.jsonl"}}) == "conditional-sft"
+    for section in ("algo", "data", "train", "rollout"):
+        with pytest.raises(ConfigError, match=f"^{section}: must be a mapping"):
+            guess_command("run.yaml", {section: 3})
+    f = tmp_path / "run.yaml"
+    f.write_text("algo: 3\ndata: {prompts_file: p.jsonl}\n")
+    assert main(["plan", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: algo: must be a mapping of algo.* settings, got int 3"
+
+
 def test_plan_counts_vllm_reservation_and_async_generation(tiny_model):
     """vLLM takes gpu_memory_utilization of its device whatever the model needs (it was planned as
     the model's weights and KV cache); with rollout.max_staleness the next rollouts generate while
