@@ -205,8 +205,10 @@ def config_to_dict(cfg: Cfg) -> dict:
     return cfg.model_dump(mode="json")
 
 
-def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None) -> list[str]:
-    """One line per leaf field: ``--a.b  TYPE  default=X  help`` (defaults as the parent sets them)."""
+def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None, item: bool = False) -> list[str]:
+    """One line per leaf field: ``--a.b  TYPE  default=X  help`` (defaults as the parent sets them).
+    A list of sections (``rewards``) is one ``--rewards`` line (set it whole) followed by its items'
+    fields as ``rewards[].kind``, whose defaults and requirements hold per item."""
     lines = []
     for name, f in cls.model_fields.items():
         key = f"{prefix}{name}"
@@ -214,13 +216,28 @@ def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None) -
         sub = _cfg_class(ann)
         value = getattr(defaults, name) if defaults is not None else (
             None if f.is_required() else f.get_default(call_default_factory=True))
-        if sub is not None:
-            lines.extend(config_help(sub, prefix=key + ".", defaults=value if isinstance(value, Cfg) else None))
+        if sub is not None and getattr(ann, "__origin__", None) is list:
+            lines.append(_help_line(key, "list", _default_text(f, value, defaults, item), f, item))
+            lines.extend(config_help(sub, prefix=key + "[].", item=True))
             continue
-        default = "required" if (f.is_required() and defaults is None) else f"default={_short(value)}"
+        if sub is not None:
+            lines.extend(config_help(sub, prefix=key + ".", defaults=value if isinstance(value, Cfg) else None,
+                                     item=item))
+            continue
         tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-        lines.append(f"  --{key:<36} {tname:<14} {default:<22} {f.description or ''}")
+        lines.append(_help_line(key, tname, _default_text(f, value, defaults, item), f, item))
     return lines
+
+
+def _default_text(f, value: Any, defaults: Cfg | None, item: bool) -> str:
+    if f.is_required() and defaults is None:
+        return "needed per item" if item else "required"
+    return f"{'item ' if item else ''}default={_short(value)}"
+
+
+def _help_line(key: str, tname: str, default: str, f, item: bool) -> str:
+    flag = f"  {key:<38}" if item else f"  --{key:<36}"      # an item's field is no override of its own
+    return f"{flag} {tname:<14} {default:<22} {f.description or ''}"
 
 
 def _cfg_class(ann) -> type[Cfg] | None:

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from turborlhf.cli import main
-from turborlhf.config import ConfigError, SFTConfig, load_config
+from turborlhf.config import ConfigError, PPOConfig, SFTConfig, load_config
 
 
 def test_import_and_help_stay_light():
@@ -38,6 +38,23 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
     f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 1.0e-5}\ntrain: {lr: 2}\n")     # other mappings: fine
     with pytest.raises(ConfigError, match=r"train\.lr"):
         load_config(SFTConfig, f)
+
+
+def test_help_shows_a_list_of_sections_as_optional_with_per_item_fields(capsys):
+    """`turborlhf ppo --help` listed `--rewards.kind` and `--rewards.path` as "required", though
+    `rewards` is an optional list (default []) and `--rewards.kind` is no override that works: the
+    list is one `--rewards` line now, its items' fields `rewards[].kind` (needed per item)."""
+    with pytest.raises(SystemExit):
+        main(["ppo", "--help"])
+    lines = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("  ") and ln.split() and ln.split()[0].lstrip("-").startswith(("rewards", "data."))}
+    assert lines["--rewards"][:2] == ["list", "default=[]"]
+    assert lines["rewards[].kind"][1:4] == ["needed", "per", "item"]
+    assert lines["rewards[].weight"][1] == "item" and lines["rewards[].weight"][2] == "default=1.0"
+    assert not any(k.startswith("--rewards.") for k in lines)
+    assert lines["--data.prompts_file"][1] == "required"        # a required field of a section still is
+    with pytest.raises(ConfigError, match="rewards.kind: cannot set a sub-field"):
+        load_config(PPOConfig, None, ["data.prompts_file=x", "rewards.kind=function"])
 
 
 def test_overrides_take_precedence(tmp_path):
