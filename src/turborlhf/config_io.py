@@ -8,6 +8,7 @@ This module imports neither torch nor transformers.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -43,7 +44,9 @@ def parse_override(text: str, cls: type[Cfg] | None = None) -> tuple[str, Any]:
     if cls is not None and _is_text(_field_annotation(cls, key)) and raw.strip() not in ("null", "~"):
         return key, _unquote(raw)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw, field=key) if raw.strip() else ""
+    except _OctalIntError as e:
+        raise ConfigError(e.problem) from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -114,9 +117,43 @@ def default_tree(cls: type[Cfg]) -> dict:
     return tree
 
 
+# YAML 1.1 (PyYAML) reads a plain integer with a leading zero as octal: ``seed: 010`` is 8.
+_LEADING_ZERO_INT = re.compile(r"[-+]?0[0-7_]+")
+
+
+class _OctalIntError(yaml.constructor.ConstructorError):
+    """A leading-zero integer whose octal value (what YAML 1.1 reads) differs from its decimal one."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last value
-    silently: ``lr: 1e-5`` ... ``lr: 3e-4`` further down trained at 3e-4)."""
+    silently: ``lr: 1e-5`` ... ``lr: 3e-4`` further down trained at 3e-4), and an integer with a
+    leading zero that YAML 1.1 would read as octal (``max_steps: 010`` ran 8 steps): `_OctalIntError`
+    naming the dotted field. ``0``, ``00`` and ``07`` (the same either way) and quoted text stay."""
+
+    field = ""       # the dotted field the document is the value of (an override), "" for a file
+
+    def construct_document(self, node):
+        self._refuse_octal(node, self.field, set())
+        return super().construct_document(node)
+
+    def _refuse_octal(self, node, path: str, seen: set) -> None:
+        if id(node) in seen:        # an alias: checked where its anchor is
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._refuse_octal(value_node, f"{path}.{key}" if path else str(key), seen)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._refuse_octal(item, f"{path}[{i}]", seen)
+        elif node.tag == "tag:yaml.org,2002:int" and _LEADING_ZERO_INT.fullmatch(node.value):
+            text = node.value.replace("_", "")
+            if int(text, 8) != int(text, 10):
+                raise _OctalIntError(None, None, f"{path or 'value'}: {node.value} would be read as octal "
+                                     f"{int(text, 8)} (YAML 1.1); write {int(text, 10)} or {int(text, 8)}",
+                                     node.start_mark)
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -129,14 +166,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _load_yaml(text: str, field: str = "") -> Any:
+    loader = _UniqueKeyLoader(text)
+    loader.field = field
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping a YAML config file holds; `ConfigError` naming the file when it is missing, not
-    YAML (a key given twice in one mapping included), or not a mapping."""
+    YAML (a key given twice in one mapping included), or not a mapping, and naming the line and the
+    dotted field of an integer with a leading zero that YAML 1.1 would read as octal (``seed: 010``)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = _load_yaml(p.read_text()) or {}
+    except _OctalIntError as e:
+        raise ConfigError(f"{p}, line {e.problem_mark.line + 1}: {e.problem}") from None
     except (OSError, UnicodeDecodeError) as e:      # a directory, a binary file, no permission
         raise ConfigError(f"{p}: cannot read it as a YAML config ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:

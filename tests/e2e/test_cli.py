@@ -57,6 +57,25 @@ def test_help_shows_a_list_of_sections_as_optional_with_per_item_fields(capsys):
         load_config(PPOConfig, None, ["data.prompts_file=x", "rewards.kind=function"])
 
 
+def test_a_leading_zero_integer_that_yaml_reads_as_octal_is_an_error(tmp_path):
+    """PyYAML follows YAML 1.1: `seed: 010` or `max_steps: 010` loaded as 8, silently (and so did the
+    override `train.max_steps=010`). Such a value is an error naming the line and the dotted field;
+    0, 07 (the same in octal), hex, underscores and quoted text stay as they were."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {train_file: a.jsonl}\ntrain:\n  seed: 010\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml, line 3: train\.seed: 010 would be read as octal 8 "
+                                          r"\(YAML 1\.1\); write 10 or 8$"):
+        load_config(SFTConfig, f)
+    with pytest.raises(ConfigError, match=r"^train\.max_steps: 010 would be read as octal 8"):
+        load_config(SFTConfig, None, ["data.train_file=x", "train.max_steps=010"])
+    f.write_text("data: {train_file: a.jsonl}\nlog: {run_name: '010'}\n"
+                 "train: {seed: 0, max_steps: 07, threads: 00, save_every: 0x10, keep_checkpoints: 1_0}\n")
+    cfg = load_config(SFTConfig, f, ["train.micro_batch_size=10"])
+    assert (cfg.train.seed, cfg.train.max_steps, cfg.train.threads, cfg.train.save_every) == (0, 7, 0, 16)
+    assert cfg.train.keep_checkpoints == 10 and cfg.train.micro_batch_size == 10
+    assert cfg.log.run_name == "010"
+
+
 def test_overrides_take_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 0.1}\n")
