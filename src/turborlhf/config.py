@@ -627,7 +627,9 @@ class RSAlgoCfg(Cfg):
 
 
 class RejectionSamplingConfig(Cfg):
-    """`turborlhf rejection-sampling`: iterative best-of-n; train.* (epochs, max_steps, ...) apply per round."""
+    """`turborlhf rejection-sampling`: iterative best-of-n; train.* (epochs, max_steps, ...) apply per round.
+    A ``train.save_every`` or ``train.eval_every`` other than 0 is an error (checkpoints are per round,
+    there is no held-out evaluation)."""
 
     model: ModelCfg = Field(default_factory=ModelCfg, description="the policy to improve (sampled from and trained)")
     reward_model: str = Field(..., description="directory of the reward model (AutoModelForSequenceClassification)")
@@ -641,6 +643,16 @@ class RejectionSamplingConfig(Cfg):
                                description="the SFT phase of each round")
     log: LogCfg = Field(default_factory=LogCfg, description="metrics output")
     output_dir: str = Field("runs/rejection_sampling", description="where rounds, checkpoints and the final model go")
+
+    @model_validator(mode="after")
+    def _refuse_unread_train_fields(self):     # the SFT loop's fields this trainer never reads were a silent no-op
+        if self.train.save_every:
+            raise ValueError(f"train.save_every={self.train.save_every} is not used by rejection sampling: it "
+                             "checkpoints after every round; drop it")
+        if self.train.eval_every:
+            raise ValueError(f"train.eval_every={self.train.eval_every} is not used by rejection sampling: it has "
+                             "no held-out evaluation; drop it")
+        return self
 
 
 class CSFTDataCfg(DataFormatCfg):

@@ -178,6 +178,24 @@ def test_ppo_refuses_the_fields_it_never_read(override, field, capsys):
         load_config(SFTConfig, None, ["data.train_file=x", "train.eval_every=5"])     # it evaluated nothing
 
 
+@pytest.mark.parametrize("override, field", [("train.eval_every=5", "train.eval_every"),
+                                             ("train.save_every=2", "train.save_every")])
+def test_rejection_sampling_refuses_the_train_fields_it_never_read(override, field, capsys):
+    """Rejection sampling takes the SFT loop's `train` section but checkpoints once per round and has
+    no held-out evaluation: `train.eval_every` and `train.save_every` were accepted and did nothing.
+    Setting either is an error naming it; 0 (their default) still loads."""
+    from turborlhf.config import RejectionSamplingConfig
+
+    required = ["reward_model=r", "data.prompts_file=p"]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.") + r"=\d+ is not used by rejection sampling"):
+        load_config(RejectionSamplingConfig, None, [*required, override])
+    assert main(["rejection-sampling", *required, override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err
+    cfg = load_config(RejectionSamplingConfig, None, [*required, "train.eval_every=0", "train.save_every=0"])
+    assert (cfg.train.eval_every, cfg.train.save_every) == (0, 0)
+
+
 def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
     from turborlhf.cli import _split_overrides
 
