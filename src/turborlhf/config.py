@@ -241,13 +241,16 @@ class SFTTrainCfg(EvalLoopCfg):
 
 
 class _HeldOutEval(Cfg):
-    """A command whose ``train.eval_every`` evaluates ``data.test_file`` (sft, rm, dpo, kto)."""
+    """A command whose ``train.eval_every`` evaluates ``data.test_file`` (sft, rm, dpo, kto,
+    conditional-sft): a ``train.eval_every`` without a ``data.test_file`` is an error."""
+
+    test_file_in_api: ClassVar[str] = " (eval_dataset= in the Python API)"     # where the API has a trainer
 
     @model_validator(mode="after")
     def _eval_needs_a_test_file(self):       # it evaluated nothing, silently (TRL refuses it too)
         if self.train.eval_every and not self.data.test_file:
-            raise ValueError(f"train.eval_every={self.train.eval_every} evaluates data.test_file, which is not set "
-                             "(eval_dataset= in the Python API)")
+            raise ValueError(f"train.eval_every={self.train.eval_every} evaluates data.test_file, which is not set"
+                             + self.test_file_in_api)
         return self
 
 
@@ -698,8 +701,11 @@ class CSFTTagCfg(Cfg):
         return self
 
 
-class ConditionalSFTConfig(Cfg):
-    """`turborlhf conditional-sft`: SFT on prompts tagged with the RM score bin of their response."""
+class ConditionalSFTConfig(_HeldOutEval):
+    """`turborlhf conditional-sft`: SFT on prompts tagged with the RM score bin of their response.
+    A ``train.eval_every`` without a ``data.test_file`` is an error."""
+
+    test_file_in_api: ClassVar[str] = ""          # no trainer object in the Python API
 
     model: ModelCfg = _policy()
     reward_model: str = Field(..., description="directory of the reward model that scores the training responses")

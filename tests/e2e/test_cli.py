@@ -196,6 +196,21 @@ def test_rejection_sampling_refuses_the_train_fields_it_never_read(override, fie
     assert (cfg.train.eval_every, cfg.train.save_every) == (0, 0)
 
 
+def test_conditional_sft_eval_every_needs_a_test_file(capsys):
+    """Conditional SFT runs the SFT loop, whose `train.eval_every` evaluates `data.test_file`, but it
+    lacked the check sft, rm, dpo and kto have: `train.eval_every` without a test file evaluated
+    nothing, silently. It is an error naming both fields now; with a test file it loads."""
+    from turborlhf.config import ConditionalSFTConfig
+
+    required = ["reward_model=r", "data.train_file=x"]
+    with pytest.raises(ConfigError, match=r"train\.eval_every=5 evaluates data\.test_file, which is not set$"):
+        load_config(ConditionalSFTConfig, None, [*required, "train.eval_every=5"])
+    assert main(["conditional-sft", *required, "train.eval_every=5"]) == 2
+    assert "train.eval_every=5" in capsys.readouterr().err
+    cfg = load_config(ConditionalSFTConfig, None, [*required, "train.eval_every=5", "data.test_file=t"])
+    assert cfg.train.eval_every == 5 and cfg.data.test_file == "t"
+
+
 def test_bare_flag_sets_a_true_false_field_and_numbers_stay_numbers():
     from turborlhf.cli import _split_overrides
 
