@@ -310,11 +310,18 @@ def test_plan_sizes_a_gpu_run_from_a_host_without_one(tiny_model, tiny_data, cap
         resolve_hardware(load_config(SFTConfig, overrides=["data.train_file=x", "model.device=cuda"]), show=False)
 
 
+def test_the_guessed_commands_are_the_planned_ones():
+    from turborlhf.command_guess import COMMANDS
+    from turborlhf.plan import SPECS
+
+    assert COMMANDS == tuple(sorted([*SPECS, "pipeline"]))
+
+
 def test_a_grpo_or_rloo_file_is_planned_with_its_preset(tiny_model, tmp_path, capsys):
     """A file for `turborlhf grpo` that leaves the estimator to the preset was planned as `ppo`: with a
     critic and one sample per prompt. It is planned as `grpo` now (guessed from its name, or
     --command grpo, which was refused); a file that sets the estimator stays `ppo`, as it runs."""
-    from turborlhf.plan import guess_command
+    from turborlhf.command_guess import guess_command
 
     f = tmp_path / "my_grpo.yaml"
     f.write_text(f"actor: {{name_or_path: {tiny_model}}}\nreward_model: {tiny_model}\n"
@@ -337,7 +344,7 @@ def test_guess_command_reads_ppo_keys_and_rejects_a_section_that_is_no_mapping(t
     ppo-only keys (in any section) now make it ppo, grpo or rloo, and a section that is not a mapping
     is a ConfigError naming it."""
     from turborlhf.config import ConfigError
-    from turborlhf.plan import guess_command
+    from turborlhf.command_guess import guess_command
 
     grpo = {"reward_model": "rm", "rollout": {"max_new_tokens": 8}, "data": {"prompts_file": "p.jsonl"}}
     assert guess_command("run.yaml", {**grpo, "algo": {"advantage_estimator": "grpo"}}) == "ppo"
