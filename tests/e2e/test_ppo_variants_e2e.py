@@ -11,7 +11,7 @@ import torch
 
 from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
 from turborlhf.cli import main
-from turborlhf.config import PPOAlgoCfg, PPOConfig, load_config
+from turborlhf.config import ConfigError, PPOAlgoCfg, PPOConfig, load_config
 from turborlhf.trainers.ppo import ADVANTAGE_ESTIMATORS
 from turborlhf.trainers.ppo.actor import EmaModel
 
@@ -93,9 +93,12 @@ def test_kl_options_roles_and_rewards(tiny_model, tiny_rm, tiny_data, tmp_path):
 
     other = save_tiny_causal_lm(tmp_path / "ref", seed=1)  # a reference that differs: KL ≠ 0
     common = _args(tiny_model, tiny_data, tmp_path / "x", [f"reward_model={tiny_rm}", f"reference={other}"])
-    cluster = build_roles(load_config(PPOConfig, GRPO_YAML, common + ["algo.kl_coef=0"]), None)
+    no_kl = _args(tiny_model, tiny_data, tmp_path / "x", [f"reward_model={tiny_rm}", "algo.kl_coef=0"])
+    cluster = build_roles(load_config(PPOConfig, GRPO_YAML, no_kl), None)
     assert cluster.get("reference") is None and cluster.get("critic") is None
     cluster.shutdown()
+    with pytest.raises(ConfigError, match="is unused with algo.kl_coef=0"):       # a reference it would not load
+        load_config(PPOConfig, GRPO_YAML, common + ["algo.kl_coef=0"])
     tok = load_tokenizer(str(tiny_model))
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
     responses = [[10, 11, 12], [13, 14], [15, 16, 17], [18]]
