@@ -1,11 +1,12 @@
 """The machine's physical limits for the roofline of `turborlhf bench generate` (from
 shared/peers/hw_peak.py): bf16 and fp32 matmul GFLOP/s (n x n @ n x n, best of `--iters` after 3 warm-ups)
 and memory bandwidth over a 1 GiB fp32 tensor (read: `sum`; copy: read + write), best of `--iters`,
-at `--threads`. The roofline uses the read figure (decoding reads weights). `--dtypes fp32` skips
-the bf16 matmul (`bf16_gflops` null): on a CPU without native bf16 it runs at ~1 GFLOP/s, and
-measuring it would take many minutes for a precision the run does not use.
+at `--threads`. The roofline uses the read figure (decoding reads weights). `--dtypes auto` (the
+default) measures bf16 only where the CPU computes it natively (AVX-512-BF16 or AMX, as
+`turborlhf.engine.hardware` decides), else fp32 alone (`bf16_gflops` null): emulated bf16 runs at
+~1 GFLOP/s, and measuring it would take many minutes for a precision no run there uses.
 
-usage: python benchmarks/hw_peak.py [--threads 2] [--n 2048] [--iters 10] [--dtypes bf16,fp32]
+usage: python benchmarks/hw_peak.py [--threads 2] [--n 2048] [--iters 10] [--dtypes auto|bf16,fp32|fp32]
 """
 import argparse
 import json
@@ -19,7 +20,8 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--dtypes", default="bf16,fp32", help="matmul precisions to measure (bf16, fp32)")
+    ap.add_argument("--dtypes", default="auto",
+                    help="matmul precisions to measure (bf16, fp32), or auto: bf16 only where it is native")
     a = ap.parse_args()
     import torch
 
@@ -37,6 +39,14 @@ if __name__ == "__main__":
             best = min(best, time.perf_counter() - t)
         return 2 * a.n ** 3 / best / 1e9
 
+    if a.dtypes == "auto":
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+        from turborlhf.engine.hardware import compute_dtype
+
+        a.dtypes = "bf16,fp32" if compute_dtype("auto", "cpu") == "bf16" else "fp32"
     dtypes = set(a.dtypes.split(","))
     if not dtypes <= {"bf16", "fp32"}:
         raise SystemExit(f"--dtypes: expected bf16 and/or fp32, got {a.dtypes!r}")

@@ -255,3 +255,18 @@ def test_the_description_says_the_sizes_of_this_run(tmp_path):
     assert gen == "rollout generation: 8 new tokens per row, batch 1/2"
     assert "responses set to 6 tokens" in describe(WORKLOADS["grpo"], _ctx(tmp_path, response_tokens=6))
     assert describe(WORKLOADS["dpo"], _ctx(tmp_path)) == WORKLOADS["dpo"].description
+
+
+def test_hw_peak_measures_bf16_only_where_it_is_native():
+    """`benchmarks/hw_peak.py` by default: an emulated bf16 matmul takes minutes at ~1 GFLOP/s, so
+    with AVX-512 switched off (no native bf16 on any host) only fp32 is measured."""
+    import os
+    import subprocess
+    import sys
+
+    script = repo_root() / "benchmarks" / "hw_peak.py"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, str(script), "--n", "64", "--iters", "1", "--mib", "1", "--threads", "1"],
+                         env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    res = json.loads(out.split("BENCH_RESULT ", 1)[1])
+    assert res["bf16_gflops"] is None and res["fp32_gflops"] > 0
