@@ -201,6 +201,36 @@ def test_multiturn_sft_trains_every_assistant_turn(tok):
     assert "turns" not in one[0]
 
 
+def test_multiturn_sft_with_the_plain_template_trains_the_conversation_its_prompts_render():
+    """`plain` writes no end-of-turn token, yet every earlier assistant turn got an EOS appended:
+    trained on "hello friend<EOS>\\n\\nwhat is two and two", the model was prompted for its next
+    turn with "hello friend\\n\\nwhat is two and two" (the same template's rendering). An earlier
+    turn now ends with what the template writes after it (nothing here, <|im_end|> for ChatML, as
+    TRL trains the rendered conversation); the last one ends with EOS as in single-turn SFT, so
+    the model still learns to stop."""
+    from turborlhf.data.chat import render_conversation, render_prompt
+    from turborlhf.data.loaders import load_sft
+    from turborlhf.data.sources import Rows
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+    from turborlhf.data.tokenize import encode_examples
+
+    own = make_tiny_tokenizer()          # the template is set on the tokenizer: not the shared fixture's
+    every = encode_examples(own, load_sft(Rows([{"messages": CONV}]), own, chat_template="plain", multiturn=True),
+                            512)[0]
+    last = encode_examples(own, load_sft(Rows([{"messages": CONV}]), own, chat_template="plain"), 512)[0]
+    assert every["input_ids"][:every["prompt_len"]] == ids(own, render_prompt(own, CONV[:-1]))
+    assert every["input_ids"] == last["input_ids"] == ids(own, render_conversation(own, CONV)) + [own.eos_token_id]
+    trained = [t for t, m in zip(every["input_ids"], every["loss_mask"]) if m]
+    assert trained == ids(own, "hello friend") + ids(own, "four") + [own.eos_token_id]
+    # ChatML on a base model (EOS <|endoftext|>) still trains the <|im_end|> it writes after each turn
+    base = make_tiny_tokenizer()
+    base.eos_token, base.chat_template = "<|endoftext|>", None
+    enc = encode_examples(base, load_sft(Rows([{"messages": CONV}]), base, chat_template="chatml", multiturn=True),
+                          512)[0]
+    assert enc["input_ids"] == ids(base, render_conversation(base, CONV).rstrip("\n"))
+    assert _trained(base, enc) == "hello friend<|im_end|>four<|im_end|>"
+
+
 def test_multiturn_sft_refuses_a_template_that_rewrites_earlier_turns():
     """A template that renders earlier assistant turns differently once later ones follow (as
     reasoning templates drop earlier thinking) cannot give per-turn masks: a one-line data error

@@ -258,10 +258,12 @@ def _conversation(messages: list[dict], tokenizer) -> tuple[str, str]:
 def _assistant_turns(messages: list[dict], tokenizer) -> list[tuple[str, str]]:
     """Message list ending in an assistant message -> ``[(context, response)]``, one per assistant
     turn after the first message: ``context`` is the text the chat template renders between the
-    previous response's end (its end-of-turn token) and this response, the first one the whole
-    rendered prompt; concatenated, the pairs (each response closed by its end-of-turn token)
-    are the rendered conversation. Raises ``_Bad("multiturn_template")`` where the template renders
-    earlier turns differently once later ones follow (one that drops earlier reasoning, say)."""
+    previous response's end and this response, the first one the whole rendered prompt. An
+    earlier response ends with the end-of-turn token the template writes right after it (none for
+    ``plain``: the prompts of later turns have none there either), the last one has none (the
+    trainer closes it, as a single-turn response); concatenated, the pairs are the rendered
+    conversation. Raises ``_Bad("multiturn_template")`` where the template renders earlier turns
+    differently once later ones follow (one that drops earlier reasoning, say)."""
     prompt, last = _conversation(messages, tokenizer)
     turns, done = [], ""
     for i, m in enumerate(messages):
@@ -274,10 +276,12 @@ def _assistant_turns(messages: list[dict], tokenizer) -> list[tuple[str, str]]:
         if not ctx.startswith(done) or not whole.startswith(ctx + m["content"]):
             raise _Bad("multiturn_template", f"the chat template renders the turns before message {i + 1} differently "
                                              "once later ones follow; data.multiturn needs one that only appends")
-        turns.append((ctx[len(done):], m["content"]))
         end = tokenizer.decode([response_end_id(tokenizer, ctx)])
-        rest = whole[len(ctx) + len(m["content"]):]
-        done = ctx + m["content"] + (end if rest.startswith(end) else "")
+        written = end if whole[len(ctx) + len(m["content"]):].startswith(end) else ""
+        # one end token where the content writes it too, as `encode_prompt_response` closes a response
+        closed = m["content"] if i == len(messages) - 1 or m["content"].endswith(end) else m["content"] + written
+        turns.append((ctx[len(done):], closed))
+        done = ctx + m["content"] + written
     return turns
 
 
@@ -383,7 +387,8 @@ def load_sft(path: str | os.PathLike, tokenizer, strict: bool = False, *, keys: 
     """SFT examples -> ``[{"prompt": rendered str, "response": str}]`` (response without EOS).
 
     ``multiturn``: a ``messages`` conversation with several assistant turns also gets
-    ``"turns": [(context, response), ...]`` (`_assistant_turns`), so that every assistant turn is
+    ``"turns": [(context, response), ...]`` (`_assistant_turns`: the earlier responses with the
+    end-of-turn token their template writes after them), so that every assistant turn is
     trained (OpenRLHF's ``--multiturn``, TRL's ``assistant_only_loss``); otherwise only its last
     turn is, the earlier ones being context. ``prompt``/``response`` stay the last turn's.
     """

@@ -88,10 +88,13 @@ def encode_conversation(tokenizer, turns: Sequence[tuple[str, str]], max_len: in
                         min_response_tokens: int | None = None) -> dict:
     """Encode a multi-turn conversation, every assistant response trained: ``turns`` is
     ``[(context, response), ...]`` as `turborlhf.data.loaders.load_sft` gives them with
-    ``multiturn`` (each context the template's text since the previous response's end). Each
-    response is closed by `response_end_id` (the last one only when ``add_eos``); the loss mask
-    is 1 on every response token and closing token, 0 on the contexts (OpenRLHF's ``--multiturn``,
-    TRL's ``assistant_only_loss``).
+    ``multiturn`` (each context the template's text since the previous response's end, each
+    earlier response ending with the end-of-turn token the template writes after it, if any).
+    The earlier responses are encoded as given, so the sequence is the rendered conversation, as
+    the prompts of its later turns render it (TRL trains the template's rendering); the last one is
+    closed by `response_end_id` when ``add_eos``, as a single-turn response. The loss mask is 1 on
+    every response token and closing token, 0 on the contexts (OpenRLHF's ``--multiturn``, TRL's
+    ``assistant_only_loss``).
 
     Truncation is `encode_prompt_response`'s with everything before the last response as the
     prompt: the last response keeps at least ``min_response_tokens`` (default ``max_len // 2``),
@@ -103,7 +106,7 @@ def encode_conversation(tokenizer, turns: Sequence[tuple[str, str]], max_len: in
         raise ValueError("a conversation needs at least one (context, response) turn")
     p_ids, p_mask = [], []
     for ctx, resp in turns[:-1]:
-        c_ids, r_ids = _ids(tokenizer, ctx), _closed(tokenizer, _ids(tokenizer, resp), ctx)
+        c_ids, r_ids = _ids(tokenizer, ctx), _ids(tokenizer, resp)
         p_ids += c_ids + r_ids
         p_mask += [0] * len(c_ids) + [1] * len(r_ids)
     ctx, resp = turns[-1]
