@@ -36,7 +36,8 @@ def parse_override(text: str, cls: type[Cfg] | None = None) -> tuple[str, Any]:
     """``"a.b=3"`` → ``("a.b", 3)``; the value is parsed as YAML (numbers, bools, lists, null),
     except for a text field of `cls` (``str``/``Optional[str]``), which keeps the text as given
     (``null`` aside): YAML would read ``#`` as a comment and ``2024`` as a number. A text value
-    wholly in matching quotes (``name="a b"``, as a script may pass it) loses them, as Hydra's do."""
+    wholly in matching quotes (``name="a b"``, as a script may pass it) loses them, as Hydra's do.
+    Elsewhere a number YAML 1.1 reads otherwise (octal ``010``, base-60 ``1:30``) is a `ConfigError`."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
@@ -45,7 +46,7 @@ def parse_override(text: str, cls: type[Cfg] | None = None) -> tuple[str, Any]:
         return key, _unquote(raw)
     try:
         value = _load_yaml(raw, field=key) if raw.strip() else ""
-    except _OctalIntError as e:
+    except _Yaml11NumberError as e:
         raise ConfigError(e.problem) from None
     except yaml.YAMLError:
         value = raw
@@ -119,41 +120,50 @@ def default_tree(cls: type[Cfg]) -> dict:
 
 # YAML 1.1 (PyYAML) reads a plain integer with a leading zero as octal: ``seed: 010`` is 8.
 _LEADING_ZERO_INT = re.compile(r"[-+]?0[0-7_]+")
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
-class _OctalIntError(yaml.constructor.ConstructorError):
-    """A leading-zero integer whose octal value (what YAML 1.1 reads) differs from its decimal one."""
+class _Yaml11NumberError(yaml.constructor.ConstructorError):
+    """A plain scalar YAML 1.1 reads as a number other than the one written: a leading-zero integer
+    whose octal value differs from its decimal one, or a base-60 (``1:30``) integer or float."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last value
-    silently: ``lr: 1e-5`` ... ``lr: 3e-4`` further down trained at 3e-4), and an integer with a
-    leading zero that YAML 1.1 would read as octal (``max_steps: 010`` ran 8 steps): `_OctalIntError`
-    naming the dotted field. ``0``, ``00`` and ``07`` (the same either way) and quoted text stay."""
+    silently: ``lr: 1e-5`` ... ``lr: 3e-4`` further down trained at 3e-4), an integer with a
+    leading zero that YAML 1.1 would read as octal (``max_steps: 010`` ran 8 steps), and a plain
+    scalar with colons that YAML 1.1 would read as a base-60 number (``run_name: 1:30`` is 90,
+    ``1:30.5`` is 90.5): `_Yaml11NumberError` naming the dotted field. ``0``, ``00`` and ``07`` (the
+    same either way), ``0:30`` and ``12:60`` (text to YAML 1.1 too) and quoted text stay."""
 
     field = ""       # the dotted field the document is the value of (an override), "" for a file
 
     def construct_document(self, node):
-        self._refuse_octal(node, self.field, set())
+        self._refuse_yaml11_numbers(node, self.field, set())
         return super().construct_document(node)
 
-    def _refuse_octal(self, node, path: str, seen: set) -> None:
+    def _refuse_yaml11_numbers(self, node, path: str, seen: set) -> None:
         if id(node) in seen:        # an alias: checked where its anchor is
             return
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
-                self._refuse_octal(value_node, f"{path}.{key}" if path else str(key), seen)
+                self._refuse_yaml11_numbers(value_node, f"{path}.{key}" if path else str(key), seen)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                self._refuse_octal(item, f"{path}[{i}]", seen)
-        elif node.tag == "tag:yaml.org,2002:int" and _LEADING_ZERO_INT.fullmatch(node.value):
+                self._refuse_yaml11_numbers(item, f"{path}[{i}]", seen)
+        elif node.tag == _INT and _LEADING_ZERO_INT.fullmatch(node.value):
             text = node.value.replace("_", "")
             if int(text, 8) != int(text, 10):
-                raise _OctalIntError(None, None, f"{path or 'value'}: {node.value} would be read as octal "
-                                     f"{int(text, 8)} (YAML 1.1); write {int(text, 10)} or {int(text, 8)}",
-                                     node.start_mark)
+                raise _Yaml11NumberError(None, None, f"{path or 'value'}: {node.value} would be read as octal "
+                                         f"{int(text, 8)} (YAML 1.1); write {int(text, 10)} or {int(text, 8)}",
+                                         node.start_mark)
+        elif node.tag in (_INT, _FLOAT) and ":" in node.value:       # no other int or float has a colon
+            value = self.construct_yaml_int(node) if node.tag == _INT else self.construct_yaml_float(node)
+            raise _Yaml11NumberError(None, None, f"{path or 'value'}: {node.value} would be read as the base-60 "
+                                     f"number {value} (YAML 1.1); quote it ('{node.value}') for text, "
+                                     f"or write {value}", node.start_mark)
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -178,13 +188,14 @@ def _load_yaml(text: str, field: str = "") -> Any:
 def read_yaml(path: str | Path) -> dict:
     """The mapping a YAML config file holds; `ConfigError` naming the file when it is missing, not
     YAML (a key given twice in one mapping included), or not a mapping, and naming the line and the
-    dotted field of an integer with a leading zero that YAML 1.1 would read as octal (``seed: 010``)."""
+    dotted field of a plain number that YAML 1.1 reads otherwise: an integer with a leading zero,
+    octal to it (``seed: 010``), or colons, base 60 to it (``run_name: 1:30`` is 90)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
     try:
         data = _load_yaml(p.read_text()) or {}
-    except _OctalIntError as e:
+    except _Yaml11NumberError as e:
         raise ConfigError(f"{p}, line {e.problem_mark.line + 1}: {e.problem}") from None
     except (OSError, UnicodeDecodeError) as e:      # a directory, a binary file, no permission
         raise ConfigError(f"{p}: cannot read it as a YAML config ({getattr(e, 'strerror', None) or e})") from None

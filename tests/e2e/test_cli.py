@@ -76,6 +76,31 @@ def test_a_leading_zero_integer_that_yaml_reads_as_octal_is_an_error(tmp_path):
     assert cfg.log.run_name == "010"
 
 
+def test_a_colon_number_that_yaml_reads_as_base_60_is_an_error(tmp_path):
+    """PyYAML follows YAML 1.1: `max_steps: 1:30` loaded as 90 and `lr: 1:30.5` as 90.5, silently (and
+    so did the override `train.max_steps=1:30`), and `run_name: 1:30` was refused as "not a valid
+    string". Such a value is an error naming the line, the dotted field, the text and the number;
+    quoted text, colon text YAML 1.1 keeps as text (0:30, 12:60) and a text field's override stay."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {train_file: a.jsonl}\ntrain:\n  max_steps: 1:30\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml, line 3: train\.max_steps: 1:30 would be read as the base-60 "
+                                          r"number 90 \(YAML 1\.1\); quote it \('1:30'\) for text, or write 90$"):
+        load_config(SFTConfig, f)
+    f.write_text("data: {train_file: a.jsonl}\nlog: {run_name: 1:30}\n")
+    with pytest.raises(ConfigError, match=r"line 2: log\.run_name: 1:30 would be read as the base-60 number 90 "):
+        load_config(SFTConfig, f)
+    f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 1:30.5}\n")
+    with pytest.raises(ConfigError, match=r"optim\.lr: 1:30\.5 would be read as the base-60 number 90\.5 .*90\.5$"):
+        load_config(SFTConfig, f)
+    with pytest.raises(ConfigError, match=r"^train\.max_steps: 1:30 would be read as the base-60 number 90"):
+        load_config(SFTConfig, None, ["data.train_file=x", "train.max_steps=1:30"])
+    f.write_text("data: {train_file: a.jsonl}\nlog: {run_name: '1:30', project: 0:30}\n"
+                 "model: {name_or_path: 12:60}\n")
+    cfg = load_config(SFTConfig, f, ["data.response_key=1:30"])
+    assert (cfg.log.run_name, cfg.log.project, cfg.model.name_or_path) == ("1:30", "0:30", "12:60")
+    assert cfg.data.response_key == "1:30"
+
+
 def test_overrides_take_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data: {train_file: a.jsonl}\noptim: {lr: 0.1}\n")
