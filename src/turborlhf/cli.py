@@ -164,8 +164,8 @@ def _fetch_model(argv: list[str]) -> int:
 def _prepare_data(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="turborlhf prepare-data", description=OTHER_COMMANDS["prepare-data"])
     p.add_argument("dataset", choices=["hh-rlhf", "gsm8k", "reasoning-gym"], help="dataset format")
-    p.add_argument("--input", help="raw .jsonl/.jsonl.gz file or hub id (Anthropic/hh-rlhf); hh-rlhf and gsm8k "
-                   "(gsm8k also .parquet/.arrow/.csv/.json)")
+    p.add_argument("--input", help="hh-rlhf and gsm8k: a .jsonl/.jsonl.gz, .parquet, .arrow, .csv or .json file; "
+                   "hh-rlhf also a hub id (Anthropic/hh-rlhf)")
     p.add_argument("--output-dir", required=True, help="where the converted files go")
     p.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer whose chat template renders dialogues")
     p.add_argument("--test-fraction", type=float, default=0.1, help="share of prompts held out (stable hash split)")

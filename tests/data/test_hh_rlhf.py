@@ -236,3 +236,33 @@ def test_a_hub_id_that_cannot_load_is_one_line(monkeypatch, tok, tmp_path):
     with pytest.raises(DataError, match=r"^Anthropic/hh-rlhf: no such file, and loading it as a Hugging Face hub "
                                         r"dataset failed \(ConnectionError: Couldn't reach .*OfflineModeIsEnabled"):
         prepare_hh("Anthropic/hh-rlhf", tmp_path / "out", tok)
+
+
+def test_prepare_hh_reads_parquet(monkeypatch, tok, tmp_path, capsys):
+    """A Parquet file (the hub's Anthropic/hh-rlhf ships them) failed with "line 1 is not UTF-8 text"
+    from the JSON-lines reader, as gsm8k's did: it is read by row through the same reader, bad rows
+    reported by row number, a damaged one refused in one line, a missing one not taken for a hub id."""
+    import datasets
+
+    path = tmp_path / "train-00000-of-00001.parquet"
+    rows = [json.loads(text) for text, _ in (CASES[0], CASES[4])]        # good, then prompt_mismatch
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    tok.save_pretrained(tmp_path / "tok")
+    args = SimpleNamespace(dataset="hh-rlhf", input=str(path), output_dir=str(tmp_path / "out"),
+                           test_fraction=0.0, strict=False, tokenizer=str(tmp_path / "tok"))
+    report = run_prepare_data(args)
+    assert "prompt_mismatch: 1 (lines 2)" in capsys.readouterr().out
+    assert report["lines_read"] == 2 and report["pairs_written"] == {"train": 1, "test": 0}
+    (pair,) = [obj for _, obj in read_jsonl(tmp_path / "out/train_pairs.jsonl")]
+    assert (pair["chosen"], pair["rejected"]) == ("Fine, thanks.", "Go away.")
+    with pytest.raises(DataError, match=r"1 bad row\(s\): prompt_mismatch \(1\) at row 2"):
+        prepare_hh(path, tmp_path / "strict", tok, strict=True)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1\xff\xfe not parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet: not a readable parquet file") as e:
+        prepare_hh(bad, tmp_path / "bad", tok)
+    assert "UTF-8" not in str(e.value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("a missing file is not a hub id"))
+    with pytest.raises(FileNotFoundError, match=r"data/nope\.parquet: no such file"):
+        prepare_hh("data/nope.parquet", tmp_path / "nope", tok)

@@ -3,7 +3,10 @@
 Source format (Bai et al. 2022, arXiv:2204.05862; github.com/anthropics/hh-rlhf): one JSON
 object per line, ``{"chosen": dialogue, "rejected": dialogue}``, each dialogue
 ``"\\n\\nHuman: ...\\n\\nAssistant: ...\\n\\nHuman: ...\\n\\nAssistant: ..."``. The prompt is the
-text up to and including the last ``"\\n\\nAssistant:"``; the response is what follows it.
+text up to and including the last ``"\\n\\nAssistant:"``; the response is what follows it. The
+same columns in a ``.parquet``, ``.arrow``, ``.csv`` or ``.json`` file (the hub's
+``Anthropic/hh-rlhf`` ships Parquet) or a saved dataset directory are read too
+(`turborlhf.data.sources.open_rows`, numbered by row), as is a hub id.
 
 How turns are split (decided from the real data, ``data/hh-rlhf/harmless-base-1800.jsonl.gz``):
 
@@ -51,7 +54,8 @@ from typing import Any
 
 from turborlhf.data.chat import Message, render_conversation, render_prompt, require_chat_template
 from turborlhf.data.errors import DataError, DataFileError, Problem, format_problems, group_problems
-from turborlhf.data.jsonl import JsonLineError, read_jsonl, write_jsonl, write_text_atomic
+from turborlhf.data.jsonl import JsonLineError, write_jsonl, write_text_atomic
+from turborlhf.data.sources import DATASETS_SUFFIXES, open_rows
 
 PROBLEM_KINDS = (
     "bad_json",
@@ -197,7 +201,7 @@ _HUB_RE = re.compile(
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str] | None:
     """``"org/name[/data_dir][:split]"`` -> ``(hub_id, data_dir, split)`` (split defaults to
     ``"train"``), or ``None`` if ``spec`` does not look like a hub id (e.g. ends in ``.jsonl``)."""
-    if spec.endswith((".jsonl", ".json", ".gz")):
+    if spec.endswith((".jsonl", ".json", ".gz", *DATASETS_SUFFIXES)):
         return None
     m = _HUB_RE.match(spec)
     if not m:
@@ -230,17 +234,17 @@ def load_hh_from_hub(hub_id: str, split: str = "train", data_dir: str | None = N
         yield dict(row)
 
 
-def _records(source: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(1-based line or row number, record)`` from a local file or a hub spec."""
-    path = Path(source)
-    if path.exists():
-        yield from read_jsonl(path)
-        return
+def _records(source: str | Path) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """``(unit, (1-based line or row number, record) items)`` from a local file or directory
+    (`open_rows`: JSON lines by line; Parquet, Arrow, CSV, a JSON array, a saved dataset by row) or
+    a hub spec (by row). Raises `DataFileError` for neither, `DataError` for an unreadable file."""
+    if Path(source).exists():
+        return open_rows(source)
     hub = parse_hub_spec(str(source))
     if hub is None:
         raise DataFileError(f"{source}: no such file (and not a hub id like 'Anthropic/hh-rlhf')")
     hub_id, data_dir, split = hub
-    yield from enumerate(load_hh_from_hub(hub_id, split=split, data_dir=data_dir), start=1)
+    return "row", enumerate(load_hh_from_hub(hub_id, split=split, data_dir=data_dir), start=1)
 
 
 # ---------------------------------------------------------------- prepare
@@ -286,7 +290,8 @@ def prepare_hh(
     test_fraction: float = 0.1,
     strict: bool = False,
 ) -> dict:
-    """Convert HH-RLHF (local ``.jsonl[.gz]`` or hub id) into training files; return the report.
+    """Convert HH-RLHF (local ``.jsonl[.gz]``, ``.parquet``, ... file or hub id) into training files;
+    return the report.
 
     Writes to ``output_dir`` for each split in (train, test):
     ``{split}_pairs.jsonl`` ``{"prompt", "chosen", "rejected", "prompt_messages"}``;
@@ -296,18 +301,22 @@ def prepare_hh(
     and ``report.json``. Prompts are rendered with ``tokenizer``'s chat template and the generation
     prompt; responses carry no end-of-turn token.
 
-    Bad lines are skipped and listed in the report by kind with 1-based line numbers; with
-    ``strict=True`` any bad line raises ``DataError`` (nothing is written). Raises
-    ``FileNotFoundError`` for a missing local file, ``ValueError`` for a tokenizer without a chat
-    template or a ``test_fraction`` outside [0, 1].
+    Bad lines (rows of a Parquet, Arrow, CSV or JSON-array file, a saved dataset or a hub id) are
+    skipped and listed in the report by kind with 1-based line (row) numbers; with ``strict=True``
+    any bad line raises ``DataError`` (nothing is written). Raises ``FileNotFoundError`` for a
+    missing local file, ``DataError`` for a file its suffix says is Parquet (Arrow, CSV) that
+    datasets cannot read, ``ValueError`` for a tokenizer without a chat template or a
+    ``test_fraction`` outside [0, 1].
     """
     require_chat_template(tokenizer)
     split_of("", test_fraction)  # validate early
-    pairs, problems, n_read = convert_records(_records(input_path))
+    unit, records = _records(input_path)
+    pairs, problems, n_read = convert_records(records)
     if strict and problems:
-        raise DataError(f"{input_path}: {len(problems)} bad line(s): {format_problems(problems)}")
+        raise DataError(f"{input_path}: {len(problems)} bad {unit}(s): {format_problems(problems, unit=unit)}")
     if not pairs:
-        why = f": {len(problems)} bad line(s): {format_problems(problems, max_lines=10)}" if problems else ""
+        why = (f": {len(problems)} bad {unit}(s): {format_problems(problems, max_lines=10, unit=unit)}"
+               if problems else "")
         raise DataError(f"{input_path}: no valid pair in {n_read} record(s){why}")
 
     by_split: dict[str, list[Pair]] = {s: [] for s in SPLITS}
