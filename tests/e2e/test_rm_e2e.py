@@ -50,6 +50,24 @@ def test_rm_margin_and_centering_options_run(tiny_model, tiny_data, tmp_path):
     assert json.loads((tmp_path / "rm2" / "eval.json").read_text())["n"] == 3    # the test file's first 3 pairs
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_export_of_the_final_checkpoint_keeps_the_score_statistics(lora, tiny_model, tiny_data, tmp_path):
+    """The final evaluation writes reward_mean/reward_std into the run's export after the last
+    checkpoint is saved, so `turborlhf export` of the run (its latest checkpoint: the same weights)
+    wrote the reward model again without them. The final checkpoint's export has them now (a LoRA
+    one's, merged, too); an earlier checkpoint's, whose weights were not evaluated, has none."""
+    out = tmp_path / "rm"
+    _rm(tiny_model, tiny_data, out, "data.max_test_samples=3", *(["model.lora.rank=4"] if lora else []))
+    run_cfg = json.loads((out / "config.json").read_text())
+    assert math.isfinite(run_cfg["reward_mean"]) and run_cfg["reward_std"] > 0
+    for src, dest in ((out, "run"), (out / "checkpoints" / "step-000004" / "reward_model", "model_dir")):
+        run_cli("export", "--checkpoint", src, "--output", tmp_path / dest)
+        got = json.loads((tmp_path / dest / "config.json").read_text())
+        assert (got["reward_mean"], got["reward_std"]) == (run_cfg["reward_mean"], run_cfg["reward_std"]), dest
+    run_cli("export", "--checkpoint", out / "checkpoints" / "step-000002", "--output", tmp_path / "earlier")
+    assert "reward_mean" not in json.loads((tmp_path / "earlier" / "config.json").read_text())
+
+
 def test_the_evaluation_loss_uses_the_pairs_margins_as_training_does():
     """`train.margin`: training minimised −log σ(rc − rr − m) but eval/loss left m out, so the
     two were not comparable (and a model meeting every margin read as better than it was)."""

@@ -10,7 +10,10 @@ model directory itself. A LoRA model directory (peft adapters, ``adapter_config.
 on its base (``base_model_name_or_path``, or ``--base``) and merged, ``W + scaling·B·A``
 (``models.load.merge_lora_for_save``); a full model is copied as ``save_pretrained`` writes it. A
 causal LM stays a causal LM; a reward model / critic (``*ForSequenceClassification``, peft task
-``SEQ_CLS``) keeps its scalar head. The tokenizer is saved beside the weights.
+``SEQ_CLS``) keeps its scalar head. The tokenizer is saved beside the weights. The export of a
+reward model's final checkpoint gets the ``reward_mean``/``reward_std`` that the run's final
+evaluation wrote into the run's own export (`turborlhf.engine.checkpoint.export_config_of`); an
+earlier checkpoint's, whose weights were not evaluated, none; a model directory keeps its config's.
 
 ``--output`` is replaced whole (atomically), so it must be a new or empty directory or an earlier
 export (model, tokenizer and generation files only); anything else, and the checkpoint's own run,
@@ -104,7 +107,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
     import torch
     from transformers import AutoTokenizer
 
-    from turborlhf.engine.checkpoint import save_hf_dir
+    from turborlhf.engine.checkpoint import export_config_of, save_hf_dir
     from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
 
     src = resolve_model_dir(checkpoint, model)
@@ -135,7 +138,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
         # the pad to unk, and a reward model's pooling reads the rightmost token that is not the pad)
         net.config.pad_token_id = saved.get("pad_token_id")
         tok = AutoTokenizer.from_pretrained(str(src))
-    return save_hf_dir(net.eval(), tok, output)
+    return save_hf_dir(net.eval(), tok, output, extra_config=export_config_of(src))
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, token: Optional[str] = None) -> str:

@@ -14,11 +14,14 @@ Layout of a run directory::
       checkpoints/step-000040/      resumable: one HF dir per model + trainer_state.pt
           actor/  critic/ ...       save_pretrained layout + tokenizer (LoRA: the adapters only)
           trainer_state.pt          optimizers, schedulers, RNG, step, data position, extra
+          export_config.json        the last one, where the final evaluation measured them: config
+                                    fields the export adds (a reward model's reward_mean/reward_std)
       checkpoints/latest            text file: name of the newest complete checkpoint
       final/ (or the trainer's own name)  the exported model (HF dir)
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -35,7 +38,8 @@ from turborlhf.models.load import is_lora, merge_lora_for_save
 logger = logging.getLogger(__name__)
 
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
-           "plan_digest", "check_plan", "atomic_write_text", "trainer_state", "restore"]
+           "plan_digest", "check_plan", "atomic_write_text", "trainer_state", "restore", "record_export_config",
+           "export_config_of"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
 # younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run
@@ -223,6 +227,35 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     _remove_stale_staging(root)
     _remove_dead_leftovers(root, keep=root / name, min_age_s=0.0)
     return root / name
+
+
+EXPORT_CONFIG = "export_config.json"
+
+
+def record_export_config(output_dir: str | Path, step: int, model_name: str, fields: dict) -> None:
+    """Note in checkpoint `step` of the run in `output_dir` the config fields that the trainer's
+    export of its model `model_name` adds to the checkpointed config (a reward model's
+    ``reward_mean``/``reward_std``: the final evaluation measures them after the last checkpoint
+    is written), so that `export_config_of` gives them to ``turborlhf export`` of that checkpoint.
+    Written atomically beside ``trainer_state.pt``; other models' fields kept. Nothing for empty
+    `fields` or a checkpoint that is not there."""
+    ckpt = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
+    if not fields or not (ckpt / "trainer_state.pt").exists():
+        return
+    path = ckpt / EXPORT_CONFIG
+    noted = json.loads(path.read_text()) if path.exists() else {}
+    noted[model_name] = dict(fields)
+    atomic_write_text(path, json.dumps(noted, indent=2) + "\n")
+
+
+def export_config_of(model_dir: str | Path) -> dict:
+    """The config fields `record_export_config` noted for `model_dir`, a model directory inside a
+    checkpoint (``checkpoints/step-N/<model>``); {} for one without them or any other directory."""
+    d = Path(model_dir)
+    path = d.parent / EXPORT_CONFIG
+    if not ((d.parent / "trainer_state.pt").exists() and path.exists()):
+        return {}
+    return dict(json.loads(path.read_text()).get(d.name) or {})
 
 
 def _step_number(p: Path) -> int:

@@ -22,7 +22,7 @@ from turborlhf.algo import pairwise_rm_loss
 from turborlhf.config import RMConfig
 from turborlhf.data.jsonl import file_sha256
 from turborlhf.data.loaders import load_pairs
-from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
+from turborlhf.engine.checkpoint import PlanDigest, record_export_config, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
 from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimizer, make_scheduler,
@@ -171,7 +171,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
             yield done, len(plan), metrics
 
         # 6. (the loop wrote the last step's checkpoint: a signal during the evaluation finds it) final
-        #    evaluation (stored in the model config as reward_mean/std, like OpenRLHF), export
+        #    evaluation (stored in the model config as reward_mean/std, like OpenRLHF, and noted in that
+        #    checkpoint, whose export by `turborlhf export` gets them too), export
         extra = {}
         if test_enc:
             from turborlhf.evaluate import length_strata
@@ -186,6 +187,7 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
                        "max_len": cfg.data.max_len})
             log.log(len(plan), {M.EVAL_ACC: ev["accuracy"], M.EVAL_LOSS: ev["loss"]})
             extra = {"reward_mean": ev["score_mean"], "reward_std": ev["score_std"]}
+            record_export_config(out, len(plan), "reward_model", extra)
             (out / "eval.json").write_text(__import__("json").dumps(ev, indent=2))
             logger.info(f"[rm] test accuracy {ev['accuracy']:.3f} on {ev['n']} pairs")
         export_model(model, tok, out, extra_config=extra)
