@@ -307,7 +307,8 @@ class RewardSourceCfg(Cfg):
     path: str = Field(..., description="RM directory | path/to/module.py:function | http://host:port | callable's key")
     weight: float = Field(1.0, description="weight of this source in the combined score")
     name: Optional[str] = Field(None, description="metric name (rollout/reward_<name>_mean); default <kind><index>")
-    timeout_s: float = Field(60.0, gt=0, description="remote: seconds to wait for one answer")
+    timeout_s: float = Field(60.0, gt=0, description="remote: seconds one try may take, from connecting to the "
+                                                     "answer's last byte (a timed-out try is retried)")
     retries: int = Field(2, ge=0, description="remote: further tries after a failed one (exponential backoff)")
 
 

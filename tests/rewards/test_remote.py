@@ -92,6 +92,43 @@ def test_slow_server_times_out():
             client.score(["p"], ["r"])
 
 
+@pytest.mark.parametrize("trickled", ["headers", "body"])
+def test_a_trickling_answer_times_out_at_the_deadline(trickled):
+    """A server sending its answer a byte at a time, each byte well within the socket timeout, was
+    waited for until the last byte (forever for an endless trickle): the training step hung."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n"
+    body = b'{"scores": [1.0]}'
+    fast, slow = (b"", head + body) if trickled == "headers" else (head, body)
+
+    def serve(sock):
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:             # closed by the test
+                return
+            with conn:
+                try:
+                    conn.recv(65536)
+                    conn.sendall(fast)
+                    for i in range(len(slow)):
+                        time.sleep(0.05)
+                        conn.sendall(slow[i:i + 1])
+                except OSError:         # the client gave up
+                    pass
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        s.settimeout(5)
+        threading.Thread(target=serve, args=(s,), daemon=True).start()
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        client = RemoteRewardModel(url, timeout_s=0.4, retries=1, backoff_s=0.01)
+        t0 = time.perf_counter()
+        with pytest.raises(RemoteRewardError, match=rf"{url} did not answer after 2 tries: timed out after 0.4 s"):
+            client.score(["p"], ["r"])
+        assert time.perf_counter() - t0 < 2.0
+
+
 def test_bad_url():
     with pytest.raises(ValueError, match="http://"):
         RemoteRewardModel("localhost:8000")

@@ -14,6 +14,10 @@ Authentication: with a token (argument, or ``$TURBORLHF_RM_TOKEN``) every reques
 Requests of more than ``max_texts`` pairs are sent as several requests (the server's
 ``--max-texts`` limit defaults to 1024).
 
+Deadline: a try times out unless its whole answer (status line, headers, body) has arrived within
+``timeout_s`` seconds of the try's start, so a server that trickles its answer is cut off there
+instead of being waited for as long as it keeps sending.
+
 Failures: a connection error, a timeout, a reply that is not HTTP or is cut short, or an HTTP
 5xx answer is retried ``retries`` times with exponential backoff (``backoff_s · 2^k``); an HTTP
 4xx answer (a bad request) and a malformed answer (not JSON, wrong count, a score that is not a
@@ -25,7 +29,9 @@ Only the standard library is used (``urllib``), so the client adds no dependency
 """
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import json
 import os
 import socket
@@ -51,8 +57,9 @@ class RemoteRewardModel:
 
     Args:
         url: base URL of the server (``http://host:port``); a trailing ``/score`` is accepted.
-        timeout_s: seconds the connection, and each read of the answer, may wait (urllib's
-            socket timeout: a server that keeps sending, however slowly, is waited for).
+        timeout_s: seconds from a try's start (connecting) to its answer's last byte; not merely
+            each read's wait, so a server that keeps sending, however slowly, is cut off. A try
+            past it is a timeout, retried as the others.
         retries: further tries after a failed one (total tries = ``retries + 1``).
         backoff_s: wait before the first retry; doubles after each further failure.
         role: how errors name the server (``reward model``, ``critic``, ...).
@@ -132,6 +139,7 @@ class RemoteRewardModel:
             if self.token:
                 headers["Authorization"] = f"Bearer {self.token}"
             req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST", headers=headers)
+            req.deadline = time.monotonic() + self.timeout_s   # read by _DeadlineHandler.do_open
             try:
                 with _OPENER.open(req, timeout=self.timeout_s) as resp:
                     body = resp.read()
@@ -172,7 +180,68 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+class _DeadlineReader(io.RawIOBase):
+    """A response's bytes, each receive bounded by the request's deadline, so a server that sends
+    slowly cannot hold the request past it (the socket timeout alone bounds only each wait)."""
+
+    def __init__(self, sock: socket.socket, plain: io.BufferedIOBase, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.plain, self.deadline = sock, plain, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("answer not received by the deadline")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.plain.close()                      # releases the socket once the response is done
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An `http.client.HTTPResponse` whose status line, headers and body are read through a
+    `_DeadlineReader`."""
+
+    def __init__(self, sock: socket.socket, *args, deadline: float, **kwargs) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(sock, self.fp, deadline), 65536)
+
+
+class _DeadlineHandler:
+    """Reads the answer to a request that carries a ``deadline`` (`time.monotonic` seconds) through
+    a `_DeadlineResponse`; mixed into urllib's HTTP and HTTPS handlers."""
+
+    def do_open(self, http_class, req, **http_conn_args):
+        deadline = getattr(req, "deadline", None)
+        if deadline is None:
+            return super().do_open(http_class, req, **http_conn_args)
+
+        def connect(host, **kwargs):
+            conn = http_class(host, **kwargs)
+            conn.response_class = functools.partial(_DeadlineResponse, deadline=deadline)
+            return conn
+
+        return super().do_open(connect, req, **http_conn_args)
+
+
+class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+_HANDLERS: list = [_NoRedirect, _DeadlineHTTPHandler]
+if hasattr(urllib.request, "HTTPSHandler"):        # Python built with ssl
+    class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+        pass
+
+    _HANDLERS.append(_DeadlineHTTPSHandler)
+
+_OPENER = urllib.request.build_opener(*_HANDLERS)
 
 
 def _check_url(base: str, role: str) -> None:
