@@ -75,6 +75,37 @@ def test_native_bf16_host_chooses_bf16_when_the_probe_agrees(monkeypatch):
         hardware._choose.cache_clear()
 
 
+
+def _fake_reward_model(tiny_model, where) -> str:
+    """A directory whose config says sequence classification (no weights: enough to reach the device)."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    return str(where)
+
+
+def test_engines_and_loaders_name_the_device_field(monkeypatch, tiny_model, tmp_path):
+    """The rollout engines and the model loaders refused a device this host lacks as "device=cuda but
+    ...", whichever setting the device came from; each takes the field to name, by default as before."""
+    from turborlhf.models.load import load_causal_lm, load_scalar_model
+    from turborlhf.rewards.model import load_reward_model
+    from turborlhf.rollout import make_engine
+    from turborlhf.rollout.hf import HFEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    policy, rm = str(tiny_model), _fake_reward_model(tiny_model, tmp_path)
+    cases = [(lambda **kw: make_engine("auto", policy, **kw), "rollout.device"),
+             (lambda **kw: make_engine("hf", policy, **kw), "eval.rollout.device"),
+             (lambda **kw: HFEngine(policy, **kw), "rollout.device"),
+             (lambda **kw: load_causal_lm(policy, **kw), "actor.device"),
+             (lambda **kw: load_scalar_model(policy, **kw), "critic.device"),
+             (lambda **kw: load_reward_model(rm, **kw), "model.device")]
+    for build, field in cases:
+        with pytest.raises(HardwareError, match=rf"^{field.replace('.', '[.]')}=cuda but torch sees no CUDA") as e:
+            build(device="cuda", device_field=field)
+        assert "\n" not in str(e.value)
+        with pytest.raises(HardwareError, match=r"^device=cuda but torch sees no CUDA"):
+            build(device="cuda")
+
 def test_fp32_is_kept_and_bad_values_name_themselves():
     assert choose_precision("fp32", "cpu").dtype == "fp32"
     with pytest.raises(HardwareError, match="dtype must be one of"):

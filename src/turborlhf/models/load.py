@@ -104,15 +104,17 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def _from_pretrained(auto_cls, path: str, tokenizer, gradient_checkpointing: bool, dtype: torch.dtype,
-                     load_in_4bit: bool = False, device: str | torch.device = "cpu", **kw) -> nn.Module:
+                     load_in_4bit: bool = False, device: str | torch.device = "cpu", device_field: str = "device",
+                     **kw) -> nn.Module:
     """`auto_cls.from_pretrained` plus the conventions of this module (special ids, no dropout,
     trainable padding row, gradient checkpointing, on CPU the short-sequence training attention of
     `turborlhf.models.attention`); weights loaded straight onto `device` (``auto``: see
     `turborlhf.engine.hardware.resolve_device`); 4-bit NF4 weights on the current CUDA device
-    with `load_in_4bit` (then prepared for k-bit training with peft)."""
+    with `load_in_4bit` (then prepared for k-bit training with peft). A `HardwareError` for a device
+    this host lacks names `device_field`, the setting `device` came from."""
     from turborlhf.engine.hardware import resolve_device
 
-    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    device = resolve_device(device, device_field) if isinstance(device, str) else torch.device(device)
     if load_in_4bit:
         kw.update(quantization_config=quantization_config_4bit(), device_map={"": torch.cuda.current_device()})
     elif device.type != "cpu":
@@ -165,27 +167,30 @@ def check_causal_lm(path: str) -> None:
 
 def load_causal_lm(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
                    dtype: torch.dtype = torch.float32, load_in_4bit: bool = False,
-                   device: str | torch.device = "cpu") -> nn.Module:
+                   device: str | torch.device = "cpu", device_field: str = "device") -> nn.Module:
     """Causal LM in `dtype` (fp32 master weights by default) on `device` (``"auto"``: cuda, mps,
     cpu), train mode off (call .train()). `load_in_4bit`: NF4 weights on the GPU (QLoRA; see
     `quantization_config_4bit`). Raises `NotAModelError` for a reward model's directory
-    (`check_causal_lm`)."""
+    (`check_causal_lm`), `turborlhf.engine.hardware.HardwareError` for a device this host lacks,
+    naming `device_field` (the setting `device` came from, e.g. ``actor.device``)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     check_causal_lm(path)
     return _from_pretrained(AutoModelForCausalLM, path, tokenizer, gradient_checkpointing, dtype, load_in_4bit,
-                            device)
+                            device, device_field)
 
 
 def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing: bool = False,
                       dtype: torch.dtype = torch.float32, load_in_4bit: bool = False,
-                      device: str | torch.device = "cpu") -> nn.Module:
+                      device: str | torch.device = "cpu", device_field: str = "device") -> nn.Module:
     """`AutoModelForSequenceClassification(num_labels=1)`: a reward model or critic, on `device`.
 
     From a causal-LM directory the head is new; from a saved reward model it is reloaded. Raises
     `turborlhf.models.zoo.NotAModelError` for an architecture transformers has no
-    sequence-classification class for (Granite, OLMoE, CodeGen...).
+    sequence-classification class for (Granite, OLMoE, CodeGen...);
+    `turborlhf.engine.hardware.HardwareError` for a device this host lacks, naming `device_field`
+    (the setting `device` came from, e.g. ``model.device``).
     """
     import logging
 
@@ -196,7 +201,7 @@ def load_scalar_model(name_or_path: str, tokenizer=None, gradient_checkpointing:
     hf_logging.set_verbosity(logging.ERROR)  # "newly initialized: score.weight" is expected here
     try:
         return _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(name_or_path), tokenizer,
-                                gradient_checkpointing, dtype, load_in_4bit, device, num_labels=1)
+                                gradient_checkpointing, dtype, load_in_4bit, device, device_field, num_labels=1)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise

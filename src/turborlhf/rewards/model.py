@@ -60,12 +60,15 @@ def warn_if_other_format(rm_tokenizer, policy_tokenizer, name: str) -> None:
                        "the format it was trained on")
 
 
-def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch.float32, device="cpu"):
+def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch.float32, device="cpu",
+                      device_field: str = "device"):
     """`turborlhf.models.load.load_scalar_model` for scoring (on `device`), after `check_reward_model`.
     The checkpoint's own ``pad_token_id`` stays in its config, since the head was trained pooling
     by it (`turborlhf.models.forward.score_index`): a reward model trained with pad = EOS (TRL's
     usual set-up) reads the token before the trailing EOS, as transformers scores it; the
-    tokenizer's pad id (`load_tokenizer` may switch it to unk) would make it read the EOS."""
+    tokenizer's pad id (`load_tokenizer` may switch it to unk) would make it read the EOS.
+    Raises `turborlhf.engine.hardware.HardwareError` for a device this host lacks, naming
+    `device_field` (the setting `device` came from, e.g. ``model.device``)."""
     from transformers import AutoConfig
 
     from turborlhf.models.load import load_scalar_model
@@ -74,7 +77,7 @@ def load_reward_model(name_or_path: str, tokenizer=None, dtype: torch.dtype = to
     check_reward_model(name_or_path)
     saved = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
     saved = saved.get_text_config() if hasattr(saved, "get_text_config") else saved
-    model = load_scalar_model(name_or_path, tokenizer, dtype=dtype, device=device)
+    model = load_scalar_model(name_or_path, tokenizer, dtype=dtype, device=device, device_field=device_field)
     if getattr(saved, "pad_token_id", None) is not None:
         model.config.pad_token_id = saved.pad_token_id
     return model

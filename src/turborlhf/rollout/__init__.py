@@ -37,7 +37,7 @@ def _other_engine_weights(weight_dtype: Optional[str], dtype, engine: str) -> No
 
 
 def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", weight_dtype: Optional[str] = None,
-                **kw) -> RolloutEngine:
+                device_field: str = "device", **kw) -> RolloutEngine:
     """Build a rollout engine.
 
     kind: 'auto' | 'fast' → FastEngine when the architecture is supported, else HFEngine
@@ -53,10 +53,12 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", wei
         as `turborlhf.engine.run.resolve_hardware` resolved it): FastEngine's storage of its weights
         (bf16 with an fp32 `dtype`: fp32 arithmetic on bf16-rounded weights). An engine that
         cannot store them so (HFEngine, vLLM) keeps them at `dtype`, with one warning.
+    device_field: the setting `device` came from (``rollout.device``, ``--device``), which a
+        `HardwareError` names.
     kw: passed to the engine constructor.
     Raises ValueError for an unknown kind, or 'fast' on a non-CPU device; ImportError (with
     install instructions) for 'vllm' when the vllm package is not installed; `HardwareError` for a
-    device this host lacks.
+    device this host lacks (``rollout.device=cuda but torch sees no CUDA device ...``).
     """
     if kind not in _KINDS:
         raise ValueError(f"unknown rollout engine kind {kind!r}; choose one of {_KINDS}")
@@ -70,7 +72,7 @@ def make_engine(kind: str, model_or_path, dtype: str = "auto", device="cpu", wei
     import torch
 
     from turborlhf.engine.hardware import resolve_device
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dev = device if isinstance(device, torch.device) else resolve_device(device, device_field)
     if dev.type != "cpu":
         if kind == "fast":
             raise ValueError(f"rollout.engine=fast runs on the CPU only, not on {dev.type}; use rollout.engine "

@@ -31,14 +31,16 @@ class HFEngine:
     device: where the copy generates: 'cpu', 'cuda', 'mps', 'auto' (cuda, then mps, then cpu) or a
         ``torch.device``; token ids and log-probs come back as Python lists either way.
     max_batch_size: sequences per `generate` call (larger requests are split).
-    Raises `turborlhf.engine.hardware.HardwareError` for a device this host lacks.
+    device_field: the setting `device` came from (e.g. ``rollout.device``), which errors name.
+    Raises `turborlhf.engine.hardware.HardwareError` for a device this host lacks, naming
+    `device_field` (``rollout.device=cuda but torch sees no CUDA device ...``).
     """
 
     def __init__(self, model_or_path, dtype: str | torch.dtype = "auto", max_batch_size: int = 64,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", device_field: str = "device"):
         from turborlhf.engine.hardware import resolve_device
 
-        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.device = device if isinstance(device, torch.device) else resolve_device(device, device_field)
         self.dtype = resolve_dtype(dtype, self.device.type)
         from turborlhf.engine.hardware import warn_if_slower_than_fp32
 
