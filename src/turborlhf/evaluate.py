@@ -27,10 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8, limit: int = 0,
-            dtype: str = "auto", device: str = "auto") -> dict:
+            dtype: str = "auto", device: str = "auto", device_field: str = "device") -> dict:
     """Accuracy (strict >) of a reward model on preference pairs (raw HH or pair format), with the
     length baseline of the same pairs (``length``, see `length_strata`). `dtype`/`device`: as a
-    trainer's ``model.dtype``/``model.device`` (``auto``: this host's choice, README: Hardware)."""
+    trainer's ``model.dtype``/``model.device`` (``auto``: this host's choice, README: Hardware);
+    `device_field`: the setting `device` came from, which a `HardwareError` names."""
     from turborlhf.data.loaders import load_pairs
     from turborlhf.engine.hardware import compute_dtype
     from turborlhf.engine.train import set_threads
@@ -41,7 +42,7 @@ def eval_rm(model_dir: str, data: str, max_len: int = 1024, batch_size: int = 8,
     set_threads()
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
-    model = load_reward_model(model_dir, tok, device=device)
+    model = load_reward_model(model_dir, tok, device=device, device_field=device_field)
     dev = next(model.parameters()).device
     dtype = compute_dtype(dtype, dev)
     pairs = load_pairs(data, tok)
@@ -108,9 +109,10 @@ def prompt_budget(config, max_prompt_len: Optional[int], max_new_tokens: int) ->
 def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
                        seed: int, engine: str = "auto", max_prompt_len: int = 256, batch_size: int = 32,
                        dtype: str = "auto", device="cpu", tool=None, raw_logprobs: bool = False,
-                       used: Optional[dict] = None) -> tuple:
+                       used: Optional[dict] = None, device_field: str = "device") -> tuple:
     """Seeded generation for text prompts → (prompt_ids, response_ids, finished, logprobs); `dtype`
-    and `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`); `tool`: a
+    and `device` are the engine's (``auto``: bf16 where native, else fp32; `make_engine`, whose
+    `HardwareError` names `device_field`, the setting `device` came from); `tool`: a
     rollout tool (`turborlhf.rollout.tools`) or None; `raw_logprobs`: logprobs holds the engine's
     temperature-1 log-prob of each response token (``raw_logprobs``), else it is None. `used`, if
     given, receives the engine's class, precision and device (`engine_record`), for the result.
@@ -126,7 +128,7 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
     check_context(policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy)), ids,
                   max_new_tokens)
-    eng = make_engine(engine, policy, dtype=dtype, device=device, max_batch_size=batch_size)
+    eng = make_engine(engine, policy, dtype=dtype, device=device, device_field=device_field, max_batch_size=batch_size)
     if used is not None:
         used.update(engine_record(eng))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -312,7 +314,7 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
                 temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234, engine: str = "auto",
                 reference_dir: Optional[str] = None, samples_out: Optional[str] = None,
                 tag_bin: Optional[int] = None, use_tag: bool = True, dtype: str = "auto",
-                device: str = "auto", max_prompt_len: int = 256) -> dict:
+                device: str = "auto", max_prompt_len: int = 256, device_field: str = "device") -> dict:
     """Generate for the first `n` prompts and score with the reward model.
 
     Returns reward mean/std over responses, mean response length (tokens, EOS included), EOS
@@ -328,12 +330,13 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
     the untagged prompt. The result then also has ``tag`` and ``tag_bin``.
 
     `dtype`/`device`: as a trainer's ``model.dtype``/``model.device`` for the scoring models and the
-    rollout engine (``auto``: this host's choice, README: Hardware).
+    rollout engine (``auto``: this host's choice, README: Hardware). `device_field`: the setting
+    `device` came from, which a `HardwareError` for a device this host lacks names.
     """
     from turborlhf.rewards.model import score_token_ids
 
     t0 = time.perf_counter()
-    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
+    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device, device_field)
     s = sample_policy(policy_dir, prompts_file, n, max_new_tokens, temperature, top_p, seed, engine, dtype, dev,
                       kl_wanted=bool(reference_dir), tag_bin=tag_bin, use_tag=use_tag, max_prompt_len=max_prompt_len)
     rm = load_rm()
@@ -350,7 +353,8 @@ def eval_policy(policy_dir: str, reward_model_dir: str, prompts_file: str, n: in
 def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prompts_file: str, n: int = 64,
                      max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9, seed: int = 1234,
                      engine: str = "auto", samples_out: tuple[Optional[str], Optional[str]] = (None, None),
-                     dtype: str = "auto", device: str = "auto", max_prompt_len: int = 256) -> tuple[dict, dict]:
+                     dtype: str = "auto", device: str = "auto", max_prompt_len: int = 256,
+                     device_field: str = "device") -> tuple[dict, dict]:
     """`eval_policy` of a base policy (e.g. the SFT model) and of a policy trained from it (e.g. PPO's)
     on the same prompts with the same seed, the trained one with its KL to the base: the results of
     ``eval_policy(base_dir, ...)`` and ``eval_policy(policy_dir, ..., reference_dir=base_dir)``.
@@ -360,12 +364,13 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     instead of twice; the scores equal the separate passes' to float rounding. `samples_out`: the
     two policies' JSONL sample files (or None). Returns ``(base_result, policy_result)``; their
     ``seconds`` is the whole call's. Raises ValueError if the two policies' tokenizers read
-    different prompts from `prompts_file`.
+    different prompts from `prompts_file`; `HardwareError` naming `device_field` (the setting
+    `device` came from) for a device this host lacks.
     """
     from turborlhf.trainers.reward_model import score_pairs
 
     t0 = time.perf_counter()
-    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device)
+    load_rm, rm_tok, dtype, dev = _scoring_setup(reward_model_dir, dtype, device, device_field)
     kw = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
               dtype=dtype, device=dev, max_prompt_len=max_prompt_len)
     base = sample_policy(base_dir, prompts_file, **kw)
@@ -388,8 +393,9 @@ def eval_policy_pair(base_dir: str, policy_dir: str, reward_model_dir: str, prom
     return res_base, res_pol
 
 
-def _scoring_setup(reward_model_dir: str, dtype: str, device: str):
-    """Check the reward model (before minutes of generation) and resolve the device and precision.
+def _scoring_setup(reward_model_dir: str, dtype: str, device: str, device_field: str = "device"):
+    """Check the reward model (before minutes of generation) and resolve the device (errors naming
+    `device_field`) and precision.
     Returns ``(load_rm, rm_tokenizer, dtype, device)``; `load_rm()` loads the
     reward model (after generation, so the policy and its engine are gone by then)."""
     import torch
@@ -401,7 +407,7 @@ def _scoring_setup(reward_model_dir: str, dtype: str, device: str):
 
     set_threads()
     check_reward_model(reward_model_dir)
-    dev = resolve_device(device)
+    dev = resolve_device(device, device_field)
     dtype = compute_dtype(dtype, dev)
     frozen = torch.bfloat16 if dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(reward_model_dir)

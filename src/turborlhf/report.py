@@ -50,6 +50,10 @@ def rm_eval_covers(rm_res: dict, test_pairs: str) -> bool:
 
 def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dict, rm_max_len: int = 1024,
                       rm_dtype: str = "auto", rm_device: str = "auto") -> dict:
+    """The pipeline's eval stage. `rm_max_len`, `rm_dtype`, `rm_device`: the RM stage's
+    ``data.max_len``, ``model.dtype`` and ``model.device``, with which a reward model the RM stage
+    did not evaluate is scored (a device this host lacks is refused naming ``rm.model.device``);
+    the policies sample and are scored per ``eval.rollout`` (errors name ``eval.rollout.device``)."""
     from turborlhf.evaluate import eval_policy_pair, eval_rm
 
     E = cfg.eval
@@ -62,7 +66,8 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     rm_eval, test_pairs = run_dir / "rm" / "eval.json", str(data / "test_pairs.jsonl")
     rm_res = json.loads(rm_eval.read_text()) if rm_eval.exists() else {}
     if not rm_eval_covers(rm_res, test_pairs):      # at the RM stage's length budget, as it trained
-        rm_res = eval_rm(rm_dir, test_pairs, max_len=rm_max_len, dtype=rm_dtype, device=rm_device)
+        rm_res = eval_rm(rm_dir, test_pairs, max_len=rm_max_len, dtype=rm_dtype, device=rm_device,
+                         device_field="rm.model.device")
     summary["rm_test_accuracy"] = rm_res["accuracy"]
     summary["rm_test_pairs"] = rm_res["n"]
     summary["rm_test_length"] = rm_res["length"]
@@ -73,7 +78,8 @@ def evaluate_pipeline(cfg, run_dir: Path, sft_dir: str, data: Path, timings: dic
     # both policies on the same prompts and seed; the RM scores each prompt's two answers with the
     # prompt computed once, and the PPO policy's KL is to the SFT policy
     outs = (str(ev_dir / "sft_samples.jsonl"), str(ev_dir / "ppo_samples.jsonl"))
-    sft_res, ppo_res = eval_policy_pair(sft_dir, ppo_dir, rm_dir, prompts, **common, samples_out=outs)
+    sft_res, ppo_res = eval_policy_pair(sft_dir, ppo_dir, rm_dir, prompts, **common, samples_out=outs,
+                                        device_field="eval.rollout.device")
     std = sft_res["reward_std"] or 1.0
     summary["sft_policy"] = {k: sft_res[k] for k in ("reward_mean", "reward_std", "n", "response_length_mean",
                                                     "eos_fraction")}

@@ -106,6 +106,49 @@ def test_engines_and_loaders_name_the_device_field(monkeypatch, tiny_model, tmp_
         with pytest.raises(HardwareError, match=r"^device=cuda but torch sees no CUDA"):
             build(device="cuda")
 
+
+def test_callers_name_the_field_their_device_came_from(monkeypatch, tiny_model, tmp_path):
+    """The rollout workers of ppo and conditional SFT and the pipeline's evaluation handed their
+    configured device on unlabelled: cuda on a host without it read "device=cuda but ..."."""
+    import shutil
+
+    from turborlhf.config import ConditionalSFTConfig, PipelineConfig, PPOConfig
+    from turborlhf.data.jsonl import file_sha256
+    from turborlhf.models.load import load_causal_lm, load_tokenizer
+    from turborlhf.report import evaluate_pipeline
+    from turborlhf.trainers.conditional_sft import sample_policy_examples
+    from turborlhf.trainers.ppo.roles import RolloutWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def refused(field: str):
+        return pytest.raises(HardwareError, match=rf"^{field.replace('.', '[.]')}=cuda but torch sees no CUDA")
+
+    ppo = load_config(PPOConfig, overrides=["data.prompts_file=p.jsonl", "reward_model=rm", "rollout.engine=hf",
+                                            f"actor.name_or_path={tiny_model}", "rollout.device=cuda"])
+    worker = RolloutWorker.__new__(RolloutWorker)        # its engine alone: no worker set-up in this process
+    worker.cfg, worker.path = ppo, str(tiny_model)
+    with refused("rollout.device"):
+        worker._build()
+    csft = load_config(ConditionalSFTConfig, overrides=["reward_model=r", "data.train_file=x", "rollout.engine=hf",
+                                                        "rollout.device=cuda"])
+    tok = load_tokenizer(str(tiny_model))
+    with refused("rollout.device"):
+        sample_policy_examples(load_causal_lm(str(tiny_model), tok), tok, ["hi"], csft)
+    # the pipeline's eval stage: the RM stage's device scores an unevaluated reward model, eval.rollout's samples
+    run_dir, data = tmp_path / "run", tmp_path / "run" / "data"
+    shutil.copytree(tiny_model, run_dir / "rm")
+    _fake_reward_model(tiny_model, run_dir / "rm")
+    data.mkdir()
+    (data / "test_pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    cfg = load_config(PipelineConfig, overrides=[f"run_dir={run_dir}", "eval.rollout.device=cuda"])
+    with refused("rm.model.device"):
+        evaluate_pipeline(cfg, run_dir, str(tiny_model), data, {}, rm_device="cuda")
+    (run_dir / "rm" / "eval.json").write_text(json.dumps({"accuracy": 1.0, "n": 1, "length": {},
+                                                          "data_sha256": file_sha256(data / "test_pairs.jsonl")}))
+    with refused("eval.rollout.device"):
+        evaluate_pipeline(cfg, run_dir, str(tiny_model), data, {}, rm_device="cpu")
+
 def test_fp32_is_kept_and_bad_values_name_themselves():
     assert choose_precision("fp32", "cpu").dtype == "fp32"
     with pytest.raises(HardwareError, match="dtype must be one of"):

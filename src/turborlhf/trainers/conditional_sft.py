@@ -165,8 +165,8 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
     examples, so the tags also separate the policy's own good and bad responses."""
     roll, n = cfg.rollout, cfg.data.policy_samples_per_prompt
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,    # LoRA merged
-                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size,
-                         **vllm_kwargs(roll, shares_gpu=True))
+                         device_field="rollout.device", weight_dtype=roll.weight_dtype,
+                         max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
     params = SamplingParams(max_new_tokens=roll.max_new_tokens, min_new_tokens=roll.min_new_tokens,
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
@@ -186,8 +186,8 @@ def _score_rows(cfg: ConditionalSFTConfig, sets: list[list[dict]]) -> list[torch
     policy to run to the budget and stop nowhere). The RM is freed afterwards."""
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
-                           device=cfg.model.device).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device,
+                           device_field="model.device").eval().requires_grad_(False)
     out = [score_texts(rm, rm_tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.data.max_len,
                        cfg.model.dtype, cfg.data.score_batch_size, add_eos=[r.get("finished", True) for r in rows])
            if rows else torch.empty(0) for rows in sets]

@@ -291,14 +291,14 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     model = load_trainable("causal", cfg.model, tok, ckpt_dir=ckpt / "policy" if ckpt else None)
     frozen_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     rm_tok = load_tokenizer(cfg.reward_model)
-    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype,
-                           device=cfg.model.device).eval().requires_grad_(False)
+    rm = load_reward_model(cfg.reward_model, rm_tok, dtype=frozen_dtype, device=cfg.model.device,
+                           device_field="model.device").eval().requires_grad_(False)
     same_vocab = rm_tok.get_vocab() == tok.get_vocab()
     if not same_vocab:
         warn_if_other_format(rm_tok, tok, cfg.reward_model)
     engine = make_engine(roll.engine, merge_lora_for_save(model), dtype=roll.dtype, device=roll.device,
-                         weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size,
-                         **vllm_kwargs(roll, shares_gpu=True))
+                         device_field="rollout.device", weight_dtype=roll.weight_dtype,
+                         max_batch_size=roll.batch_size, **vllm_kwargs(roll, shares_gpu=True))
 
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:

@@ -447,7 +447,8 @@ class RolloutWorker:
         kw.update(vllm_kwargs(roll, shares_gpu=not ray or dist.colocate_all_models,
                               engines_per_host=dist.rollout.devices_per_node if ray else 1))
         return make_engine(roll.engine, str(resolve_model_path(self.path)), dtype=roll.dtype, device=roll.device,
-                           weight_dtype=roll.weight_dtype, max_batch_size=roll.batch_size, **kw)
+                           device_field="rollout.device", weight_dtype=roll.weight_dtype,
+                           max_batch_size=roll.batch_size, **kw)
 
     def engine_name(self) -> str:
         return type(self.engine).__name__ if self.engine is not None else "asleep"
