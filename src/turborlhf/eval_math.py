@@ -94,7 +94,8 @@ def load_problems(path: str, tokenizer, n: int = 0) -> list[dict]:
 def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 1234, engine: str = "auto", batch_size: int = 32,
               max_prompt_len: int = 512, dtype: str = "auto", samples_out: Optional[str] = None,
-              device: str = "auto", reward: Optional[str] = None, tool: str = "auto") -> dict:
+              device: str = "auto", reward: Optional[str] = None, tool: str = "auto",
+              device_field: str = "device") -> dict:
     """Answer the first `n` problems of `data` with `policy` and score them (module docstring).
 
     Args:
@@ -108,6 +109,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
             when scoring GSM8K (it acts only on a ``<<expression=`` the model writes, so a policy
             that never writes one answers exactly as without it), none with `reward`; ``none``;
             ``calculator``.
+        device_field: the setting `device` came from (``--device``), which a `HardwareError` names.
 
     Returns:
         ``accuracy``, ``strict_accuracy``, ``format_rate`` (None with `reward`), ``n``,
@@ -142,7 +144,7 @@ def eval_math(policy: str, data: str, n: int = 0, max_new_tokens: int = 256, tem
     used: dict = {}
     _, response_ids, finished, _ = generate_responses(path, tok, prompts, max_new_tokens, temperature, top_p, seed,
                                                       engine, max_prompt_len, batch_size, dtype, device, tool=tool_fn,
-                                                      used=used)
+                                                      used=used, device_field=device_field)
     t_gen = time.perf_counter() - t_gen
     texts = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
     if score_fn is None:
@@ -208,7 +210,7 @@ def main(argv: list[str]) -> int:
         try:
             res = eval_math(a.policy, a.data, a.n, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.engine,
                             a.batch_size, dtype=a.dtype, samples_out=a.samples_out, device=a.device,
-                            reward=a.reward, tool=a.tool)
+                            reward=a.reward, tool=a.tool, device_field="--device")
         except (UserError, FileNotFoundError) as e:        # bad input: one line; anything else is a bug
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -457,11 +457,11 @@ def main(name: str, argv: list[str]) -> int:
     # everything but the final JSON goes to stderr so stdout stays machine-readable
     with contextlib.redirect_stdout(sys.stderr):
         if name == "eval-rm":
-            res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit, a.dtype, a.device)
+            res = eval_rm(a.model, a.data, a.max_len, a.batch_size, a.limit, a.dtype, a.device, device_field="--device")
         else:
             res = eval_policy(a.policy, a.reward_model, a.prompts, a.n, a.max_new_tokens, a.temperature, a.top_p,
                               a.seed, a.engine, a.reference, a.samples_out, a.tag_bin, not a.no_tag, a.dtype, a.device,
-                              a.max_prompt_len)
+                              a.max_prompt_len, device_field="--device")
     if a.json:
         print(json.dumps(res))
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -110,8 +111,6 @@ def test_engines_and_loaders_name_the_device_field(monkeypatch, tiny_model, tmp_
 def test_callers_name_the_field_their_device_came_from(monkeypatch, tiny_model, tmp_path):
     """The rollout workers of ppo and conditional SFT and the pipeline's evaluation handed their
     configured device on unlabelled: cuda on a host without it read "device=cuda but ..."."""
-    import shutil
-
     from turborlhf.config import ConditionalSFTConfig, PipelineConfig, PPOConfig
     from turborlhf.data.jsonl import file_sha256
     from turborlhf.models.load import load_causal_lm, load_tokenizer
@@ -148,6 +147,39 @@ def test_callers_name_the_field_their_device_came_from(monkeypatch, tiny_model, 
                                                           "data_sha256": file_sha256(data / "test_pairs.jsonl")}))
     with refused("eval.rollout.device"):
         evaluate_pipeline(cfg, run_dir, str(tiny_model), data, {}, rm_device="cpu")
+
+
+def test_commands_name_their_device_flag(monkeypatch, tiny_model, tmp_path, capsys):
+    """generate, chat, eval-math, eval-rm, eval-policy and serve-rm refused --device cuda on a host
+    without CUDA as "device=cuda but ...": the message names the flag to change now."""
+    import io
+
+    from turborlhf import eval_math, evaluate
+    from turborlhf.commands.generate import chat_main, generate_main
+    from turborlhf.rewards import server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flag = r"^--device=cuda but torch sees no CUDA"
+    rm = str(tmp_path / "rm")
+    shutil.copytree(tiny_model, rm)
+    _fake_reward_model(tiny_model, tmp_path / "rm")
+    prompts, math = tmp_path / "prompts.jsonl", tmp_path / "gsm8k.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    math.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    policy, cuda = str(tiny_model), ["--device", "cuda"]
+    assert generate_main(["--model", policy, "--prompts", str(prompts), "--output", str(tmp_path / "o"), *cuda]) == 2
+    assert "error: --device=cuda but torch sees no CUDA" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert chat_main(["--model", policy, "--chat-template", "chatml", *cuda]) == 2
+    assert "error: --device=cuda but torch sees no CUDA" in capsys.readouterr().err
+    assert eval_math.main(["--policy", policy, "--data", str(math), "--tool", "none", *cuda]) == 2
+    assert "error: --device=cuda but torch sees no CUDA" in capsys.readouterr().err
+    with pytest.raises(HardwareError, match=flag):
+        evaluate.main("eval-rm", ["--model", rm, "--data", str(prompts), *cuda])
+    with pytest.raises(HardwareError, match=flag):
+        evaluate.main("eval-policy", ["--policy", policy, "--reward-model", rm, "--prompts", str(prompts), *cuda])
+    with pytest.raises(HardwareError, match=flag):
+        server.main(["--model", rm, "--port", "0", "--threads", "1", *cuda])
 
 def test_fp32_is_kept_and_bad_values_name_themselves():
     assert choose_precision("fp32", "cpu").dtype == "fp32"

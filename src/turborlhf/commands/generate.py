@@ -65,14 +65,16 @@ def _decode(tok, ids: list[int], finished: bool) -> str:
 
 def generate_file(model: str, prompts_file: str, output: str, params, engine: str = "auto", dtype: str = "auto",
                   batch_size: int = 32, max_prompt_len: Optional[int] = None, limit: int = 0,
-                  keys: Optional[dict] = None, chat_template: Optional[str] = None, device: str = "auto") -> dict:
+                  keys: Optional[dict] = None, chat_template: Optional[str] = None, device: str = "auto",
+                  device_field: str = "device") -> dict:
     """Generate ``params.n`` responses per prompt of ``prompts_file`` and write them to ``output``
     (JSONL, atomically). Returns ``{"prompts", "samples", "tokens", "seconds", "tokens_per_s"}``.
 
     Prompts are cut from the left to ``max_prompt_len`` tokens (None: the model's context less
     ``params.max_new_tokens``, `turborlhf.evaluate.prompt_budget`). Raises ``DataError`` /
     ``FileNotFoundError`` for bad prompts (see ``load_prompts``), ``UserError`` when the longest
-    prompt plus ``params.max_new_tokens`` exceeds the model's context.
+    prompt plus ``params.max_new_tokens`` exceeds the model's context, ``HardwareError`` for a
+    ``device`` this host lacks (naming ``device_field``, the setting it came from).
     """
     from dataclasses import replace
 
@@ -96,7 +98,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     check_context(config, ids, params.max_new_tokens)
     if not params.stop_token_ids:
         params = replace(params, stop_token_ids=stop_ids(tok))
-    eng = make_engine(engine, path, dtype=dtype, device=device, max_batch_size=batch_size)
+    eng = make_engine(engine, path, dtype=dtype, device=device, device_field=device_field, max_batch_size=batch_size)
     t0 = time.perf_counter()
     out = eng.generate(ids, params)
     dt = time.perf_counter() - t0
@@ -134,7 +136,7 @@ def generate_main(argv: list[str]) -> int:
     try:
         stats = generate_file(a.model, a.prompts, a.output, _params(a, n=a.n), a.engine, a.dtype, a.batch_size,
                               a.max_prompt_len, a.limit, keys={"prompt": a.prompt_key}, chat_template=a.chat_template,
-                              device=a.device)
+                              device=a.device, device_field="--device")
     except (DataError, FileNotFoundError, ValueError, ImportError) as e:      # ImportError: --engine vllm
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -266,7 +268,7 @@ def chat_main(argv: list[str]) -> int:
             except Exception as e:
                 raise ValueError(f"--system: the chat template refuses a system message ({type(e).__name__}: "
                                  f"{(str(e).strip().splitlines() or [''])[0]})") from None
-        engine = make_engine(a.engine, path, dtype=a.dtype, device=a.device, max_batch_size=1)
+        engine = make_engine(a.engine, path, dtype=a.dtype, device=a.device, device_field="--device", max_batch_size=1)
         stream = isinstance(engine, HFEngine) and not a.no_stream
         tty = sys.stdin.isatty()
         if tty:

@@ -619,17 +619,18 @@ def make_server(score_fn: ScoreFn, host: str = "127.0.0.1", port: int = 8000, ma
 
 class RMScorer:
     """``fn(prompts, responses) -> list[float]`` over a reward-model directory (`score_texts`),
-    with ``count_tokens(text)`` by the model's tokenizer."""
+    with ``count_tokens(text)`` by the model's tokenizer. A `HardwareError` for a `device` this
+    host lacks names `device_field`, the setting it came from."""
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_len: int = 1024, batch_size: int = 16,
-                 device: str = "auto") -> None:
+                 device: str = "auto", device_field: str = "device") -> None:
         import torch
 
         from turborlhf.engine.hardware import compute_dtype, resolve_device
         from turborlhf.models.load import load_tokenizer
         from turborlhf.rewards.model import load_reward_model
 
-        dev = resolve_device(device)
+        dev = resolve_device(device, device_field)
         dtype = compute_dtype(dtype, dev)       # auto: bf16 only where the device computes it natively
         self.tok = load_tokenizer(model_dir)
         self.model = load_reward_model(model_dir, self.tok, device=dev,     # the checkpoint's pooling pad id
@@ -649,9 +650,9 @@ class RMScorer:
 
 
 def load_rm_scorer(model_dir: str, dtype: str = "auto", max_len: int = 1024, batch_size: int = 16,
-                   device: str = "auto") -> RMScorer:
+                   device: str = "auto", device_field: str = "device") -> RMScorer:
     """`RMScorer` over a reward-model directory."""
-    return RMScorer(model_dir, dtype, max_len, batch_size, device)
+    return RMScorer(model_dir, dtype, max_len, batch_size, device, device_field)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -698,7 +699,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from turborlhf.engine.train import set_threads
 
     set_threads(a.threads)
-    score = load_rm_scorer(a.model, a.dtype, a.max_len, a.max_batch_size, a.device)
+    score = load_rm_scorer(a.model, a.dtype, a.max_len, a.max_batch_size, a.device, device_field="--device")
     server = make_server(score, a.host, a.port, a.max_batch_size, a.max_wait_ms, a.model, quiet=not a.verbose,
                          limits=limits, token=a.token, count_tokens=score.count_tokens)
     print(f"[serve-rm] {a.model} on {server.url} (POST /score, GET /health; max_batch_size={a.max_batch_size}, "
