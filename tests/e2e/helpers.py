@@ -39,3 +39,12 @@ def rewind_to(run_dir: Path, step: int) -> None:
             shutil.rmtree(p)
     (root / "latest").write_text(f"step-{step:06d}")
     (Path(run_dir) / "model.safetensors").unlink()
+
+
+def with_score_stats(model_dir: Path, dest: Path) -> Path:
+    """A copy of the reward model in `model_dir` (its checkpoints left out) whose config holds a
+    final evaluation's score statistics, ``reward_mean`` 12.5 and ``reward_std`` 3.0."""
+    shutil.copytree(model_dir, dest, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "reward_mean": 12.5, "reward_std": 3.0}))
+    return dest

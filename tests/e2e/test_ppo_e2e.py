@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights, with_score_stats
 
 REQUIRED = ["rollout/reward_mean", "rollout/reward_std", "policy/kl", "policy/entropy", "policy/clipfrac",
             "policy/approx_kl", "policy/loss", "critic/loss", "critic/explained_variance",
@@ -173,3 +173,21 @@ def test_resume_changed_learning_rates_and_kl_coef_take_effect(tiny_model, tiny_
     critic = torch.load(latest_checkpoint(out) / "critic" / "worker_state.pt", map_location="cpu", weights_only=False)
     groups = critic["opt"]["param_groups"]
     assert [g["lr"] for g in groups] == pytest.approx([2e-3] * len(groups))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_critic_started_from_a_reward_model_drops_its_score_statistics(lora, tiny_model, tiny_rm, tiny_data,
+                                                                         tmp_path):
+    """The critic starts from the reward model and copied its config: its checkpoints, and their
+    export, carried the reward model's reward_mean/reward_std, though its weights changed and it
+    outputs values, not rewards. The reward model itself keeps them."""
+    rm = with_score_stats(tiny_rm, tmp_path / "rm")
+    out = tmp_path / "ppo"
+    _ppo(tiny_model, rm, tiny_data, out, "train.max_steps=1", "data.max_samples=4",
+         *([f"critic.name_or_path={rm}", "critic.lora.rank=4"] if lora else []))
+    critic = out / "checkpoints" / "step-000001" / "critic"
+    run_cli("export", "--checkpoint", critic, "--output", tmp_path / "exported")
+    for d in ([] if lora else [critic]) + [tmp_path / "exported"]:
+        got = json.loads((d / "config.json").read_text())
+        assert "reward_mean" not in got and "reward_std" not in got, d
+    assert json.loads((rm / "config.json").read_text())["reward_mean"] == 12.5

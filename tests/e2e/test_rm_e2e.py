@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights
+from tests.e2e.helpers import REPO, max_weight_diff, metrics, rewind_to, run_cli, weights, with_score_stats
 
 
 def _rm(tiny_model, tiny_data, out, *extra):
@@ -78,3 +78,26 @@ def test_the_evaluation_loss_uses_the_pairs_margins_as_training_does():
     want = (-math.log(1 / (1 + math.exp(1.0))) - math.log(1 / (1 + math.exp(-0.5)))) / 2
     assert summarize_scores(ch, rj, pair_margins(enc, True))["loss"] == pytest.approx(want, rel=1e-6)
     assert pair_margins(enc, False) is None and pair_margins(enc + [{"margin": None}], True) is None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_reward_model_trained_further_without_a_test_set_drops_the_old_score_statistics(lora, tiny_rm, tiny_data,
+                                                                                            tmp_path):
+    """Loading a model copies its config: a reward model trained further from one with
+    reward_mean/reward_std, without a test set to measure the new weights, saved the old statistics
+    with the new weights (run export, checkpoints, and `turborlhf export` of them, LoRA merged too)."""
+    start = with_score_stats(tiny_rm, tmp_path / "start")
+    out = tmp_path / "rm"
+    run_cli("rm", "--config", REPO / "configs/tiny/rm.yaml", f"model.name_or_path={start}",
+            f"data.train_file={tiny_data / 'train_pairs.jsonl'}", "data.max_samples=8", "train.max_steps=2",
+            f"output_dir={out}", *(["model.lora.rank=4"] if lora else []))
+    run_cli("export", "--checkpoint", out, "--output", tmp_path / "exported")
+    ckpt = out / "checkpoints" / "step-000002" / "reward_model"
+    for d in (out, tmp_path / "exported", *([] if lora else [ckpt])):
+        got = json.loads((d / "config.json").read_text())
+        assert "reward_mean" not in got and "reward_std" not in got, d
+    if not lora:     # a checkpoint an earlier version wrote with the statistics it loaded: its export drops them
+        cfg = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**cfg, "reward_mean": 12.5, "reward_std": 3.0}))
+        run_cli("export", "--checkpoint", out, "--output", tmp_path / "exported")
+        assert "reward_mean" not in json.loads((tmp_path / "exported" / "config.json").read_text())

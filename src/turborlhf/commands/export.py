@@ -13,7 +13,9 @@ causal LM stays a causal LM; a reward model / critic (``*ForSequenceClassificati
 ``SEQ_CLS``) keeps its scalar head. The tokenizer is saved beside the weights. The export of a
 reward model's final checkpoint gets the ``reward_mean``/``reward_std`` that the run's final
 evaluation wrote into the run's own export (`turborlhf.engine.checkpoint.export_config_of`); an
-earlier checkpoint's, whose weights were not evaluated, none; a model directory keeps its config's.
+earlier checkpoint's, whose weights were not evaluated, none, nor does a critic's or merged LoRA
+adapters' (their base's statistics are not those of the new weights); a plain model directory
+outside a checkpoint keeps its config's.
 
 ``--output`` is replaced whole (atomically), so it must be a new or empty directory or an earlier
 export (model, tokenizer and generation files only); anything else, and the checkpoint's own run,
@@ -108,7 +110,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
     from transformers import AutoTokenizer
 
     from turborlhf.engine.checkpoint import export_config_of, save_hf_dir
-    from turborlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
+    from turborlhf.models.load import forget_score_stats, load_causal_lm, load_scalar_model, load_tokenizer
 
     src = resolve_model_dir(checkpoint, model)
     _check_output(Path(checkpoint), Path(output))
@@ -126,7 +128,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
             _check_output(Path(base), Path(output), "the adapters' base model")
         scalar = acfg.get("task_type") == "SEQ_CLS"
         try:
-            loaded = (load_scalar_model if scalar else load_causal_lm)(base, tok, dtype=torch.float32)
+            loaded = forget_score_stats((load_scalar_model if scalar else load_causal_lm)(base, tok,
+                                                                                        dtype=torch.float32))
         except OSError as e:
             raise ExportError(f"{adapter}: cannot load the base model {base!r} ({e}); give it with --base") from None
         net = PeftModel.from_pretrained(loaded, str(src))
@@ -138,6 +141,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, model: Optiona
         # the pad to unk, and a reward model's pooling reads the rightmost token that is not the pad)
         net.config.pad_token_id = saved.get("pad_token_id")
         tok = AutoTokenizer.from_pretrained(str(src))
+        if (src.parent / "trainer_state.pt").exists():      # trained weights: only the run's own statistics
+            forget_score_stats(net)
     return save_hf_dir(net.eval(), tok, output, extra_config=export_config_of(src))
 
 

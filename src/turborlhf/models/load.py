@@ -32,7 +32,11 @@ from turborlhf.models.zoo import resolve_model_path
 
 __all__ = ["load_tokenizer", "load_causal_lm", "load_scalar_model", "load_trainable", "backbone_of",
            "apply_lora", "is_lora", "merge_lora_for_save", "merged_named_parameters", "adapters_disabled",
-           "quantization_config_4bit"]
+           "quantization_config_4bit", "SCORE_STATS", "forget_score_stats"]
+
+# config fields a reward model's final evaluation writes (`turborlhf.trainers.reward_model`, OpenRLHF's
+# convention: consumers may normalise scores with them); true of the weights they were measured on only
+SCORE_STATS = ("reward_mean", "reward_std")
 
 
 def load_tokenizer(name_or_path: str):
@@ -229,6 +233,8 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
     Full fine-tuning loads the checkpoint's weights when resuming, else `init`. With LoRA the
     frozen base always comes from `init` (fp32, or NF4 with ``load_in_4bit``) and the adapters
     are new (`apply_lora`) or the checkpoint's (peft adapter directory, see `save_for_resume`).
+    The config loses a reward model's ``reward_mean``/``reward_std`` (`forget_score_stats`): the
+    weights about to be trained are no longer those they were measured on.
     Raises ValueError for an unknown `kind`, RuntimeError for QLoRA on a machine without CUDA or
     bitsandbytes.
     """
@@ -243,8 +249,9 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
                              "(with model.lora.rank for new adapters) or export it merged first (turborlhf export)")
     lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
     src = init if (lora is not None or ckpt_dir is None) else str(ckpt_dir)
-    model = loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
-                          load_in_4bit=model_cfg.load_in_4bit, device=getattr(model_cfg, "device", "cpu"))
+    model = forget_score_stats(loaders[kind](src, tokenizer, gradient_checkpointing=model_cfg.gradient_checkpointing,
+                                             load_in_4bit=model_cfg.load_in_4bit,
+                                             device=getattr(model_cfg, "device", "cpu")))
     rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
     if rows is not None and rows < len(tokenizer):     # an id past the table: an IndexError mid-step
         from turborlhf.errors import UserError
@@ -263,6 +270,19 @@ def load_trainable(kind: str, model_cfg, tokenizer, init: Optional[str] = None,
             model = apply_lora(model, lora)
     freeze_layers(model, getattr(model_cfg, "freeze_layers", 0))
     return model.train()
+
+
+def forget_score_stats(model: nn.Module) -> nn.Module:
+    """Remove `SCORE_STATS` from the config of `model` (a LoRA model's: its base's), in place;
+    returns `model`. For a model whose weights change after loading (trained, or adapters merged
+    into it): the statistics of the weights it was loaded from would be saved with new weights (and
+    a critic started from a reward model outputs values, not rewards). A trainer that evaluates the
+    new weights writes fresh ones into its export."""
+    cfg = (model.get_base_model() if is_lora(model) else model).config
+    for k in SCORE_STATS:
+        if hasattr(cfg, k):
+            delattr(cfg, k)
+    return model
 
 
 def _check_resumed_lora(ckpt_dir, lora) -> None:

@@ -172,7 +172,8 @@ def train_steps(cfg: RMConfig, resume: bool = False) -> Iterator[tuple[int, int,
 
         # 6. (the loop wrote the last step's checkpoint: a signal during the evaluation finds it) final
         #    evaluation (stored in the model config as reward_mean/std, like OpenRLHF, and noted in that
-        #    checkpoint, whose export by `turborlhf export` gets them too), export
+        #    checkpoint, whose export by `turborlhf export` gets them too; without a test set there are
+        #    none: `load_trainable` dropped those of a reward model the run started from), export
         extra = {}
         if test_enc:
             from turborlhf.evaluate import length_strata
