@@ -408,3 +408,26 @@ def test_rollout_tool_needs_an_engine_with_a_hook(tmp_path):
     args = _args("m", tmp_path, tmp_path / "x", "reward_model=rm", "rollout.tool=calculator", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"rollout\.tool"):
         load_config(PPOConfig, GRPO_YAML, args)
+
+
+def test_a_reward_function_that_scores_no_row_of_a_step(tiny_model, tiny_data, tmp_path, capsys):
+    """TRL's None ("not scored") for every response of a step: that source's mean is left out of the
+    step's metrics (no NaN, no null in metrics.jsonl) and the combined reward is the other sources';
+    as the only source, its rows have no reward at all: the run stops with a one-line error naming the
+    rows and the source (it named neither the source nor how many rows of the batch)."""
+    f = tmp_path / "rules.py"
+    f.write_text("def one(prompts, responses):\n    return [1.0 for r in responses]\n"
+                 "def never(prompts, responses):\n    return [None for r in responses]\n")
+    one, never = (f"{{kind: function, path: {f}:{n}, name: {n}}}" for n in ("one", "never"))
+    rows = _run(tiny_model, tiny_data, tmp_path / "both", "reward_model=null", f"rewards=[{one}, {never}]",
+                "train.max_steps=1")
+    assert rows[0]["rollout/reward_one_mean"] == rows[0]["rollout/reward_mean"] == 1.0
+    assert "rollout/reward_never_mean" not in rows[0]
+    assert "null" not in (tmp_path / "both" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    args = _args(tiny_model, tiny_data, tmp_path / "alone", "reward_model=null", f"rewards=[{never}]",
+                 "train.max_steps=1")
+    assert main(["ppo", "--config", str(GRPO_YAML), *args]) == 1               # the reward worker's error
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and "no reward source scored row(s) [0, 1, 2" in err[0] and " of 8 " in err[0]
+    assert "('never' returned None there)" in err[0]

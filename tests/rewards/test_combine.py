@@ -78,6 +78,20 @@ def test_a_function_returning_none_leaves_its_rows_to_the_other_sources(tmp_path
                                                          .sources[0][2])])(inp)
 
 
+def test_a_row_no_source_scores_is_a_one_line_user_error_naming_the_sources():
+    """Every source returning None for a row leaves it without a reward: an error (never a NaN nor
+    a silent 0), a `UserError` and ValueError, on one line naming the rows, of how many, and the
+    sources that returned None (it named none of them, and was a plain ValueError)."""
+    from turborlhf.errors import UserError
+
+    nan = float("nan")
+    per = {"math": torch.tensor([1.0, nan, nan]), "code": torch.tensor([nan, 2.0, nan])}
+    with pytest.raises(UserError, match=r"row\(s\) \[2\] of 3 \('math', 'code' returned None there\)") as e:
+        combine_scores(per, {"math": 1.0, "code": 0.5})
+    assert isinstance(e.value, ValueError) and "\n" not in str(e.value)
+    per["math"][2] = 0.0
+    assert combine_scores(per, {"math": 1.0, "code": 0.5}).tolist() == [1.0, 1.0, 0.0]
+
 def test_a_reward_model_with_another_vocabulary_reads_the_whole_response():
     """The text path (a reward model whose vocabulary differs from the policy's) cut prompt +
     response to 1024 tokens from the right, so a long response was scored at a token in its

@@ -130,11 +130,14 @@ class _RemoteSource:
 
 def combine_scores(per_source_B: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """``Σ_k weights[k] · per_source_B[k]`` in fp32, shape (B,). A NaN score (a reward function's
-    ``None``: it does not score that row) is left out of its row's sum, as TRL's ``nansum``.
+    ``None``: it does not score that row) is left out of its row's sum, as TRL's ``nansum``. A row
+    that no source scores has no reward: an error, neither a NaN nor the 0 that TRL's ``nansum``
+    gives it with a warning (a silent 0 would train the policy towards or away from that row).
 
     Raises:
-        ValueError: no sources, a source without a weight, sources of different lengths, or a
-            row that no source scores (every score NaN).
+        ValueError: no sources, a source without a weight, or sources of different lengths.
+        RewardFunctionError: (a `turborlhf.errors.UserError` and ValueError) a row that no source
+            scores (every score NaN); the message names the rows and the sources.
     """
     if not per_source_B:
         raise ValueError("combine_scores: no reward sources")
@@ -146,14 +149,20 @@ def combine_scores(per_source_B: dict[str, torch.Tensor], weights: dict[str, flo
         raise ValueError(f"combine_scores: no weight for {sorted(missing)}")
     scored = torch.stack([~s.isnan() for s in per_source_B.values()]).any(0)
     if not bool(scored.all()):
+        from turborlhf.rewards.functions import RewardFunctionError
+
         rows = torch.nonzero(~scored).flatten().tolist()
-        raise ValueError(f"combine_scores: no reward source scored row(s) {rows[:8]} (every function returned "
-                         "None there): each response needs a score from at least one source")
+        raise RewardFunctionError(
+            f"no reward source scored row(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} of {len(scored)} "
+            f"({', '.join(repr(k) for k in per_source_B)} returned None there): each response needs a score "
+            "from at least one source; add a source that scores those prompts or return a number for them")
     return sum(float(weights[k]) * s.float().nan_to_num(nan=0.0) for k, s in per_source_B.items())
 
 
 class CombinedReward:
-    """Callable ``(RewardInputs) -> (score_B, {name: source score_B})`` with ``score = Σ w·s``."""
+    """Callable ``(RewardInputs) -> (score_B, {name: source score_B})`` with ``score = Σ w·s``
+    (`combine_scores`). A source's scores are NaN where it returned None (functions and callables
+    only); the combined score is never NaN."""
 
     def __init__(self, sources: list[tuple[str, float, object]]) -> None:
         names = [n for n, _, _ in sources]

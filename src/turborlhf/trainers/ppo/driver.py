@@ -387,6 +387,13 @@ def _explained_variance(values_BR, returns_BR, mask_BR) -> float:
 
 
 def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
+    """The ``rollout/`` metrics of one step's experience (docs/algorithms/ppo.md, Metrics). With
+    several reward sources, ``rollout/reward_<name>_mean`` is each source's mean over the rows it
+    scored; a source that scored no row of the step (a function returning None for every response,
+    as a code checker on a batch of math prompts) has no mean, and the key is left out of that step
+    (TRL logs NaN there, which trackers show as a broken run). The combined ``rollout/reward_mean``
+    is over every row (`turborlhf.rewards.combine.combine_scores`: a row no source scores is an
+    error)."""
     lens = exp.mask_BR.sum(-1)
     out = {M.REWARD_MEAN: float(exp.raw_scores_B.mean()),
            M.REWARD_STD: float(exp.raw_scores_B.std()) if len(exp.raw_scores_B) > 1 else 0.0,   # NaN for one row
