@@ -24,7 +24,10 @@ Arguments (each trainer):
   ``<output_dir>/input_model`` and trained from there;
 - ``args``: the command's config object (``SFTConfig``, ``GRPOConfig`` ...) or a dict of the same
   fields as its YAML (``{"optim": {"lr": 1e-5}, "train": {"max_steps": 10}}``); ``model`` and the
-  datasets given as arguments override its fields;
+  datasets given as arguments override its fields. As in TRL, a config may leave out the data file
+  (``SFTConfig(output_dir="runs/sft")``) and an RL config its reward, which ``train_dataset`` and
+  ``reward_funcs`` then give (`turborlhf.config_base.run_input`); without either, the trainer is
+  refused with a `ConfigError` naming the field;
 - ``train_dataset`` / ``eval_dataset``: a ``datasets.Dataset``, a list of dicts or a path (any
   source of `turborlhf.data.sources`: JSON lines, Parquet, a ``save_to_disk`` directory, a hub id).
   In-memory data is written to ``<output_dir>/data/`` (a ``Dataset`` with ``save_to_disk``, a
@@ -321,7 +324,7 @@ class _Trainer:
     def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, callbacks: Optional[Sequence[Any]] = None,
                  ref_model: Any = None) -> None:
-        from turborlhf.config import config_to_dict, load_config
+        from turborlhf.config import load_config
 
         cls = self._config_class()
         if args is None:
@@ -329,9 +332,12 @@ class _Trainer:
         elif isinstance(args, dict):
             tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
-            # a parent class's object (a PPOConfig given to GRPOTrainer): only the values set in it
-            # go over this trainer's preset
-            tree = config_to_dict(args) if isinstance(args, cls) else _set_values(args, cls)
+            # the values set in it, over the command's defaults (those it left are the same): a critic
+            # section without name_or_path starts from a reward model given as reward_funcs=, not from
+            # ModelCfg's default model; a parent class's object (a PPOConfig given to GRPOTrainer) goes
+            # over this trainer's preset
+            tree = args.model_dump(mode="json", exclude_unset=True) if isinstance(args, cls) \
+                else _set_values(args, cls)
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default).expanduser()

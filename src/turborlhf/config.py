@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from turborlhf.config_base import Cfg, ConfigError, _scalar_kinds  # noqa: F401  (re-exported)
+from turborlhf.config_base import Cfg, ConfigError, _scalar_kinds, check_complete, run_input  # noqa: F401
 from turborlhf.config_distributed import DistributedCfg, RoleResourcesCfg
 from turborlhf.config_rlvr import RLVRAlgoFields, check_rlvr
 from turborlhf.config_rollout import SYNC_TOLERANCE, RolloutFields
@@ -43,6 +43,12 @@ def _at_most(what: str, verb: str = "use") -> Any:
 
 def _held_out(what: str = "file in the same format", note: str = "") -> Any:
     return Field(None, description=f"held-out {what}{note}")
+
+
+def _data_input(description: str) -> Any:
+    """The training data file of a command the Python API has a trainer for: required for a run,
+    but a config may be built without it (`run_input`), as TRL's, and get it from ``train_dataset=``."""
+    return run_input(description, api="train_dataset=")
 
 
 def _policy(description: str = "the policy to fine-tune") -> Any:
@@ -222,8 +228,8 @@ class DataFormatCfg(Cfg):
 
 
 class SFTDataCfg(DataFormatCfg):
-    train_file: str = Field(..., description="pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
-                                             "or SFT JSONL ({prompt, response})")
+    train_file: Optional[str] = _data_input("pair-format JSONL ({prompt, chosen, rejected}: trains on chosen) "
+                                            "or SFT JSONL ({prompt, response})")
     test_file: Optional[str] = _held_out()
     max_len: int = _max_len()
     max_samples: int = _at_most("training examples")
@@ -258,7 +264,7 @@ class SFTConfig(_HeldOutEval):
     """`turborlhf sft`: next-token loss on response tokens only."""
 
     model: ModelCfg = _policy()
-    data: SFTDataCfg
+    data: SFTDataCfg = Field(default_factory=SFTDataCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=2e-5))
     train: SFTTrainCfg = Field(default_factory=SFTTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
@@ -266,7 +272,7 @@ class SFTConfig(_HeldOutEval):
 
 
 class RMDataCfg(DataFormatCfg):
-    train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
+    train_file: Optional[str] = _data_input("pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats")
     max_len: int = _max_len(384)
     max_samples: int = _at_most("training pairs")
@@ -284,7 +290,7 @@ class RMConfig(_HeldOutEval):
     """`turborlhf rm`: pairwise Bradley-Terry reward model."""
 
     model: ModelCfg = Field(default_factory=ModelCfg, description="backbone (causal LM) that gets a scalar head")
-    data: RMDataCfg
+    data: RMDataCfg = Field(default_factory=RMDataCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-5))
     train: RMTrainCfg = Field(default_factory=RMTrainCfg)
     log: LogCfg = Field(default_factory=LogCfg)
@@ -292,7 +298,7 @@ class RMConfig(_HeldOutEval):
 
 
 class PPODataCfg(DataFormatCfg):
-    prompts_file: str = Field(..., description="prompts: {prompt} JSONL, pair-format or raw HH lines")
+    prompts_file: Optional[str] = _data_input("prompts: {prompt} JSONL, pair-format or raw HH lines")
     max_samples: int = _at_most("prompts")
     ptx_file: Optional[str] = Field(None, description="PPO-ptx: SFT data ({prompt, response}, messages or pair "
                                                       "format: trains on chosen) mixed into the actor loss")
@@ -417,7 +423,7 @@ class PPOConfig(Cfg):
     rewards: list[RewardSourceCfg] = Field(default_factory=list, description="further reward sources "
                                            "(model/function/remote); the score is Σ weight·score")
     reference: Optional[str] = Field(None, description="reference policy; default = the actor's initial weights")
-    data: PPODataCfg
+    data: PPODataCfg = Field(default_factory=PPODataCfg)
     rollout: PPORolloutCfg = Field(default_factory=PPORolloutCfg)
     algo: PPOAlgoCfg = Field(default_factory=PPOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, schedule="constant"))
@@ -457,9 +463,17 @@ class PPOConfig(Cfg):
             return self.reward_model
         return next((r.path for r in self.rewards if r.kind == "model"), None)
 
+    def missing_inputs(self, prefix: str = "") -> list[str]:
+        """`Cfg.missing_inputs`, and a reward: ``reward_model`` or ``rewards`` (the Python API's
+        ``reward_funcs=``), which a config may be built without, as TRL's ``GRPOConfig``."""
+        no_reward = [] if self.reward_model or self.rewards else [
+            f"no reward: set {prefix}reward_model or {prefix}rewards (a list of {{kind, path, weight}}), or pass "
+            "reward_funcs= to the Python API's trainer"]
+        return super().missing_inputs(prefix) + no_reward
+
     def model_post_init(self, context: Any) -> None:
-        if not self.reward_model and not self.rewards:
-            raise ValueError("no reward: set reward_model or rewards (a list of {kind, path, weight})")
+        # no reward yet (the Python API's reward_funcs= come later): what depends on it waits for it
+        has_reward = bool(self.reward_model or self.rewards)
         # the names `turborlhf.rewards.combine.build_reward` gives (metrics rollout/reward_<name>_mean)
         names = (["rm"] if self.reward_model else []) + [r.name or f"{r.kind}{i}" for i, r in enumerate(self.rewards)]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -472,13 +486,13 @@ class PPOConfig(Cfg):
         if self.reference is not None and not self.algo.needs_reference:
             raise ValueError(f"reference={self.reference} is unused with algo.kl_coef=0 and no algo.kl_target (no KL "
                              "term): drop one of them")
-        if (self.algo.needs_critic and self.critic is not None
+        if (has_reward and self.algo.needs_critic and self.critic is not None
                 and "name_or_path" not in self.critic.model_fields_set):
             # no reward model to write in (`_critic_section_starts_from_the_reward_model`): the critic
             # would start from ModelCfg's default model, whatever the actor is
             raise ValueError("critic.name_or_path: a critic section without it starts from the reward model, and no "
                              "reward source is a model: set critic.name_or_path")
-        if self.algo.needs_critic and self.critic_init is None:
+        if has_reward and self.algo.needs_critic and self.critic_init is None:
             raise ValueError("advantage_estimator=gae needs a critic: set critic.name_or_path (no model reward "
                              "source to initialise it from)")
         if not self.algo.needs_critic and self.critic is not None:
@@ -512,7 +526,7 @@ class PPOConfig(Cfg):
 # ----------------------------------------------------------------------------------------------
 # >>> dpo-kto configs
 class DPODataCfg(DataFormatCfg):
-    train_file: str = Field(..., description="pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
+    train_file: Optional[str] = _data_input("pairs: pair-format JSONL or raw HH lines (.jsonl/.jsonl.gz)")
     test_file: Optional[str] = _held_out("pairs in the same formats", " (eval/* metrics)")
     max_len: int = _max_len(note="; chosen and rejected keep the same (left-cut) prompt")
     max_samples: int = _at_most("training pairs")
@@ -555,7 +569,7 @@ class DPOConfig(_HeldOutEval):
 
     model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
     reference: Optional[str] = _initial_reference()
-    data: DPODataCfg
+    data: DPODataCfg = Field(default_factory=DPODataCfg)
     algo: DPOAlgoCfg = Field(default_factory=DPOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: DPOTrainCfg = Field(default_factory=DPOTrainCfg)
@@ -570,8 +584,8 @@ class DPOConfig(_HeldOutEval):
 
 
 class KTODataCfg(DataFormatCfg):
-    train_file: str = Field(..., description="KTO JSONL {prompt, completion, label} or any pair format "
-                                             "(each pair = 1 desirable + 1 undesirable example)")
+    train_file: Optional[str] = _data_input("KTO JSONL {prompt, completion, label} or any pair format "
+                                            "(each pair = 1 desirable + 1 undesirable example)")
     test_file: Optional[str] = _held_out("examples in the same formats", " (eval/* metrics)")
     max_len: int = _max_len()
     max_samples: int = _at_most("training examples")
@@ -595,7 +609,7 @@ class KTOConfig(_HeldOutEval):
 
     model: ModelCfg = _policy("the policy to optimise (usually an SFT model)")
     reference: Optional[str] = _initial_reference()
-    data: KTODataCfg
+    data: KTODataCfg = Field(default_factory=KTODataCfg)
     algo: KTOAlgoCfg = Field(default_factory=KTOAlgoCfg)
     optim: OptimCfg = Field(default_factory=lambda: OptimCfg(lr=1e-6, warmup_steps=5))
     train: KTOTrainCfg = Field(default_factory=KTOTrainCfg)

@@ -8,11 +8,11 @@ import types
 import typing
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from turborlhf.errors import UserError
 
-__all__ = ["Cfg", "ConfigError"]
+__all__ = ["Cfg", "ConfigError", "run_input", "is_run_input", "check_complete"]
 
 
 class ConfigError(UserError, ValueError):
@@ -35,6 +35,29 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def run_input(description: str, api: str) -> Any:
+    """A field a run needs that a config may be built without (None until set): the Python API's
+    trainers fill it from an argument, `api` (``train_dataset=``), as TRL's do, so
+    ``SFTConfig(output_dir=...)`` is a config and the dataset goes to ``SFTTrainer``. `load_config`
+    and every trainer refuse a config that leaves it unset (`check_complete`); ``--help`` shows it
+    as required."""
+    return Field(None, description=description, json_schema_extra={"run_input": api})
+
+
+def is_run_input(field: Any) -> bool:
+    """Whether the pydantic field `field` is a `run_input`."""
+    return isinstance(field.json_schema_extra, dict) and "run_input" in field.json_schema_extra
+
+
+def check_complete(cfg: "Cfg", prefix: str = "") -> None:
+    """`ConfigError`, one line naming each field, for a config without what a run needs
+    (`Cfg.missing_inputs`: a data file, PPO's reward), e.g. ``data.train_file: required (set it in
+    the config, or pass train_dataset= to the Python API's trainer)``."""
+    missing = cfg.missing_inputs(prefix)
+    if missing:
+        raise ConfigError("; ".join(missing))
+
+
 # fields holding a local path (or a hub id / zoo name, which never starts with "~"), besides *_file and *_dir
 _PATH_FIELDS = frozenset({"name_or_path", "path", "input", "model", "reward_model", "ref_model"})
 
@@ -48,6 +71,19 @@ class Cfg(BaseModel):
     # device/precision choices made for this host by `turborlhf.engine.run.resolve_hardware`
     # (field → {value, reason}); not a field: never in YAML, saved as the run's hardware.json
     _hardware: dict = PrivateAttr(default_factory=dict)
+
+    def missing_inputs(self, prefix: str = "") -> list[str]:
+        """What a run of this config still needs, one message per field, sections' included: each
+        `run_input` left None, named with `prefix` (``sft.`` for a pipeline stage). [] when complete."""
+        out = []
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value is None and is_run_input(field):
+                out.append(f"{prefix}{name}: required (set it in the config, or pass "
+                           f"{field.json_schema_extra['run_input']} to the Python API's trainer)")
+            elif isinstance(value, Cfg):
+                out += value.missing_inputs(f"{prefix}{name}.")
+        return out
 
     @model_validator(mode="before")
     @classmethod

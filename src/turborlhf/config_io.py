@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from turborlhf.config import Cfg, ConfigError
+from turborlhf.config_base import check_complete, is_run_input
 
 C = TypeVar("C", bound=Cfg)
 
@@ -213,7 +214,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     """Build `cls` from a YAML file (optional), a base dict, then ``key.sub=value`` overrides.
 
     Order of precedence: overrides > YAML file > base > the command's defaults.
-    Raises `ConfigError` naming the file or the dotted field.
+    Raises `ConfigError` naming the file or the dotted field, also for a config without what a
+    run needs (`turborlhf.config_base.check_complete`: a data file, PPO's reward), in one line.
     """
     given: dict = json.loads(json.dumps(base)) if base else {}       # what the user set, defaults aside
     if path is not None:
@@ -225,9 +227,11 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
         _set_dotted(given, key, value)
     _epochs_over_default_steps(tree, given)
     try:
-        return cls.model_validate(tree)
+        cfg = cls.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e, cls=cls)) from None
+    check_complete(cfg)
+    return cfg
 
 
 def _epochs_over_default_steps(tree: dict, given: dict) -> None:
@@ -251,14 +255,16 @@ def _deep_update(dst: dict, src: dict) -> dict:
 
 def validate_section(cls: type[C], tree: dict, section: str) -> C:
     """Validate a dict (e.g. a pipeline stage section) on top of the command's defaults and
-    prefix error paths with `section`."""
+    prefix error paths with `section`; a config without what a run needs is refused as by `load_config`."""
     given = json.loads(json.dumps(tree))
     full = _deep_update(default_tree(cls), json.loads(json.dumps(given)))
     _epochs_over_default_steps(full, given)
     try:
-        return cls.model_validate(full)
+        cfg = cls.model_validate(full)
     except ValidationError as e:
         raise ConfigError(_format_error(e, prefix=f"{section}.", cls=cls)) from None
+    check_complete(cfg, prefix=f"{section}.")
+    return cfg
 
 
 def config_to_dict(cfg: Cfg) -> dict:
@@ -284,13 +290,15 @@ def config_help(cls: type[Cfg], prefix: str = "", defaults: Cfg | None = None, i
             lines.extend(config_help(sub, prefix=key + ".", defaults=value if isinstance(value, Cfg) else None,
                                      item=item))
             continue
+        if is_run_input(f):             # Optional only until the run is given it
+            ann = next(a for a in getattr(ann, "__args__", (ann,)) if a is not type(None))
         tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         lines.append(_help_line(key, tname, _default_text(f, value, defaults, item), f, item))
     return lines
 
 
 def _default_text(f, value: Any, defaults: Cfg | None, item: bool) -> str:
-    if f.is_required() and defaults is None:
+    if (f.is_required() and defaults is None) or is_run_input(f):     # a run input: unset by default, needed
         return "needed per item" if item else "required"
     return f"{'item ' if item else ''}default={_short(value)}"
 

@@ -656,3 +656,39 @@ def test_reward_trainer_uses_a_margin_column_as_trl_does(tiny_model, tiny_data, 
                            args={**common, "output_dir": str(tmp_path / "d")})
     assert not no_col.args.train.margin
     no_col.close()
+
+
+def test_config_objects_are_built_without_data_and_the_trainer_gives_it(tiny_model, tiny_rm, tmp_path):
+    """TRL's ``SFTConfig(output_dir=...)`` is a config and the dataset goes to the trainer; here
+    every config the API has a trainer for refused it (pydantic's multi-line "data: Field required",
+    GRPO's and PPO's "no reward" too). A trainer then given no dataset, or a trainer's ``train``
+    called with such a config, is a one-line error naming the field, before anything is written."""
+    from turborlhf import (DPOConfig, GRPOConfig, GRPOTrainer, KTOConfig, PPOConfig, PPOTrainer, RLOOConfig,
+                           RMConfig, SFTConfig, SFTTrainer)
+    from turborlhf.config import ConfigError
+
+    for cls in (SFTConfig, RMConfig, DPOConfig, KTOConfig, PPOConfig, GRPOConfig, RLOOConfig):
+        cfg = cls(output_dir=str(tmp_path / cls.__name__))
+        field = "data.prompts_file" if isinstance(cfg, PPOConfig) else "data.train_file"
+        assert cfg.missing_inputs()[0].startswith(f"{field}: required"), cls.__name__
+    sft = SFTTrainer(model=str(tiny_model), args=SFTConfig(output_dir=str(tmp_path / "sft")),
+                     train_dataset=[{"prompt": "hi", "response": "there"}])
+    assert sft.args.data.train_file == str(tmp_path / "sft" / "data" / "train.jsonl")
+    sft.close()
+    with pytest.raises(ConfigError, match=r"^data\.train_file: required \(.*train_dataset="):
+        SFTTrainer(model=str(tiny_model), args=SFTConfig(output_dir=str(tmp_path / "none")))
+    from turborlhf.trainers.sft import train
+
+    with pytest.raises(ConfigError, match=r"^data\.train_file: required"):
+        train(SFTConfig(output_dir=str(tmp_path / "direct")))
+    assert not (tmp_path / "direct").exists()
+    grpo = GRPOTrainer(model=str(tiny_model), reward_funcs=exact_answer, train_dataset=_questions(),
+                       args=GRPOConfig(output_dir=str(tmp_path / "grpo")))
+    assert grpo.args.algo.advantage_estimator == "grpo" and [s.kind for s in grpo.args.rewards] == ["callable"]
+    grpo.close()
+    # PPO's critic section without name_or_path starts from the reward model given to the trainer, not
+    # from ModelCfg's default model (the config object's unset fields are not carried over)
+    ppo = PPOTrainer(model=str(tiny_model), reward_funcs=str(tiny_rm), train_dataset=_questions(),
+                     args=PPOConfig(critic={"freeze_layers": 1}, output_dir=str(tmp_path / "ppo")))
+    assert ppo.args.critic_init == str(tiny_rm) and ppo.args.critic.freeze_layers == 1
+    ppo.close()

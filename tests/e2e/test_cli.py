@@ -279,3 +279,22 @@ def test_a_tilde_in_a_path_field_is_the_home_directory(tmp_path, monkeypatch):
         (f"{tmp_path}/runs/x", f"{tmp_path}/a.jsonl", f"{tmp_path}/m")
     ppo = PPOConfig(reward_model="~/rm", data={"prompts_file": "p"}, output_dir="~/o")
     assert (ppo.reward_model, ppo.output_dir, ppo.data.prompts_file) == (f"{tmp_path}/rm", f"{tmp_path}/o", "p")
+
+
+def test_a_config_file_without_data_or_reward_is_refused_in_one_line(tmp_path, capsys):
+    """The data file (PPO's reward too) is no longer required to build a config, as in TRL, where the
+    Python API's trainer gets it; a run still needs it: the command line refuses a file without it in
+    one line naming the field (it was pydantic's "invalid config" block)."""
+    f = tmp_path / "c.yaml"
+    f.write_text(f"output_dir: {tmp_path / 'out'}\n")
+    for cmd, fields in (("sft", ["data.train_file: required"]), ("rm", ["data.train_file: required"]),
+                        ("dpo", ["data.train_file: required"]), ("kto", ["data.train_file: required"]),
+                        ("grpo", ["data.prompts_file: required", "no reward: set reward_model or rewards"])):
+        assert main([cmd, "--config", str(f)]) == 2, cmd
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and all(x in err[0] for x in fields), (cmd, err)
+    assert not (tmp_path / "out").exists()
+    assert load_config(PPOConfig, None, ["data.prompts_file=p", "reward_model=r"]).data.prompts_file == "p"
+    with pytest.raises(ConfigError, match=r"^sft\.data\.train_file: required"):      # a pipeline stage's prefix
+        from turborlhf.config import validate_section
+        validate_section(SFTConfig, {}, "sft")

@@ -150,12 +150,15 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     checkpoints an earlier run left in the directory are removed, with a warning: they would
     outrank the new run's in rotation and be what a later ``--resume`` continues (as ``config.yaml``
     and the outputs, they belong to the run now starting there). An output_dir that is itself one
-    of the run's inputs (its model, reference...) raises `ConfigError`. The resolved config is
-    written to ``config.yaml`` only after these checks.
+    of the run's inputs (its model, reference...) raises `ConfigError`, as does a config without what
+    a run needs (`turborlhf.config_base.check_complete`: one built directly, ``SFTConfig()`` without a
+    data file). The resolved config is written to ``config.yaml`` only after these checks.
     """
+    from turborlhf.config_base import check_complete
     from turborlhf.engine.run import clear_export, setup_run
     from turborlhf.metrics import console_logging
 
+    check_complete(cfg)
     console_logging()           # the run's messages on the console (once per process)
     out = Path(cfg.output_dir)
     _check_not_an_input(cfg, out)
