@@ -327,6 +327,39 @@ def test_a_request_whose_client_left_is_not_scored():
     assert answer["dropped"] == 1
 
 
+def test_a_waiting_request_on_a_socket_numbered_past_1024_is_answered():
+    """Whether a waiting client had left was asked with select(), which refuses descriptors from
+    FD_SETSIZE (1024) on: a server holding that many files and connections answered nothing to
+    every request that waited longer than a poll (ValueError), and scored it all the same."""
+    import fcntl
+    import resource
+    from types import SimpleNamespace
+
+    from turborlhf.rewards.server import _Handler
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= 1100:
+        if hard != resource.RLIM_INFINITY and hard <= 1100:
+            pytest.skip(f"RLIMIT_NOFILE {soft}/{hard}: no descriptor past 1024 here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    mine, peer = socket.socketpair()
+    high = socket.socket(fileno=fcntl.fcntl(mine.fileno(), fcntl.F_DUPFD, 1100))     # the lowest free >= 1100
+    mine.close()
+    try:
+        handler = SimpleNamespace(connection=high)
+        assert _Handler._client_gone(handler) is False                # waiting: still there
+        peer.sendall(b"GET /health HTTP/1.1\r\n")                    # its next request: still there
+        assert _Handler._client_gone(handler) is False
+        peer.close()
+        high.recv(64)                                                 # (the request read) ... then it left
+        assert _Handler._client_gone(handler) is True
+    finally:
+        high.close()
+        peer.close()
+        if soft <= 1100:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 # ----------------------------------------------------------------------------------------------
 # authentication and /health
 # ----------------------------------------------------------------------------------------------

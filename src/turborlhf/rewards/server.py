@@ -390,6 +390,17 @@ def _reply_busy(sock: socket.socket, n: int) -> None:
         pass
 
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether `sock` has bytes, an end of file or an error to read now. poll() where the platform
+    has it: select() refuses descriptors from FD_SETSIZE (1024) on, which a server holding many
+    connections and files reaches (ValueError, and the request was never answered)."""
+    if hasattr(select, "poll"):
+        p = select.poll()
+        p.register(sock, select.POLLIN)
+        return bool(p.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 class _DeadlineReader(io.RawIOBase):
     """The connection's bytes, each receive bounded by the handler's request deadline, so a client
     that sends slowly (or not at all) cannot hold a thread longer than ``read_timeout_s``."""
@@ -566,7 +577,7 @@ class _Handler(BaseHTTPRequestHandler):
         reads as end of file. Bytes a client sent meanwhile (its next request) are left unread."""
         sock = self.connection
         try:
-            if not select.select([sock], [], [], 0)[0]:
+            if not _readable(sock):
                 return False
             return sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)) == b""
         except BlockingIOError:
