@@ -131,6 +131,27 @@ def test_a_response_past_the_models_max_len_gets_413():
         ServerLimits(max_response_tokens=0)
 
 
+def test_a_text_of_as_many_bytes_as_the_limit_is_counted():
+    """Texts no longer than the limit in bytes were not tokenised (a token being at least one byte),
+    but a SentencePiece tokenizer's word-start piece before the first word is one token more
+    (Llama 2, Mistral: "1" is "▁", "1"): a response of 10 digits is 11 tokens, and with a limit of
+    10 it was scored with its EOS cut, where the reward is read, instead of getting 413."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sp = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(["<unk>", "▁", *"0123456789"])}, merges=[],
+                              unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    assert len(sp.encode("1234567890").ids) == 11
+    limits = ServerLimits(max_text_tokens=20, max_response_tokens=10)
+    with _Live(limits=limits, count_tokens=lambda t: len(sp.encode(t).ids)) as live:
+        client = RemoteRewardModel(f"http://{HOST}:{live.port}", timeout_s=10, retries=0)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413\): responses\[0\] has 11 tokens"):
+            client.score(["p"], ["1234567890"])
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413\): prompts\[0\] has 21 tokens"):
+            client.score(["1" * 20], ["1"])
+        assert client.score(["1" * 19], ["123456789"]) == [9.0]           # 20 and 10 tokens: fine
+
+
 def test_deep_json_gets_400():
     with _Live() as live:
         for body in (b"[" * 100_000, b'{"prompts": ' + b"[" * 100_000 + b"]" * 100_000 + b', "responses": []}'):

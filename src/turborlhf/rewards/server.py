@@ -354,8 +354,10 @@ class RewardHTTPServer(HTTPServer):
 
     def count_tokens(self, text: str, limit: Optional[int] = None) -> int:
         """Tokens of `text`, or 0 when it cannot exceed `limit` (default ``max_text_tokens``): a
-        token is at least one byte, so short texts are not tokenised."""
-        if self._count_tokens is None or len(text.encode()) <= (limit or self.limits.max_text_tokens):
+        token is at least one byte, but a SentencePiece tokenizer adds a word-start piece before the
+        first word (Llama 2, Mistral: "1" is "▁", "1"), so only texts shorter than the limit in
+        bytes are not tokenised."""
+        if self._count_tokens is None or len(text.encode()) < (limit or self.limits.max_text_tokens):
             return 0
         with self._count_lock:               # one tokenizer shared by all connection threads
             return self._count_tokens(text)
