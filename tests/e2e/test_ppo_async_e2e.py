@@ -216,6 +216,64 @@ def test_stuck_rollout_raises_the_named_timeout(tiny_model, tiny_rm, tiny_data, 
     assert "error: the rollouts of step 2" in capsys.readouterr().err
 
 
+def test_a_failed_generation_keeps_the_checkpoint_of_the_step_trained_meanwhile(tiny_model, tiny_rm, tiny_data,
+                                                                                tmp_path, monkeypatch):
+    """Step 2's rollouts, generated while step 1 trains, fail. The synchronous trainer has saved
+    step 1 by then; the pipeline raised the error at the wait before step 1's push, so step 1's
+    update and checkpoint were lost (with train.save_every: 50, every step since the last one).
+    Now step 1 is pushed and saved, step 2 stops the run, and --resume generates its batch again."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+    from turborlhf.trainers.ppo import roles
+
+    real = roles.RolloutWorker.generate
+    n = []
+
+    def second_fails(self, prompts, params):        # step 1's batch is fine; step 2's (in the background) fails
+        n.append(1)
+        if len(n) == 2:
+            raise RuntimeError("engine out of memory")
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(roles.RolloutWorker, "generate", second_fails)
+    out = tmp_path / "run"
+    extra = ["train.max_steps=3", "train.save_every=1", "rollout.max_staleness=1", *TIS]
+    assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra)) == 1
+    assert latest_checkpoint(out) is not None, "the step trained while the generation failed was not saved"
+    st = load_trainer_state(latest_checkpoint(out))
+    assert st["step"] == 1 and st["async_rollouts"]["batches"] == []
+    monkeypatch.setattr(roles.RolloutWorker, "generate", real)
+    rows = _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness"] == 0.0     # generated again
+
+
+def test_a_generation_error_waits_for_the_next_step_but_its_own_timeout_does_not():
+    """`wait` keeps a failed generation's error for the next `take` (the engines are idle: the push
+    and the checkpoint go ahead), but raises a generation's own WorkerTimeoutError at once (an
+    engine may still be busy with it)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+
+    from turborlhf.distributed.group import WorkerError, WorkerTimeoutError
+    from turborlhf.trainers.ppo.async_rollout import RolloutPipeline
+
+    cfg = NS(rollout=NS(max_staleness=1), algo=NS(critic_warmup_steps=0), distributed=NS(timeout_s=5.0))
+    pipe = RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0]], None, start=0)
+
+    def pending(exc):
+        fut = Future()
+        fut.set_exception(exc)
+        pipe.pending = (1, fut)
+
+    pending(WorkerError("rollout failed in generate: boom", "rollout", 0, "generate"))
+    pipe.wait()                                           # the push and the checkpoint may follow
+    assert pipe.pending is None and pipe.state()["batches"] == []
+    with pytest.raises(WorkerError, match="boom"):
+        pipe.take(1)
+    pending(WorkerTimeoutError("rollout worker rank 0 did not finish a generate item", "rollout", 0, "generate"))
+    with pytest.raises(WorkerTimeoutError, match="did not finish"):
+        pipe.wait()
+
+
 # ----------------------------------------------------------------------------------------------
 # Dynamic sampling in the background thread (reward scoring there), k = 2
 # ----------------------------------------------------------------------------------------------

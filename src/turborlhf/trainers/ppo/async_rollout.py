@@ -26,6 +26,10 @@ Guarantees kept:
   is refused with ``max_staleness > 0``);
 - every wait has a timeout: waiting for a pending batch longer than ``distributed.timeout_s``
   raises `RolloutTimeoutError` (a `WorkerTimeoutError`) naming the step;
+- a generation that fails (an engine or a reward function raising) stops the run at the start of
+  the next step, as in the synchronous trainer: the step trained meanwhile is still pushed and
+  checkpointed (without the failed batch, which ``--resume`` generates again); a timeout stops it
+  at once (an engine may still be busy);
 - a checkpoint after step n holds the generated-but-untrained batches of steps n+1 … n+k (prompts,
   responses, finished flags, engine log-probs, scores when already scored, metrics, the policy
   version that generated them, generation time), so ``--resume`` trains on exactly those instead
@@ -171,6 +175,7 @@ class RolloutPipeline:
         self.engine_version = actor_version(start, self.warmup)     # the engines hold the start weights
         self.ready: dict[int, RolloutBatch] = {}
         self.pending: Optional[tuple[int, Future]] = None
+        self.failed: Optional[Exception] = None     # a generation's error, raised by the next `take`
         self.waited = 0.0
         self._locked: dict[str, Any] = {}
         if cluster.backend == "local":      # the background thread calls these roles
@@ -247,7 +252,12 @@ class RolloutPipeline:
 
     def wait(self) -> None:
         """Wait for the pending batch (if any) and keep it. Raises `RolloutTimeoutError` after
-        ``distributed.timeout_s`` seconds, or the generation's own error (e.g. a `WorkerError`)."""
+        ``distributed.timeout_s`` seconds, and a generation's own `WorkerTimeoutError` (an engine
+        may still be busy). Any other error of the generation (e.g. a `WorkerError`) is kept for
+        the next `take` to raise: the engines are idle, so the push and the checkpoint of the step
+        trained meanwhile still happen, as the synchronous trainer saves a step before the next
+        one's generation fails (raised here, it lost that checkpoint, and with
+        ``train.save_every`` the steps since the previous one)."""
         if self.pending is None:
             return
         step, fut = self.pending
@@ -259,6 +269,14 @@ class RolloutPipeline:
                 f"the rollouts of step {step + 1} (generated in the background, rollout.max_staleness={self.k}) "
                 f"were not ready within {self.timeout_s:g} s (distributed.timeout_s)", "rollout", None,
                 "generate") from None
+        except WorkerTimeoutError:      # an engine may still be busy (Ray's item timeout on a shared process)
+            raise
+        except Exception as e:
+            self.pending, self.failed = None, e
+            logger.warning(f"[ppo] the rollouts of step {step + 1} (generated in the background) failed: "
+                           f"{type(e).__name__}: {e}; the run stops before the next step (this one is still "
+                           "pushed and saved)")
+            return
         finally:
             self.waited += time.perf_counter() - t0
         self.pending = None
@@ -266,9 +284,13 @@ class RolloutPipeline:
 
     def take(self, step: int) -> RolloutBatch:
         """The rollouts of `step` (generated now only at the start, or after a resume without saved
-        ones), after launching the generation of step ``step + k`` with the engines' current weights."""
+        ones), after launching the generation of step ``step + k`` with the engines' current weights.
+        Raises the error of a generation that failed since the last step (`wait`)."""
         self.waited = 0.0
         self.wait()
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
         for s in range(step, min(step + self.k, len(self.plan))):
             if s not in self.ready:
                 self.ready[s] = self._generate(s, self.engine_version)
