@@ -44,6 +44,22 @@ def test_a_signal_while_the_last_checkpoint_is_written_stops_after_it():
         list(checkpointed_steps(0, 3, save, 0, "t"))
 
 
+def test_a_signal_while_a_periodic_checkpoint_is_written_stops_after_it():
+    """A signal that arrived while a save_every checkpoint was being written ran one more whole
+    step (a PPO step takes minutes; a preempted job's grace period may not) and saved again."""
+    saved, ran = [], []
+
+    def save(done):
+        saved.append(done)
+        if done == 2:
+            os.kill(os.getpid(), signal.SIGTERM)          # arrives mid-write: the write still completes
+        return f"ckpt-{done}"
+    with pytest.raises(RunInterrupted, match=r"SIGTERM at step 2/10: kept checkpoint ckpt-2") as e:
+        for step in checkpointed_steps(0, 10, save, 2, "t"):
+            ran.append(step)
+    assert ran == [0, 1] and saved == [2] and e.value.exit_code == 143
+
+
 def test_signal_finishes_the_step_saves_and_raises_then_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
     saved, ran = [], []

@@ -370,8 +370,9 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
       a run stopped there keeps its steps (``--resume`` then runs only the final evaluation and
       export, which the caller does after the loop with the default signal handlers back);
     - otherwise every `save_every` steps (0 = never), and after the last step whatever
-      `save_every` is: that checkpoint is written while the handlers still turn a signal into a
-      stop after it (a SIGTERM during it killed the run with no checkpoint at all).
+      `save_every` is: a checkpoint is written while the handlers still turn a signal into a
+      stop right after it (a SIGTERM during the last one killed the run with no checkpoint at all;
+      one during a periodic one ran a further step and saved again).
 
     `save(done)` writes a resumable checkpoint after `done` steps and returns its directory. The
     signal handlers are installed when the loop starts and restored when it ends (also on errors).
@@ -389,9 +390,11 @@ def checkpointed_steps(start: int, total: int, save: Callable[[int], Path], save
                                      "continue with --resume", stop.signum or signal.SIGTERM)
             if done == total or (save_every and done % save_every == 0):
                 path = save(done)
-                if done == total and stop.signum is not None:     # received while writing it: complete, stop
-                    raise RunInterrupted(f"{signal.Signals(stop.signum).name} after the last step {total}: kept "
-                                         f"checkpoint {path}; continue with --resume", stop.signum)
+                if stop.signum is not None:      # received while writing it: complete, stop (not after another step)
+                    name = signal.Signals(stop.signum).name
+                    where = f"after the last step {total}" if done == total else f"at step {done}/{total}"
+                    raise RunInterrupted(f"{name} {where}: kept checkpoint {path}; continue with --resume",
+                                         stop.signum)
 
 
 def eval_due(done: int, total: int, eval_every: int, has_eval_data: bool) -> bool:
