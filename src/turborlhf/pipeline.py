@@ -43,6 +43,7 @@ import uuid
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from turborlhf.config import (PipelineConfig, PPOConfig, RMConfig, SFTConfig, _deep_update, config_to_dict,
                               validate_section)
@@ -321,15 +322,19 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
         send.close()
         for signum in forwarded:   # received while the child was being started
             os.kill(child.pid, signum)
+        report, reading = None, True
         while child.is_alive():
-            child.join(0.5)
+            # the report is read as it comes, not after the child's exit: one larger than the pipe's
+            # buffer (a long error message) blocked the child's write while this process waited for it
+            if reading and recv.poll(0.5):
+                report, reading = _receive(recv), False
+            elif not reading:
+                child.join(0.5)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    try:
-        report = recv.recv() if recv.poll() else None
-    except EOFError:              # closed without a report: the stage succeeded, or died
-        report = None
+    if reading:
+        report = _receive(recv) if recv.poll() else None
     if report is not None:
         err, exit_code = pickle.loads(report)
         if exit_code is not None:
@@ -349,6 +354,15 @@ def run_stage_in_child(stage: str, cfg, resume: bool) -> None:
         raise RunError(f"[pipeline] the {stage} stage's process ended with code {child.exitcode} without an error "
                        "report (-9: killed, e.g. by the kernel's OOM killer); --resume continues from its last "
                        "checkpoint")
+
+
+def _receive(recv) -> Optional[bytes]:
+    """The child's report from `recv`, or None: closed without one (the stage succeeded, or died,
+    perhaps part-way through writing it)."""
+    try:
+        return recv.recv()
+    except (EOFError, OSError):
+        return None
 
 
 def _stage_main(stage: str, cfg, resume: bool, allow_changed: bool, keep_freed: bool, conn) -> None:
