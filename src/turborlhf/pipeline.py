@@ -17,9 +17,10 @@ are the ones it finished with (a training stage's config; the prepare stage's se
 tokenizer; the eval section): a changed one is refused, naming the fields, or with
 ``--resume-changed`` runs that stage again, and every later one. A stage whose input stage
 finished again since (in this or an earlier invocation) runs again too. An interrupted stage
-resumes from its last checkpoint. Without ``sft`` in ``stages``, RM, PPO and the evaluation start
-from an SFT model an earlier run finished in ``run_dir``, else from the base model. The stage
-sections cannot move a stage's output (``output_dir``) or its wired inputs (the models and data
+resumes from its last checkpoint, unless one of its input stages finished again since it started
+(its ``.started`` marker): then it starts over. Without ``sft`` in ``stages``, RM, PPO and the
+evaluation start from an SFT model an earlier run finished in ``run_dir``, else from the base
+model. The stage sections cannot move a stage's output (``output_dir``) or its wired inputs (the models and data
 files the pipeline passes between stages): the stages find each other's models under ``run_dir``.
 
 The training stages (sft, rm, ppo) each run in a fresh process (`run_stage_in_child`), as the
@@ -108,9 +109,9 @@ def _sft_model(cfg: PipelineConfig, run_dir: Path, model: str) -> str:
     return str(sft) if "sft" in cfg.stages or (sft / ".done").exists() else model
 
 
-def _marker(d: Path) -> dict:
+def _marker(d: Path, name: str = ".done") -> dict:
     try:
-        return json.loads((d / ".done").read_text())
+        return json.loads((d / name).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -167,8 +168,19 @@ def run(cfg: PipelineConfig, resume: bool = False) -> dict:
                                     f"{where}, or pass --resume-changed to run the stage again")
             logger.warning(f"[pipeline] {stage}: finished before with another config ({changed}): trained again")
             again = True
+        inputs = {n: _marker(stage_dirs[n]).get("id") for n in reads[stage]}
+        if stage in _TRAINERS and resume and not again and not done.exists():
+            # an interrupted stage: its checkpoints grew out of the outputs it read when it started
+            started = _marker(stage_dirs[stage], ".started").get("inputs")
+            if started is not None and (moved := [n for n in inputs if started.get(n) != inputs[n]]):
+                logger.warning(f"[pipeline] {stage}: the {', '.join(moved)} stage's output changed since this stage "
+                               "started: its checkpoints are of the earlier one, trained again from the start")
+                again = True
         logger.info(f"\n[pipeline] ===== {stage} =====")
         done.unlink(missing_ok=True)      # a stage run again is not done until it finishes again
+        if stage in _TRAINERS and (again or not resume):
+            # the ids of the outputs it starts from: a --resume of it interrupted compares them
+            atomic_write_text(stage_dirs[stage] / ".started", json.dumps({"inputs": inputs}))
         t0 = time.perf_counter()
         if stage == "prepare":
             _prepare(cfg, model, data)
