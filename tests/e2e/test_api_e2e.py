@@ -692,3 +692,15 @@ def test_config_objects_are_built_without_data_and_the_trainer_gives_it(tiny_mod
                      args=PPOConfig(critic={"freeze_layers": 1}, output_dir=str(tmp_path / "ppo")))
     assert ppo.args.critic_init == str(tiny_rm) and ppo.args.critic.freeze_layers == 1
     ppo.close()
+
+
+def test_a_preset_config_given_to_the_ppo_trainer_keeps_its_preset(tiny_model, tiny_rm, tmp_path):
+    """Only the fields set in a config object are taken; a GRPOConfig's own algo section is its
+    class's default, never set, so PPOTrainer(args=GRPOConfig(...)) trained PPO with GAE and a critic."""
+    from turborlhf import GRPOConfig, PPOTrainer
+
+    ppo = PPOTrainer(model=str(tiny_model), reward_funcs=str(tiny_rm), train_dataset=_questions(),
+                     args=GRPOConfig(output_dir=str(tmp_path / "grpo"), train={"max_steps": 3}))
+    assert (ppo.args.algo.advantage_estimator, ppo.args.algo.n_samples_per_prompt, ppo.args.train.max_steps) == (
+        "grpo", 4, 3) and not ppo.args.algo.needs_critic
+    ppo.close()
