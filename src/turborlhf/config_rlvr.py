@@ -50,8 +50,8 @@ class RLVRAlgoFields(BaseModel):
         "token", description="ratio per token, or one per response (product of its token ratios)")
     rollout_is_threshold: float = Field(2.0, ge=1.0, description="C of TIS/MIS")
     mismatch_kl_alarm: Optional[float] = Field(
-        None, gt=0, description="alarm when rollout/mismatch_kl (engine-vs-trainer KL per token) exceeds this; "
-                                "None = only log it")
+        None, gt=0, description="alarm when rollout/mismatch_kl (engine-vs-trainer KL per token) exceeds this "
+                                "or is NaN; None = only log it")
     mismatch_kl_action: Literal["warn", "error"] = Field(
         "warn", description="what the alarm does: warn (RolloutMismatchWarning) or error (stop the run with "
                             "RolloutMismatchError before the step's update)")

@@ -377,6 +377,35 @@ def test_min_new_tokens_positions_are_not_a_mismatch_but_keep_their_is_weight():
         mismatch_alarm(exp, unmasked, 0)
 
 
+@pytest.mark.parametrize("side", ["engine", "trainer"])
+def test_a_nan_mismatch_trips_the_alarm(side):
+    """A NaN log-prob on either side makes the mismatch KL NaN, which `kl > alarm` never catches:
+    the alarm must warn or stop as configured rather than let the run go on silently."""
+    from types import SimpleNamespace
+
+    from turborlhf.config import PPOAlgoCfg
+    from turborlhf.trainers.ppo.experience import Experience
+    from turborlhf.trainers.ppo.rlvr import mismatch_alarm
+
+    old, engine = torch.full((2, 5), -1.0), torch.full((2, 5), -1.0)
+    (engine if side == "engine" else old)[1, 3] = float("nan")
+    exp = Experience(torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7), 2, torch.ones(2, 5),
+                     torch.tensor([True, True]), old, None, None, torch.zeros(2), torch.zeros(2), torch.zeros(2, 5))
+    exp.rollout_logp_BR = engine
+
+    def cfg(action):
+        A = PPOAlgoCfg(mismatch_kl_alarm=1.0, mismatch_kl_action=action)
+        return SimpleNamespace(algo=A, rollout=SimpleNamespace(min_new_tokens=0))
+    with pytest.raises(RolloutMismatchError, match="NaN"):
+        mismatch_alarm(exp, cfg("error"), 0)
+    with pytest.warns(RolloutMismatchWarning, match="NaN"):
+        assert math.isnan(mismatch_alarm(exp, cfg("warn"), 0))
+    no_alarm = SimpleNamespace(algo=PPOAlgoCfg(), rollout=SimpleNamespace(min_new_tokens=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(mismatch_alarm(exp, no_alarm, 0))       # no alarm set: only logged
+
+
 class _FirstTokenTool:
     """Writes [7, 8] after each response's first sampled token."""
 

@@ -13,6 +13,7 @@ docs/algorithms/critic_free.md.
 """
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -284,17 +285,24 @@ def rlvr_metrics(exp, cfg) -> dict:
 def mismatch_alarm(exp, cfg, step: int) -> Optional[float]:
     """With ``algo.mismatch_kl_alarm`` set: warn (`RolloutMismatchWarning`) or raise
     `RolloutMismatchError` (before the step's update) when the per-token KL between the engine's
-    and the trainer's log-probs (`mismatch_mask`'s tokens) exceeds it. Returns the KL (None
-    without engine log-probs)."""
+    and the trainer's log-probs (`mismatch_mask`'s tokens) exceeds it, or is NaN (a NaN log-prob
+    from either side, which no comparison would catch). Returns the KL (None without engine
+    log-probs)."""
     A = cfg.algo
     if exp.rollout_logp_BR is None:
         return None
     mask = mismatch_mask(exp, cfg.rollout.min_new_tokens)
     kl = rollout_mismatch_stats(exp.old_logp_BR, exp.rollout_logp_BR, mask)["kl"]
-    if A.mismatch_kl_alarm is not None and kl > A.mismatch_kl_alarm:
-        msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}: "
-               "the rollout engine samples from a policy that differs from the trainer's (precision, kernels, stale "
-               "weights); see rollout/mismatch_max_ratio, consider algo.rollout_is=tis or rollout.dtype=fp32")
+    if A.mismatch_kl_alarm is not None and (math.isnan(kl) or kl > A.mismatch_kl_alarm):
+        if math.isnan(kl):
+            msg = (f"step {step + 1}: rollout/mismatch_kl is NaN (algo.mismatch_kl_alarm = {A.mismatch_kl_alarm:g}): "
+                   "the engine's or the trainer's log-probs of the sampled tokens hold NaN (overflow in low "
+                   "precision, NaN weights or a broken kernel); consider rollout.dtype=fp32")
+        else:
+            msg = (f"step {step + 1}: rollout/mismatch_kl = {kl:.3g} > algo.mismatch_kl_alarm = "
+                   f"{A.mismatch_kl_alarm:g}: the rollout engine samples from a policy that differs from the "
+                   "trainer's (precision, kernels, stale weights); see rollout/mismatch_max_ratio, consider "
+                   "algo.rollout_is=tis or rollout.dtype=fp32")
         if A.mismatch_kl_action == "error":
             raise RolloutMismatchError(msg)
         warnings.warn(msg, RolloutMismatchWarning, stacklevel=2)
