@@ -188,6 +188,22 @@ def test_checkpoints_and_written_files_get_the_umask_permissions(tmp_path):
     assert mode(tmp_path / "config.yaml") == 0o644 and mode(ckpt / "trainer_state.pt") == 0o644
 
 
+def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A write that fails (the disk fills during fsync) re-raises and removes its hidden
+    ``.<name>.*`` temp file; the previous file stays as it was."""
+    import errno
+
+    C.atomic_write_text(tmp_path / "config.yaml", "a: 1\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(C.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        C.atomic_write_text(tmp_path / "config.yaml", "a: 2\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    assert (tmp_path / "config.yaml").read_text() == "a: 1\n"
+
+
 def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
     """torch's writer says only "unexpected pos" when the disk fills: an ENOSPC OSError naming the
     checkpoint now (one line on the command line); the staging directory goes, the last one stays."""

@@ -71,16 +71,24 @@ def _fsync_tree(root: Path) -> None:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a fsynced temp file (``.<name>.*``) renamed into place."""
+    """Write `text` to `path` through a fsynced temp file (``.<name>.*``) renamed into place; a
+    failed write (a full disk) removes the temp file and re-raises, leaving `path` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    usual_mode(tmp)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        usual_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     _fsync_dir(path.parent)
 
 
