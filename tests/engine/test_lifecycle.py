@@ -103,3 +103,27 @@ def test_a_second_run_on_a_used_output_dir_is_refused(tmp_path):
     other = subprocess.run([sys.executable, "-c", "from pathlib import Path; from turborlhf.engine.lifecycle import "
                             f"lock_output_dir; lock_output_dir(Path({str(out)!r}))"], capture_output=True, text=True)
     assert other.returncode == 0, other.stderr
+
+
+def test_each_changed_resume_keeps_the_config_before_it(tmp_path):
+    """A second --resume-changed overwrote config.before-resume.yaml: the run's original config was
+    lost. The first stays; each later one keeps its predecessor as config.before-resume.N.yaml."""
+    import yaml
+
+    from turborlhf.config import SFTConfig, config_to_dict
+    from turborlhf.engine.lifecycle import _check_resume_config, allow_config_change
+
+    def cfg(max_steps):
+        return SFTConfig(train={"max_steps": max_steps})
+
+    def steps(name):
+        return yaml.safe_load((tmp_path / name).read_text())["train"]["max_steps"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg(3)), sort_keys=False))
+    with allow_config_change():
+        for n in (4, 5, 6):
+            _check_resume_config(cfg(n), tmp_path, tmp_path / "checkpoints" / "step-000001", "t")
+            (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg(n)), sort_keys=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.before-resume.2.yaml", "config.before-resume.3.yaml", "config.before-resume.yaml", "config.yaml"]
+    assert [steps("config.before-resume.yaml"), steps("config.before-resume.2.yaml"),
+            steps("config.before-resume.3.yaml"), steps("config.yaml")] == [3, 4, 5, 6]

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import clear_checkpoints, latest_checkpoint, protect_inputs
+from turborlhf.engine.checkpoint import atomic_write_text, clear_checkpoints, latest_checkpoint, protect_inputs
 from turborlhf.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,9 @@ def _is_field_default(cfg: Cfg, key: str, value: Any) -> bool:
 
 def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
     """Refuse (ConfigChanged) a config that differs from ``out/config.yaml``, unless allowed; then
-    the previous config is kept as ``config.before-resume.yaml``."""
+    the previous config is kept: as ``config.before-resume.yaml`` at the first changed resume (the
+    run's original config), as ``config.before-resume.2.yaml``, ``.3``... at the later ones, none
+    overwritten."""
     saved = out / "config.yaml"
     if not saved.exists():
         return
@@ -136,9 +138,12 @@ def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
     if not _ALLOW_CHANGED.get():
         raise ConfigChanged(f"--resume from {ckpt} with a changed config ({listing}); run with the config in "
                             f"{saved}, or pass --resume-changed to continue with the new one")
-    (out / "config.before-resume.yaml").write_text(saved.read_text())
-    logger.warning(f"[{tag}] --resume-changed: continuing {ckpt} with {listing} (previous config kept in "
-                   f"{out / 'config.before-resume.yaml'})")
+    kept = out / "config.before-resume.yaml"
+    n = 2
+    while kept.exists():
+        kept, n = out / f"config.before-resume.{n}.yaml", n + 1
+    atomic_write_text(kept, saved.read_text())
+    logger.warning(f"[{tag}] --resume-changed: continuing {ckpt} with {listing} (previous config kept in {kept})")
 
 
 def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
