@@ -192,6 +192,11 @@ def protect_inputs(paths) -> None:
     _PROTECTED.update(Path(p).resolve() for p in paths)
 
 
+def _checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint after `step` steps (``step-000042``)."""
+    return f"step-{step:06d}"
+
+
 def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], tokenizer,
                     state: dict[str, Any], keep: int = 1) -> Path:
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, prune old ones.
@@ -206,7 +211,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
     """
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
+    name = _checkpoint_name(step)
     staged = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
     usual_mode(staged)
     try:
@@ -247,7 +252,7 @@ def record_export_config(output_dir: str | Path, step: int, model_name: str, fie
     is written), so that `export_config_of` gives them to ``turborlhf export`` of that checkpoint.
     Written atomically beside ``trainer_state.pt``; other models' fields kept. Nothing for empty
     `fields` or a checkpoint that is not there."""
-    ckpt = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
+    ckpt = Path(output_dir) / "checkpoints" / _checkpoint_name(step)
     if not fields or not (ckpt / "trainer_state.pt").exists():
         return
     path = ckpt / EXPORT_CONFIG
