@@ -370,7 +370,8 @@ class PPOAlgoCfg(Cfg, RLVRAlgoFields):   # + policy_loss, dynamic sampling, over
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL horizon (samples)")
     reward_clip: float = Field(10.0, gt=0, description="clip combined scores to [-c, c] (before any group baseline)")
     normalize_reward: bool = Field(False, description="standardise scores by the running mean/std of the combined "
-                                                      "score: (s - mean)/std, as OpenRLHF")
+                                                      "score: (s - mean)/std, as OpenRLHF (moments over every "
+                                                      "generated row: with dynamic_sampling, dropped groups' too)")
     missing_eos_penalty: Optional[float] = Field(1.0, description="subtracted from the score of responses without EOS")
     whiten_advantages: bool = Field(True, description="gae only: whiten advantages over the rollout batch "
                                                       "(reinforce_pp* always whiten, grpo/dr_grpo/rloo never)")

@@ -77,6 +77,7 @@ class M:
     EVAL_ACC = "eval/accuracy"
     REWARD_MEAN = "rollout/reward_mean"
     REWARD_STD = "rollout/reward_std"
+    REWARD_MEAN_TRAINED = "rollout/reward_mean_trained"   # dynamic sampling: over the kept rows (REWARD_MEAN: all)
     SCORE_MEAN = "rollout/score_mean"
     RESPONSE_LEN = "rollout/response_length"
     EOS_FRAC = "rollout/eos_fraction"

@@ -108,3 +108,65 @@ def test_one_row_logs_a_reward_std_of_zero():
                                torch.tensor([1.0]), {"acc": torch.tensor([1.0])}, 0.0, None)
     out = _rollout_metrics(exp, 0.0)
     assert out["rollout/reward_std"] == 0.0 and all(v == v for v in out.values())
+
+
+def _two_rounds(monkeypatch):
+    """`collect_rollouts` of 2 prompts × G = 2 with stubbed generation and two reward sources: round 1
+    scores acc [1, 1 | 1, 0] (the all-correct group dropped), round 2 [1, 1 | 0, 1] → trained rows
+    [1, 0, 0, 1] (mean 0.5) out of 8 generated (mean 0.75)."""
+    import turborlhf.trainers.ppo.rlvr as rlvr
+
+    rounds = [torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])]
+    calls = []
+
+    def generate(cluster, cfg, tok, prompts, step, attempt):
+        B = len(prompts) * 2
+        return [[5, 6]] * B, [True] * B, [1], None, None
+
+    def score_rows(cluster, cfg, ids, attn, prompts, responses, columns):
+        s = rounds[len(calls)]
+        calls.append(1)
+        return lambda: (s + 0.5, {"acc": s, "fmt": torch.full_like(s, 0.5)})
+    monkeypatch.setattr(rlvr, "generate", generate)
+    monkeypatch.setattr(rlvr, "score_rows", score_rows)
+    A = PPOAlgoCfg(advantage_estimator="grpo", n_samples_per_prompt=2, dynamic_sampling=True, kl_use_loss=True,
+                   missing_eos_penalty=None, normalize_reward=True)
+    cfg = SimpleNamespace(algo=A, rollout=SimpleNamespace(max_new_tokens=8), train=SimpleNamespace(seed=1))
+    ro = rlvr.collect_rollouts(None, cfg, SimpleNamespace(pad_token_id=0), [[1, 2]] * 4, [0, 1], 0)
+    assert ro.metrics["rollout/sampling_rounds"] == 2 and ro.scores[1]["acc"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    return A, ro
+
+
+def test_dropped_groups_count_in_the_logged_rewards_not_in_the_advantages(monkeypatch):
+    """Dynamic sampling drops all-correct and all-wrong groups: the logged reward mean (the
+    accuracy) was over the trained rows alone, 0.5 here for 6 correct answers out of 8 generated."""
+    from turborlhf.trainers.ppo.driver import _rollout_metrics
+
+    A, ro = _two_rounds(monkeypatch)
+    raw, per = ro.scores
+    exp = score_and_advantages(A, None, None, 0, torch.ones(4, 2), ro.finished, torch.zeros(4, 2), None, None, raw,
+                               per, 0.0, None)
+    out = _rollout_metrics(exp, 0.0, ro.generated_scores)
+    assert out["rollout/reward_acc_mean"] == 0.75 and out["rollout/reward_mean"] == 1.25
+    assert out["rollout/reward_std"] == pytest.approx(torch.tensor([1.0] * 6 + [0.0] * 2).std().item())
+    assert out["rollout/reward_mean_trained"] == 1.0                    # the trained rows' (0.5 + 0.5)
+    assert exp.adv_BR.shape == (4, 2)                                   # the advantages: kept groups only
+    # without dynamic sampling every generated row trains: one mean, no separate trained one
+    plain = _rollout_metrics(exp, 0.0)
+    assert plain["rollout/reward_mean"] == 1.0 and "rollout/reward_mean_trained" not in plain
+
+
+def test_the_running_reward_normaliser_sees_every_generated_row(monkeypatch):
+    """algo.normalize_reward's running moments were updated with the trained rows alone: the
+    filter's choice (mean 1.0, var 0.25 here) instead of the policy's scores (mean 1.25, var 0.1875)."""
+    A, ro = _two_rounds(monkeypatch)
+    stats = RunningMoments()
+    exp = score_and_advantages(A, None, None, 0, torch.ones(4, 2), ro.finished, torch.zeros(4, 2), None, None,
+                               ro.scores[0], ro.scores[1], 0.0, stats, stats_scores_B=ro.generated_scores[0])
+    assert (stats.count, stats.mean, stats.var) == (8, pytest.approx(1.25), pytest.approx(0.1875))
+    torch.testing.assert_close(exp.scores_B, (ro.scores[0] - 1.25) / 0.1875 ** 0.5)   # only the kept rows scored
+    # without dynamic sampling (no generated scores) the trained rows are every generated row
+    alone = RunningMoments()
+    score_and_advantages(A, None, None, 0, torch.ones(4, 2), ro.finished, torch.zeros(4, 2), None, None,
+                         ro.scores[0], ro.scores[1], 0.0, alone)
+    assert (alone.count, alone.mean) == (4, pytest.approx(1.0))

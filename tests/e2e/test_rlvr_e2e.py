@@ -265,6 +265,25 @@ def test_dynamic_sampling_end_to_end_and_cap(tiny_model, tiny_data, tmp_path):
     assert all(math.isfinite(r["policy/loss"]) for r in short)
 
 
+def test_dynamic_sampling_logs_and_normalises_over_every_generated_row(tiny_model, tiny_data, tmp_path):
+    """The logged rewards and the running normaliser (algo.normalize_reward) saw the kept rows
+    alone: a step that dropped a group of its 2 (one round, no fill) counted 4 rows of its 8."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+
+    out = tmp_path / "ds"
+    rows = _run(tiny_model, tiny_data, out, _rule(tmp_path, HALF_CONSTANT), "reward_model=null",
+                "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_tries=1", "algo.dynamic_sampling_fill=false",
+                "algo.normalize_reward=true", "train.max_steps=4", "train.save_every=4")
+    n = 2 * 4                                             # rows generated per step: 2 prompts × G
+    assert len(rows) == 4 and 1 in [r["rollout/groups_trained"] for r in rows]
+    stats = load_trainer_state(latest_checkpoint(out))["reward_stats"]
+    assert stats["count"] == 4 * n
+    assert stats["mean"] == pytest.approx(sum(r["rollout/reward_mean"] for r in rows) / 4, abs=1e-6)
+    for r in rows:                                        # nothing dropped: one batch, one mean
+        if r["rollout/groups_dropped"] == 0:
+            assert r["rollout/reward_mean_trained"] == pytest.approx(r["rollout/reward_mean"])
+
+
 # ----------------------------------------------------------------------------------------------
 # DAPO overlong shaping and filtering
 # ----------------------------------------------------------------------------------------------

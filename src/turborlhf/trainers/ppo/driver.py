@@ -191,7 +191,8 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
                     keep_as: tuple[Optional[str], Optional[str]] = (None, None),
                     rollout_logps: Optional[list[list[float]]] = None,
                     scores: Optional[tuple] = None, columns: Optional[list[dict]] = None,
-                    tool_mask: Optional[list[list[bool]]] = None) -> Experience:
+                    tool_mask: Optional[list[list[bool]]] = None,
+                    generated_scores: Optional[tuple] = None) -> Experience:
     """Forward passes of the roles over the rollout batch (all roles at once, each over its ranks),
     then rewards and advantages on the driver (`score_and_advantages`). ``keep_as`` = (actor,
     critic): the name under which a role keeps its forward's graph for the coming update (the
@@ -200,7 +201,9 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
     rollout`` and no fused actor update, the old log-probs themselves); `scores`: (raw, per
     source) if already scored (dynamic sampling); ``columns``: per row, the prompts file's other
     fields, for reward functions (`turborlhf.rewards.functions`); ``tool_mask``: per row, the tokens
-    ``rollout.tool`` wrote (no actor loss)."""
+    ``rollout.tool`` wrote (no actor loss); ``generated_scores``: (raw, per source) of every row
+    generated this step, dropped groups' too (dynamic sampling; `rlvr.Rollouts`), which the running
+    reward normaliser updates with (`score_and_advantages`)."""
     mb = cfg.train.micro_batch_size
     clear_trunk_caches()                     # shared trunks (`share_trunks`): a new batch of sequences
     ids, attn, P, mask = assemble(prompt_ids, responses, tok.pad_token_id)
@@ -226,15 +229,25 @@ def make_experience(cluster, cfg: PPOConfig, tok, prompt_ids: list[list[int]], r
                                 val() * mask if val else None, raw_scores, per_source, kl_coef, reward_stats,
                                 None if rollout_logps is None else rlvr.pad_logprobs(rollout_logps, R),
                                 rlvr.score_shaping(cfg, mask.sum(-1)),
-                                None if tool_mask is None else rlvr.pad_tool_mask(tool_mask, R))
+                                None if tool_mask is None else rlvr.pad_tool_mask(tool_mask, R),
+                                None if generated_scores is None else generated_scores[0])
 
 
 def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[bool], old_logp_BR,
                          ref_logp_BR, values_BR, raw_scores_B, per_source: dict, kl_coef: float,
                          reward_stats: Optional[RunningMoments], rollout_logp_BR=None, shaping_B=None,
-                         tool_mask_BR=None) -> Experience:
+                         tool_mask_BR=None, stats_scores_B=None) -> Experience:
     """Scores (normalised, + `shaping_B` (overlong penalty), EOS-penalised, clipped), per-token KL,
     the advantage estimator's advantages and returns, and `rlvr.attach_rollout_fields`: pure tensor maths.
+
+    With ``normalize_reward`` the running moments `reward_stats` are updated with `stats_scores_B`
+    (raw scores, any length; None: `raw_scores_B`), then the B rows are standardised by them. With
+    dynamic sampling that is every row generated this step, the dropped groups' too: the moments
+    estimate the distribution of the scores the policy's samples get (TRL's legacy PPOTrainer
+    ``use_score_scaling`` updates its running moments with every score of the batch), while DAPO's
+    filter (2503.14476 §3.2) only chooses which samples enter the gradient. Fed the kept rows alone
+    they would follow the filter, which drops the all-correct and all-wrong groups: with 0/1 rewards
+    the mean is pulled toward 0.5 and σ toward its largest, 0.5, whatever the policy's accuracy.
 
     Tokens a rollout tool wrote (`tool_mask_BR`) are not the policy's actions: they carry no KL
     (neither the KL-in-reward penalty, nor the KL metrics and the adaptive controller) and are
@@ -243,7 +256,7 @@ def score_and_advantages(A: PPOAlgoCfg, ids, attn, P: int, mask, finished: list[
     eos = torch.tensor(finished, dtype=torch.bool)
     scores = raw_scores_B.clone()
     if A.normalize_reward and reward_stats is not None:
-        reward_stats.update(raw_scores_B)
+        reward_stats.update(raw_scores_B if stats_scores_B is None else stats_scores_B)
         scores = reward_stats.normalize(scores)
     scores = scores if shaping_B is None else scores + shaping_B
     if A.missing_eos_penalty is not None:
@@ -386,8 +399,15 @@ def _explained_variance(values_BR, returns_BR, mask_BR) -> float:
     return float(1 - var_res / var_ret.clamp(min=1e-8))
 
 
-def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
-    """The ``rollout/`` metrics of one step's experience (docs/algorithms/ppo.md, Metrics). With
+def _rollout_metrics(exp: Experience, kl_coef: float, generated_scores: Optional[tuple] = None) -> dict:
+    """The ``rollout/`` metrics of one step's experience (docs/algorithms/ppo.md, Metrics).
+
+    ``rollout/reward_mean|std`` and the per-source means are over the rows the step generated:
+    `generated_scores` (raw_G, {source: scores_G}) when given (dynamic sampling: every round's rows,
+    the dropped groups' too; `rlvr.Rollouts`), else the experience's rows. DAPO's filter drops the
+    all-correct and all-wrong groups, so a mean over the trained rows alone is not the policy's
+    accuracy; that mean is logged as ``rollout/reward_mean_trained`` (verl's DAPO recipe logs it as
+    ``critic/score/mean``). ``rollout/score_mean``, the advantages and returns are the trained rows'. With
     several reward sources, ``rollout/reward_<name>_mean`` is each source's mean over the rows it
     scored; a source that scored no row of the step (a function returning None for every response,
     as a code checker on a batch of math prompts) has no mean, and the key is left out of that step
@@ -395,8 +415,9 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
     is over every row (`turborlhf.rewards.combine.combine_scores`: a row no source scores is an
     error)."""
     lens = exp.mask_BR.sum(-1)
-    out = {M.REWARD_MEAN: float(exp.raw_scores_B.mean()),
-           M.REWARD_STD: float(exp.raw_scores_B.std()) if len(exp.raw_scores_B) > 1 else 0.0,   # NaN for one row
+    raw, per_source = (exp.raw_scores_B, exp.source_scores) if generated_scores is None else generated_scores
+    out = {M.REWARD_MEAN: float(raw.mean()),
+           M.REWARD_STD: float(raw.std()) if len(raw) > 1 else 0.0,                           # NaN for one row
            M.SCORE_MEAN: float(exp.scores_B.mean()), M.RESPONSE_LEN: float(lens.mean()),
            M.EOS_FRAC: float(exp.eos_B.float().mean()), M.RETURN_MEAN: float(masked_mean(exp.returns_BR, exp.mask_BR)),
            M.ADV_MEAN: float(masked_mean(exp.adv_BR, exp.mask_BR))}
@@ -405,9 +426,11 @@ def _rollout_metrics(exp: Experience, kl_coef: float) -> dict:
                     M.KL_PER_TOKEN: float(masked_mean(exp.kl_BR, rlvr.sampled_mask(exp)))})
     if exp.values_BR is not None:
         out[M.EXPLAINED_VAR] = _explained_variance(exp.values_BR, exp.returns_BR, exp.mask_BR)
-    if exp.source_scores and len(exp.source_scores) > 1:
+    if generated_scores is not None:
+        out[M.REWARD_MEAN_TRAINED] = float(exp.raw_scores_B.mean())
+    if per_source and len(per_source) > 1:
         out.update({f"rollout/reward_{name}_mean": float(s.nanmean())     # over the rows it scored;
-                    for name, s in exp.source_scores.items() if not bool(s.isnan().all())})  # none: no row
+                    for name, s in per_source.items() if not bool(s.isnan().all())})  # none: no row
     return out
 
 
@@ -607,7 +630,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
              cluster.get("critic") is not None and use_fused_update(cfg, len(rows_prompts), cluster["critic"]))
     kept = tuple(f"step {step}" if f else None for f in fused)   # the fused update's handles (actor, critic)
     exp = make_experience(cluster, cfg, tok, rows_prompts, responses, finished, kl_ctl.value, reward_stats, kept,
-                          ro.logprobs, ro.scores, rows_columns, ro.tool_mask)
+                          ro.logprobs, ro.scores, rows_columns, ro.tool_mask, ro.generated_scores)
     t_exp = time.perf_counter() - t0
     rlvr.mismatch_alarm(exp, cfg, step)     # engine vs trainer log-probs: warn, or stop before the update
     # 5. PPO epochs over mini-batches (actor and critic workers at once)
@@ -624,7 +647,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
         sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance, colocated_push(cfg))
         pipe.pushed(step)
     t_sync = time.perf_counter() - t0
-    metrics = _rollout_metrics(exp, kl_ctl.value)
+    metrics = _rollout_metrics(exp, kl_ctl.value, ro.generated_scores)
     if M.KL in metrics:
         kl_ctl.update(metrics[M.KL], len(exp.scores_B))
     metrics.update(stats)

@@ -48,6 +48,10 @@ class Rollouts:
     scores: Optional[tuple] = None           # (raw_scores_B, {source: scores_B}) when already scored
     metrics: dict = field(default_factory=dict)
     tool_mask: Optional[list[list[bool]]] = None   # per token, True where rollout.tool wrote it (None: no tool)
+    # dynamic sampling: (raw_scores_G, {source: scores_G}) of all G rows generated this step, every
+    # round's, dropped groups' too, for the logged rewards and the running normaliser (None: every
+    # generated row is in the batch)
+    generated_scores: Optional[tuple] = None
 
     def rows(self, idx: list[int]) -> "Rollouts":
         pick = lambda xs: [xs[i] for i in idx]                                  # noqa: E731
@@ -131,9 +135,12 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
     ``dynamic_sampling_max_tries`` rounds are done; a batch still short is filled with the last
     dropped groups, so every step trains on the same number of rows (``dynamic_sampling_fill``;
     when false it keeps only the kept groups, and fills only when none was kept). Returns the kept
-    rows (with their scores) and the metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``,
-    ``rollout/groups_filled``, ``rollout/groups_trained`` and ``rollout/tokens_generated`` (every
-    round's response tokens, trained or dropped)."""
+    rows (with their scores), the scores of every generated row, every round's, dropped groups' too
+    (``generated_scores``: the logged rewards and the running normaliser describe the policy's
+    samples, not the filter's choice of them; the advantages see the kept rows only), and the
+    metrics ``rollout/groups_dropped``, ``rollout/sampling_rounds``, ``rollout/groups_filled``,
+    ``rollout/groups_trained`` and ``rollout/tokens_generated`` (every round's response tokens,
+    trained or dropped)."""
 
     A = cfg.algo
     G, N = A.n_samples_per_prompt, len(index)
@@ -142,6 +149,7 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
         return ro
     kept: list[Rollouts] = []
     dropped: list[Rollouts] = []
+    scored: list[tuple] = []                 # every round's scores, dropped groups' too
     n_dropped = n_kept = rounds = generated = 0
     served = [0] * len(ro.per_engine)        # work items per engine over all rounds
     while True:
@@ -150,6 +158,7 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
         ids, attn, _, _ = assemble_prompt_response(ro.prompts, ro.responses, tok.pad_token_id)
         ro.scores = score_rows(cluster, cfg, ids, attn, ro.prompts, ro.responses,
                                [columns[i] for i in ro.prompt_index] if columns else None)()
+        scored.append(ro.scores)
         keep = kept_groups(cfg, ro.scores[0], ro)
         rounds += 1
         for g, k in enumerate(keep):
@@ -169,6 +178,8 @@ def collect_rollouts(cluster, cfg, tok, prompt_ids: list[list[int]], index: list
                       RuntimeWarning, stacklevel=2)
     out = _concat(kept[:N] + (dropped[-filled:] if filled else []))
     out.per_engine = served      # (each group carried its round's counts: summed per kept group, none for the rest)
+    out.generated_scores = (torch.cat([r for r, _ in scored]),
+                            {k: torch.cat([per[k] for _, per in scored]) for k in scored[0][1]})
     out.metrics = {"rollout/groups_dropped": float(n_dropped), "rollout/sampling_rounds": float(rounds),
                    "rollout/groups_filled": float(filled), "rollout/groups_trained": float(min(n_kept, N) + filled),
                    "rollout/tokens_generated": float(generated)}
