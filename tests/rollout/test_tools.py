@@ -1,5 +1,8 @@
 """Rollout tools: the calculator's arithmetic and triggers, and both engines writing a tool's
 tokens into the response (same tokens, same mask, the continuation conditioned on them)."""
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -48,6 +51,86 @@ def test_calculator_triggers_only_on_an_open_annotation():
     assert make_tool("none", tok) is None and make_tool(None, tok) is None
     with pytest.raises(ValueError, match="unknown rollout tool 'abacus'"):
         make_tool("abacus", tok)
+
+
+def _sentencepiece_tokenizer(legacy: bool):
+    """A Llama-style SentencePiece tokenizer built in-process: `transformers.LlamaTokenizer` (Metaspace
+    word starts ``▁``, byte fallback; ``legacy``: ``▁`` before every encoded text, else before the
+    first word only) over a BPE trained on GSM8K-style annotations with Llama's digits split."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    corpus = ["She sold 48/2 = <<48/2=24>>24 clips in May.", "Natalia sold 48+24 = <<48+24=72>>72 clips.",
+              "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute, 0.2 x 50 = $<<0.2*50=10>>10 in all.",
+              "It is 7 - 10 = <<7-10=-3>>-3 degrees, and 10/4 = <<10/4=2.5>>2.5 each."] * 10
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Digits(True)])
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        show_progress=False))
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return LlamaTokenizer(vocab=model["vocab"], merges=merges, legacy=legacy)
+
+
+@pytest.mark.parametrize("kind", ["byte_bpe", "sentencepiece_legacy", "sentencepiece"])
+def test_calculator_writes_exactly_its_text_after_the_annotation(kind):
+    """A SentencePiece tokenizer (Llama, Mistral) encodes a fragment as a word, ``24>>`` as
+    ``▁24>>``: the calculator wrote ``<<48/2= 24>>``, a space the annotated solutions never have.
+    Its decode of the fragment alone drops that space again: only a decode in context shows it."""
+    tok = make_tiny_tokenizer() if kind == "byte_bpe" else _sentencepiece_tokenizer(kind.endswith("legacy"))
+    calc = Calculator(tok)
+    same_ids = 0
+    for text, value in [("She sold 48/2 = <<48/2=", "24"), ("<<0.2*50=", "10"), ("It is <<7-10=", "-3"),
+                        ("each 10/4 = <<10/4=", "2.5")]:
+        ctx = tok.encode(text, add_special_tokens=False)
+        add = calc(ctx)
+        assert tok.decode(ctx + add) == tok.decode(ctx) + value + ">>", (kind, text)
+        # the annotated solution's tokens there (those SFT taught), unless a merge spans the "=" the
+        # model sampled (SentencePiece's "=-" before -3: the context's tokens cannot change)
+        annotated = tok.encode(text + value + ">>", add_special_tokens=False)
+        if annotated[:len(ctx)] == ctx:
+            assert ctx + add == annotated, (kind, text)
+            same_ids += 1
+    assert same_ids >= 3
+
+
+class SpacedTokenizer:
+    """One token per "<<", ">>" or other character, decoded with a space between tokens (as a
+    WordPiece decoder does): no ids append "4>>" after "<< 8 / 2 =" as it is."""
+
+    def __init__(self):
+        self.vocab = {t: i for i, t in enumerate(["<<", ">>", *"0123456789=/+-*. ab"])}
+        self.inv = {i: t for t, i in self.vocab.items()}
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def convert_tokens_to_string(self, tokens):
+        return " ".join(tokens)
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.vocab[t] for t in re.findall(r"<<|>>|\S", text)]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(self.inv[i] for i in ids)
+
+
+def test_calculator_warns_once_where_no_tokens_write_its_text_exactly():
+    from turborlhf.rollout.tools import continuation_ids
+
+    tok = SpacedTokenizer()
+    calc = Calculator(tok)
+    ctx = tok.encode("<<8/2=")
+    with pytest.warns(RuntimeWarning, match=r"no tokens of this tokenizer append exactly '4>>'.*' 4 >>'"):
+        assert calc(ctx) == tok.encode("4>>")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert calc(tok.encode("<<9/3=")) == tok.encode("3>>") and calc.calls == 2
+    assert continuation_ids(tok, ctx, "4>>") == (tok.encode("4>>"), False)
+    with pytest.raises(ValueError, match="encodes to no token"):
+        continuation_ids(tok, ctx, "")
 
 
 class FixedTool:

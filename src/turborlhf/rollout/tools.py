@@ -22,9 +22,11 @@ import ast
 import math
 import operator
 import re
+import warnings
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tool", "ToolCalls", "Calculator", "evaluate_arithmetic", "format_number", "make_tool", "TOOLS"]
+__all__ = ["Tool", "ToolCalls", "Calculator", "continuation_ids", "evaluate_arithmetic", "format_number", "make_tool",
+           "TOOLS"]
 
 
 @runtime_checkable
@@ -129,6 +131,11 @@ class Calculator:
     When the decoded response ends with ``<<EXPR=`` (no ``>>`` after the last ``<<``) and EXPR is
     arithmetic (`evaluate_arithmetic`), returns the token ids of ``VALUE>>``; otherwise None (the
     model goes on sampling, e.g. after a prose ``=``).
+    The ids are the text's as a continuation of ``=`` (`continuation_ids`), checked in context:
+    appended to the response they decode to exactly ``VALUE>>`` after it, with byte-level BPE
+    (GPT-2, Qwen) and SentencePiece (Llama, Mistral) tokenizers alike. Where no ids do (a decoder
+    that puts spaces between tokens, as WordPiece's), the continuation ids are written all the same,
+    with a `RuntimeWarning` once.
     tokenizer: a `transformers` tokenizer (decode, encode without special tokens, vocabulary).
     Trigger tokens: every vocabulary entry whose text ends with ``=``.
     """
@@ -144,9 +151,11 @@ class Calculator:
         if not self.trigger_ids:
             raise ValueError("calculator: the tokenizer has no token ending with '='")
         self.calls = 0
+        self._warned = False
 
     def __call__(self, response_ids: Sequence[int]) -> Optional[list[int]]:
-        text = self.tokenizer.decode(list(response_ids[-self._LOOKBACK:]), skip_special_tokens=True)
+        window = list(response_ids[-self._LOOKBACK:])
+        text = self.tokenizer.decode(window, skip_special_tokens=True)
         if not text.endswith("="):
             return None
         open_at = text.rfind("<<")
@@ -155,8 +164,48 @@ class Calculator:
         v = evaluate_arithmetic(text[open_at + 2: -1])
         if v is None:
             return None
+        result = format_number(v) + ">>"
+        ids, exact = continuation_ids(self.tokenizer, window, result)
+        if not exact and not self._warned:
+            wrote = self.tokenizer.decode(window + ids, skip_special_tokens=True)[len(text):]
+            warnings.warn(f"calculator: no tokens of this tokenizer append exactly {result!r} after {text[-20:]!r}; "
+                          f"writing ones that decode as {wrote!r}", RuntimeWarning, stacklevel=2)
+            self._warned = True
         self.calls += 1
-        return self.tokenizer.encode(format_number(v) + ">>", add_special_tokens=False)
+        return ids
+
+
+_ANCHORS = ("=", "\n")       # texts a tool's output is encoded after, then cut off (`continuation_ids`)
+
+
+def continuation_ids(tokenizer, context_ids: Sequence[int], text: str) -> tuple[list[int], bool]:
+    """Token ids to append to `context_ids` for `text`, and whether they decode to exactly `text`
+    after the context's own decode (special tokens skipped); when no candidate does, the first.
+
+    A SentencePiece tokenizer (Llama, Mistral; Metaspace ``▁`` word starts) encodes a fragment as
+    the start of a text, so as a word: ``24>>`` becomes ``▁24>>``, which after ``<<48/2=`` decodes
+    as ``<<48/2= 24>>``. Its decode of the fragment alone strips that space again, so only a decode
+    in context shows it. The candidates, first exact one wins: `text` encoded after an anchor
+    (``=``, the calculator's trigger, then a newline) with the anchor's own tokens cut off (the
+    text as a continuation, the tokens an annotated solution has there), then `text` encoded alone
+    (byte-level BPE: the same ids). Raises ValueError when `text` encodes to no token."""
+    def enc(s: str) -> list[int]:
+        return list(tokenizer.encode(s, add_special_tokens=False))
+
+    context_ids = list(context_ids)
+    before = tokenizer.decode(context_ids, skip_special_tokens=True)
+    candidates = []
+    for anchor in _ANCHORS:
+        head, both = enc(anchor), enc(anchor + text)
+        if both[:len(head)] == head and len(both) > len(head):
+            candidates.append(both[len(head):])
+    candidates.append(enc(text))
+    if not candidates[-1]:
+        raise ValueError(f"continuation_ids: {text!r} encodes to no token")
+    for ids in candidates:
+        if tokenizer.decode(context_ids + ids, skip_special_tokens=True) == before + text:
+            return ids, True
+    return candidates[0], False
 
 
 TOOLS = ("calculator",)
