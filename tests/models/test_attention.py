@@ -144,3 +144,27 @@ def test_a_cpu_loaded_model_computing_on_a_gpu_goes_back_to_sdpa_and_plain_layer
     assert fused_layer_count(model) == 0            # the CPU's fused norm/SwiGLU/cast forwards go too
     with torch.no_grad():
         torch.testing.assert_close(response_logprobs(model, ids, am, target)[0], before, rtol=1e-5, atol=1e-5)
+
+
+def test_math_attention_switches_off_the_autocast_of_its_inputs_device(monkeypatch):
+    """`_SoftmaxAttention` must run with autocast off on the device it computes on: under CUDA
+    autocast its fp32 score matmuls would run in bf16. The inputs sit on the meta device (which
+    runs these ops without data); the autocast contexts entered are recorded."""
+    entered = []
+
+    class _Recorder:
+        def __init__(self, device_type, *args, **kwargs):
+            entered.append((device_type, kwargs.get("enabled", True)))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch, "autocast", _Recorder)
+    monkeypatch.setattr(attn_mod, "_compute_dtype", lambda x: x.dtype)   # torch has no meta autocast to ask
+    q, k, v = (torch.empty(1, h, 4, 8, device="meta") for h in (4, 2, 2))
+    out = math_attention(q, k, v, None, 8 ** -0.5, causal=True)
+    assert out.device.type == "meta" and out.shape == (1, 4, 4, 8)
+    assert entered == [("meta", False)]

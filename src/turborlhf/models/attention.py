@@ -150,7 +150,7 @@ def math_attention(query_BHQD: torch.Tensor, key_BKTD: torch.Tensor, value_BKTD:
     if mask is not None:                      # B|1 × 1 × Tq × Tk → B|1 × 1 × 1 × Tq × Tk (broadcast over KV, rep)
         bias = (torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, MASKED)
                 if mask.dtype == torch.bool else mask.to(_acc(mask)).clamp(min=MASKED))[:, :, None]
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(query_BHQD.device.type, enabled=False):      # the inputs' device: its autocast is on
         q = query_BHQD.to(dtype).reshape(B, KV, rep * Tq, D)               # query heads of one KV head stacked
         out = _SoftmaxAttention.apply(q, key_BKTD.to(dtype), value_BKTD.to(dtype), bias, scaling, rep)
     return out.view(B, H, Tq, D).transpose(1, 2).contiguous()
