@@ -46,9 +46,10 @@ Arguments (each trainer):
 ``.step()`` runs one optimizer step (one PPO step for the RL trainers) and returns its metrics;
 after the last one it also runs the final evaluation, checkpoint and export. Between ``.step()``
 calls the run's SIGINT/SIGTERM handlers stay installed (a signal stops it after the next step with
-a checkpoint, `turborlhf.engine.lifecycle`); ``.close()`` ends a run before its last step (its
-workers are shut down; ``train(resume_from_checkpoint=True)`` on a new trainer continues from the
-last saved checkpoint).
+a checkpoint, `turborlhf.engine.lifecycle`); ``.close()`` ends a run before its last step with a
+checkpoint of the steps taken (its workers are shut down; ``train(resume_from_checkpoint=True)`` on
+a new trainer continues from it). A script that ends without ``close()`` gets the same at
+interpreter exit, and one line on stderr says so.
 
 ``.save_model(dir)`` copies the exported model (TRL's call). Not offered: TRL's
 ``compute_metrics``, ``data_collator``, ``optimizers=`` and
@@ -267,10 +268,16 @@ def _is_export_file(name: str) -> bool:
 
 
 def _end_if_open(ref) -> None:
-    """At interpreter exit: end the run of a trainer (a weak reference) still part-way."""
+    """At interpreter exit: end the run of a trainer (a weak reference) still part-way, as ``close()``
+    does (`_Trainer._end_at_exit`)."""
     trainer = ref()
     if trainer is not None and trainer._steps is not None:
         trainer._end_at_exit()
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The optimizer steps a checkpoint directory (``step-000002``) holds."""
+    return int(path.name.rsplit("-", 1)[-1])
 
 
 def _path_arg(value: Any, what: str) -> str:
@@ -389,6 +396,7 @@ class _Trainer:
             self._steps: Optional[Iterator] = None
             self._result: Optional[TrainResult] = None
             self._stopped: Optional[BaseException] = None
+            self._ends_at_exit = False
         except BaseException:
             if took:                  # a trainer that could not be built holds nothing
                 from turborlhf.engine.lifecycle import unlock_output_dir
@@ -437,6 +445,7 @@ class _Trainer:
             try:
                 done, total, metrics = next(self._steps)
                 self.state.global_step, self.state.max_steps = done, total
+                self._end_at_exit_if_open()
                 if done >= total:                 # the last step: final evaluation, checkpoint, export
                     try:
                         next(self._steps)
@@ -448,7 +457,7 @@ class _Trainer:
 
                 newest = latest_checkpoint(self.output_dir)
                 if newest is not None and not self.state.global_step:
-                    self.state.global_step = self.state.max_steps = int(newest.name.rsplit("-", 1)[-1])
+                    self.state.global_step = self.state.max_steps = _checkpoint_step(newest)
                 self._finish(stop.value, {})
                 raise
             except BaseException as e:            # an error or a signal: this run object is done
@@ -457,23 +466,71 @@ class _Trainer:
                 raise
 
     def _start(self, resume: bool) -> None:
-        """Set the run's step generator up. A script that ends with the run part-way (steps taken, no
-        close()) ends it at exit while the modules still exist: the generator was collected at
-        interpreter teardown, its cleanup failed with two "Exception ignored" tracebacks and the
-        callbacks' on_train_end never ran."""
-        import atexit
-        import weakref
-
+        """Set the run's step generator up (its setup runs with the first step)."""
         self._steps = self._train_steps(resume)
-        atexit.register(_end_if_open, weakref.ref(self))
+
+    def _end_at_exit_if_open(self) -> None:
+        """After the first step: a script that ends with the run part-way (steps taken, no close())
+        ends it at exit as close() does, while the modules still exist (the generator was collected at
+        interpreter teardown: two "Exception ignored" tracebacks, no on_train_end, the steps lost).
+        Registered after the run's setup, so it runs before the exit handlers that setup registered
+        (atexit runs the newest first): registered before them, it ran after Ray's shutdown and the save
+        failed."""
+        if not self._ends_at_exit:
+            import atexit
+            import weakref
+
+            atexit.register(_end_if_open, weakref.ref(self))
+            self._ends_at_exit = True
 
     def _end_at_exit(self) -> None:
+        """`close()` at interpreter exit, with one line on stderr saying where the steps were kept.
+        Where the checkpoint cannot be written (an error, a second Ctrl-C), the line names the steps
+        lost instead of a traceback."""
+        import sys
+
+        from turborlhf.engine.checkpoint import latest_checkpoint
+
+        name, done, total = type(self).__name__, self.state.global_step, self.state.max_steps
+        try:
+            self._end_part_way("ended at interpreter exit")
+        except (Exception, KeyboardInterrupt) as e:
+            newest = latest_checkpoint(self.output_dir)
+            kept = _checkpoint_step(newest) if newest is not None else 0
+            if kept >= done:        # saved; closing the run failed after it: that error is shown as it was
+                raise
+            why, lost = (str(e).splitlines() or [""])[0], done - kept
+            print(f"{name}: left open at exit after step {done}/{total}; its checkpoint could not be saved "
+                  f"({type(e).__name__}: {why}), losing the last {lost} step{'s' * (lost != 1)} (since "
+                  f"{newest or 'the start'}); call close() to end a run part-way", file=sys.stderr, flush=True)
+            return
+        print(f"{name}: left open at exit after step {done}/{total}; kept a checkpoint of it in "
+              f"{self.output_dir / 'checkpoints'} (a new trainer's train(resume_from_checkpoint=True) continues "
+              "it); call close() to end a run part-way", file=sys.stderr, flush=True)
+
+    def _end_part_way(self, why: str) -> None:
+        """End the run stepped part-way (`close()` and the exit path): its loop resumes once to save a
+        checkpoint of the steps taken (as on SIGTERM), then it is closed (loggers and callbacks end,
+        workers stop) and ``output_dir`` freed; nothing is exported. Raises what the save or the
+        closing raised, after both."""
+        from turborlhf.engine.lifecycle import RunInterrupted, stop_at_next_step
         from turborlhf.metrics import use_callbacks
 
         steps, self._steps = self._steps, None
-        with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
-            steps.close()          # its finally blocks: loggers and callbacks end, workers stop
-        self._release()
+        # this object's run is over: train()/step() would start it again from step 0
+        self._stopped = RuntimeError(why)
+        try:
+            with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
+                try:
+                    if self.state.global_step:
+                        stop_at_next_step()
+                        next(steps)
+                except (RunInterrupted, StopIteration):
+                    pass
+                finally:
+                    steps.close()          # its finally blocks: loggers and callbacks end, workers stop
+        finally:
+            self._release()
 
     def _finish(self, out: Any, metrics: dict) -> None:
         self._steps = None
@@ -566,28 +623,15 @@ class _Trainer:
     def close(self) -> None:
         """End a run that was stepped part-way: a checkpoint of the steps taken is saved (as on
         SIGTERM; a new trainer's ``train(resume_from_checkpoint=True)`` continues from it), its
-        signal handlers and workers are released, and nothing is exported."""
-        from turborlhf.engine.lifecycle import RunInterrupted, stop_at_next_step
-        from turborlhf.metrics import use_callbacks
-
-        steps, self._steps = self._steps, None
-        if steps is None:
+        signal handlers and workers are released, and nothing is exported. A script that ends
+        without it gets the same at interpreter exit. Raises what writing the checkpoint raised
+        (``OSError``: a full disk), after the run is ended."""
+        if self._steps is None:
             if self._result is None and self._stopped is None:      # never started: it held output_dir all the same
                 self._stopped = RuntimeError("close() ended it")
                 self._release()
             return
-        # this object's run is over: train()/step() would start it again from step 0
-        self._stopped = RuntimeError("close() ended it")
-        try:
-            if self.state.global_step:
-                stop_at_next_step()
-                with use_callbacks([_History(self.state, self.output_dir), *self.callbacks]):
-                    next(steps)
-        except (RunInterrupted, StopIteration):
-            pass
-        finally:
-            steps.close()
-            self._release()
+        self._end_part_way("close() ended it")
 
 
 class SFTTrainer(_Trainer):

@@ -535,6 +535,56 @@ def test_a_stepped_trainer_left_open_ends_its_run_at_exit(tiny_model, tiny_data,
     assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_trainer_left_open_keeps_its_steps_at_exit_as_close_does(tiny_model, tiny_data, tmp_path):
+    """close() saves a checkpoint of the steps taken; a script that ended without it lost every step
+    since the last checkpoint (save_every=0: all of them), and the resumed run trained them again."""
+    import subprocess
+    import sys
+
+    from turborlhf import SFTTrainer
+
+    out = tmp_path / "o"
+    args = {**SFT_ARGS, "output_dir": str(out)}
+    rows = [{"prompt": f"Q{i}", "completion": f" a{i}"} for i in range(8)]
+    script = tmp_path / "script.py"
+    script.write_text(f"import turborlhf as T\nt = T.SFTTrainer(model={str(tiny_model)!r}, args={args!r}, "
+                      f"train_dataset={rows!r})\nt.step()\nt.step()\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert [c.name for c in (out / "checkpoints").glob("step-*")] == ["step-000002"], r.stderr[-2000:]
+    assert not (out / "model.safetensors").exists()          # nothing exported: the run is not over
+    assert "step 2/3" in r.stderr and "close()" in r.stderr     # one line says so, and how to end it
+    again = SFTTrainer(model=str(tiny_model), args=args, train_dataset=rows)
+    assert again.train(resume_from_checkpoint=True).global_step == 3
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]     # steps 1 and 2 were not trained again
+
+
+def test_a_checkpoint_that_cannot_be_written_at_exit_names_the_steps_lost(tiny_model, tiny_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    """Where the exit path cannot save (here the write fails), one line says how many steps are lost
+    and to call close(), instead of a traceback or nothing."""
+    import weakref
+
+    import turborlhf.trainers.common as common
+    from turborlhf import SFTTrainer
+    from turborlhf.api import _end_if_open
+
+    t = SFTTrainer(model=str(tiny_model), args={**SFT_ARGS, "output_dir": str(tmp_path / "o")},
+                   train_dataset=_pairs(tiny_data))
+    t.step()
+    t.step()
+
+    def full(*a, **k):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(common, "save_checkpoint", full)
+    _end_if_open(weakref.ref(t))
+    err = [line for line in capsys.readouterr().err.splitlines() if "SFTTrainer" in line]
+    assert len(err) == 1 and "last 2 steps" in err[0] and "close()" in err[0] and "No space left" in err[0], err
+    assert not (tmp_path / "o" / "checkpoints").exists()
+    with pytest.raises(RuntimeError, match="the run stopped"):       # ended: it does not start again from step 0
+        t.step()
+
+
 def test_trl_habits_that_were_silently_ignored(tiny_model, tiny_data, tmp_path):
     """processing_class beside a model directory (the run read the directory's tokenizer), a staged
     dataset derived with select/map (the staged original was trained on), an HF-style callback

@@ -194,3 +194,24 @@ def test_sigterm_keeps_resumable_checkpoint(tiny_model, tiny_rm, tiny_data, tmp_
             "--resume-changed")
     run_cli(*_args("ppo.yaml", tiny_model, tiny_rm, tiny_data, tmp_path / "ref", f"train.max_steps={step + 1}"))
     assert max_weight_diff(weights(out), weights(tmp_path / "ref")) < 1e-5
+
+
+def test_an_api_trainer_left_open_on_ray_keeps_its_steps_at_exit(tiny_model, tmp_path):
+    """The exit path of a trainer left open (`turborlhf.api`) saves as close() does; on Ray it ran
+    after Ray's own exit handler had shut the workers down ("Can't find actor"), and the steps were lost."""
+    out = tmp_path / "o"
+    args = {"rollout": {"max_new_tokens": 8, "batch_size": 16}, "algo": {"prompts_per_step": 2},
+            "train": {"max_steps": 3, "micro_batch_size": 4}, "actor": {"dtype": "fp32", "device": "cpu"},
+            "log": {"tensorboard": False, "progress": False}, "output_dir": str(out),
+            "distributed": {"backend": "ray", "timeout_s": 180}}
+    rows = [{"prompt": f"What is {i} plus {i}?"} for i in range(8)]
+    script = tmp_path / "script.py"
+    script.write_text("import turborlhf as T\n"
+                      "def short(completions, **kwargs):\n    return [-len(c) / 100.0 for c in completions]\n"
+                      f"t = T.GRPOTrainer(model={str(tiny_model)!r}, reward_funcs=short, train_dataset={rows!r}, "
+                      f"args={args!r})\nt.step()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [c.name for c in (out / "checkpoints").glob("step-*")] == ["step-000001"], r.stderr[-3000:]
+    assert "kept a checkpoint" in r.stderr
