@@ -346,6 +346,10 @@ class _Trainer:
         elif isinstance(args, dict):
             tree = json.loads(json.dumps(args, default=_plain))
         elif isinstance(args, self._accepted_config()):
+            if not isinstance(args, cls) and not issubclass(cls, type(args)):    # RLOOConfig to GRPOTrainer
+                raise UserError(f"args: {type(args).__name__} is another preset than {cls.__name__}, whose settings "
+                                f"it would mix with its own; pass a {cls.__name__} or a "
+                                f"{self._accepted_config().__name__}, or give it to its own trainer")
             # the values set in it, over the command's defaults (those it left are the same): a critic
             # section without name_or_path starts from a reward model given as reward_funcs=, not from
             # ModelCfg's default model; a parent class's object (a PPOConfig given to GRPOTrainer) goes

@@ -684,6 +684,19 @@ def test_a_loaded_ppo_config_given_to_grpo_is_refused(tmp_path):
         GRPOTrainer(model="m", reward_funcs="gsm8k_accuracy", args=args)
 
 
+def test_a_preset_config_given_to_another_presets_trainer_is_refused(tmp_path):
+    """GRPOTrainer(args=RLOOConfig(...)) trained GRPO, the RLOO settings dropped without a word (the
+    config object's preset is neither the trainer's nor PPO's, which its own settings go over)."""
+    from turborlhf import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from turborlhf.errors import UserError
+
+    for trainer, cfg in ((GRPOTrainer, RLOOConfig), (RLOOTrainer, GRPOConfig)):
+        with pytest.raises(UserError, match=f"^args: {cfg.__name__} is another preset than "):
+            trainer(model="m", reward_funcs="gsm8k_accuracy", train_dataset=[{"prompt": "2+2="}],
+                    args=cfg(output_dir=str(tmp_path / cfg.__name__)))
+        assert not (tmp_path / cfg.__name__).exists()
+
+
 def test_reward_trainer_uses_a_margin_column_as_trl_does(tiny_model, tiny_data, tmp_path):
     """TRL's RewardTrainer subtracts a dataset's margin column in the loss; it was ignored here."""
     from turborlhf import RewardTrainer
