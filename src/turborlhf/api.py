@@ -307,13 +307,6 @@ def _set_values(args: Any, cls: type) -> dict:
     return args.model_dump(mode="json", exclude_unset=True)
 
 
-def _redefined_fields(kind: type, cls: type) -> set:
-    """The fields whose declaration `kind`, a subclass of `cls` (or `cls`), or a class between them
-    redefines (a preset's ``algo`` and ``output_dir``)."""
-    return {name for c in kind.__mro__ if c is not cls and issubclass(c, cls)
-            for name in getattr(c, "__annotations__", {}) if name in kind.model_fields}
-
-
 def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     node = tree
@@ -353,13 +346,10 @@ class _Trainer:
             # the values set in it, over the command's defaults (those it left are the same): a critic
             # section without name_or_path starts from a reward model given as reward_funcs=, not from
             # ModelCfg's default model; a parent class's object (a PPOConfig given to GRPOTrainer) goes
-            # over this trainer's preset
+            # over this trainer's preset; a preset's object (a GRPOConfig given to PPOTrainer) counts
+            # its preset's defaults as set (`turborlhf.presets`), so they go over the parent's
             tree = args.model_dump(mode="json", exclude_unset=True) if isinstance(args, cls) \
                 else _set_values(args, cls)
-            # a preset's object given to its parent's trainer (a GRPOConfig to PPOTrainer): the fields
-            # its class redefines (algo, output_dir) count as set, else the trainer ran the parent's defaults
-            for name in _redefined_fields(type(args), cls) - args.model_fields_set:
-                tree[name] = args.model_dump(mode="json", include={name})[name]
         else:
             raise UserError(f"args: expected a {cls.__name__} or a dict of its fields, got {type(args).__name__}")
         out = Path(tree.get("output_dir") or cls.model_fields["output_dir"].default).expanduser()

@@ -767,3 +767,9 @@ def test_a_preset_config_given_to_the_ppo_trainer_keeps_its_preset(tiny_model, t
     assert (ppo.args.algo.advantage_estimator, ppo.args.algo.n_samples_per_prompt, ppo.args.train.max_steps) == (
         "grpo", 4, 3) and not ppo.args.algo.needs_critic
     ppo.close()
+    # a value given for a field of the preset's section still wins over the preset's default
+    mine = PPOTrainer(model=str(tiny_model), reward_funcs=str(tiny_rm), train_dataset=_questions(),
+                      args=GRPOConfig(output_dir=str(tmp_path / "mine"), algo={"n_samples_per_prompt": 2}))
+    assert (mine.args.algo.advantage_estimator, mine.args.algo.n_samples_per_prompt, mine.args.algo.kl_estimator,
+            mine.output_dir) == ("grpo", 2, "k3", tmp_path / "mine")
+    mine.close()
