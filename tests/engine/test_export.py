@@ -3,6 +3,10 @@
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +106,89 @@ def test_a_new_run_clears_conditional_sfts_tag_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     assert TAG_FILE in clear_export(tmp_path)
     assert not (tmp_path / TAG_FILE).exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+# the child: an export of the tiny model into argv[3], killed once its files are staged (the
+# staging directory complete, nothing moved into place yet); "run" is a trainer's final export
+# into its run directory, "command" is `turborlhf export`
+_EXPORT_CHILD = """
+import sys, time
+from pathlib import Path
+import turborlhf.engine.checkpoint as C
+import turborlhf.engine.run as R
+
+real = C._write_hf
+def write_hf(*a, **kw):
+    real(*a, **kw)
+    print("KILL ME", flush=True)
+    time.sleep(600)
+C._write_hf = R._write_hf = write_hf
+kind, src, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+if kind == "run":
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    R.export_model(AutoModelForCausalLM.from_pretrained(src), AutoTokenizer.from_pretrained(src), out)
+else:
+    from turborlhf.commands.export import export_checkpoint
+    export_checkpoint(src, out)
+"""
+
+
+def _export_until_staged(kind, src, out):
+    """A child process that stopped mid-export, its staged files written (see `_EXPORT_CHILD`)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo / 'src'}{os.pathsep}{repo}", "OMP_NUM_THREADS": "1"}
+    log = out.parent / f"child-{kind}.log"
+    with open(log, "a") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _EXPORT_CHILD, kind, str(src), str(out)], env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    if proc.stdout.readline().strip() != "KILL ME":
+        _end(proc)
+        raise AssertionError(f"the child ended before its export was staged:\n{log.read_text()[-3000:]}")
+    return proc
+
+
+def _end(proc):
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+
+@pytest.mark.parametrize("kind", ["run", "command"])
+def test_a_later_export_removes_what_a_killed_one_left_but_not_a_running_ones(kind, tiny_model, tmp_path, capsys):
+    """A SIGKILLed export (`turborlhf export`, or a trainer's final save) left its staging directory,
+    a whole model's weights, in or beside the destination for good. The next export into that
+    destination removes the leftovers of dead exports, naming them in one line; the staging
+    directory of an export still running there stays."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from turborlhf.commands.export import export_checkpoint
+    from turborlhf.engine.run import export_model
+    from turborlhf.metrics import console_logging
+
+    out = tmp_path / "out"
+    where = out if kind == "run" else tmp_path
+
+    def staging():
+        return {p.name for p in where.iterdir() if p.name.startswith(".") and p.is_dir()}
+    running = _export_until_staged(kind, tiny_model, out)
+    try:
+        live = staging()
+        assert live
+        killed = _export_until_staged(kind, tiny_model, out)
+        _end(killed)
+        assert killed.returncode == -signal.SIGKILL
+        dead = staging() - live
+        assert dead, "the kill left nothing behind: the test did not kill mid-export"
+        console_logging()
+        capsys.readouterr()
+        if kind == "run":
+            export_model(AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model),
+                         out)
+        else:
+            export_checkpoint(tiny_model, out)
+        assert staging() == live
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if "killed export" in line and all(n in line for n in dead)]
+    finally:
+        _end(running)
+    assert (out / "model.safetensors").exists()

@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
            "plan_digest", "check_plan", "atomic_write_text", "trainer_state", "restore", "record_export_config",
-           "export_config_of"]
+           "export_config_of", "remove_killed_exports"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
 # younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run
@@ -92,6 +94,53 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _host() -> str:
+    """This host's name as it goes into a file name (no ``-``, ``/`` or other separators)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "localhost"
+
+
+def _writer_tag() -> str:
+    """``<pid>@<host>`` of this process: in the name of a temporary directory it writes, so that a
+    later export can tell what a killed writer left (`remove_killed_exports`) from a live one's."""
+    return f"{os.getpid()}@{_host()}"
+
+
+def _writer_gone(rest: str) -> bool:
+    """Whether a name's part after its prefix starts with the `_writer_tag` of a process of this
+    host that no longer runs. False for another host's (it cannot be checked from here), a name
+    without a tag (an older version's) and on Windows (``os.kill`` there terminates)."""
+    m = re.match(r"(\d+)@([A-Za-z0-9._]+)", rest)
+    if m is None or m.group(2) != _host() or os.name == "nt":
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:             # another user's process: running
+        return False
+    return False
+
+
+def remove_killed_exports(parent: str | Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Remove the directories in `parent` that exports killed mid-way left behind: named
+    ``<prefix><pid>@<host>...`` for a prefix in `prefixes` (a staging directory, or a replaced
+    export renamed aside), whose writer `pid` of this host no longer runs. An export still running
+    keeps its own; one of another host, or named by an older version (no ``<pid>@<host>``), is kept
+    too. Logs one line naming what it removed; returns those names, sorted."""
+    d = Path(parent)
+    if not d.is_dir():
+        return []
+    gone = []
+    for p in sorted(d.iterdir()):
+        rest = next((p.name[len(x):] for x in prefixes if p.name.startswith(x)), None)
+        if rest is not None and p.is_dir() and not p.is_symlink() and _writer_gone(rest):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    if gone:
+        logger.warning(f"[export] removed what killed exports left in {d}: {', '.join(gone)}")
+    return gone
+
+
 def _remove_dir(path: Path) -> None:
     """Delete a directory so that a kill mid-way leaves no partial `path`: rename it to a hidden
     ``.<name>.del-<pid>`` sibling first (atomic), then delete that."""
@@ -104,12 +153,13 @@ def _remove_dir(path: Path) -> None:
 
 def _replace_dir(staged: Path, final: Path) -> None:
     """fsync `staged`, move it to `final` and fsync the parent; an existing `final` is renamed
-    aside first (``.<name>.old-<pid>``, complete until `final` is in place: a kill between the two
-    renames leaves it for `_remove_dead_leftovers` to put back) and removed after."""
+    aside first (``.<name>.old-<pid>@<host>``, complete until `final` is in place: a kill between
+    the two renames leaves it for `_remove_dead_leftovers` to put back, or an export's for
+    `remove_killed_exports` to remove) and removed after."""
     _fsync_tree(staged)
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f".{final.name}.old-{_writer_tag()}")
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -167,10 +217,13 @@ def _stop_ids_for_generate(eos, tokenizer):
 
 
 def save_hf_dir(model, tokenizer, out_dir: str | Path, extra_config: Optional[dict] = None) -> Path:
-    """Atomically write a Hugging Face directory (weights, config, tokenizer)."""
+    """Atomically write a Hugging Face directory (weights, config, tokenizer): staged in a hidden
+    ``.<name>.tmp-<pid>@<host>-*`` sibling, then renamed into place (`_replace_dir`). What killed
+    exports to `out_dir` left beside it is removed first (`remove_killed_exports`)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    remove_killed_exports(out.parent, (f".{out.name}.tmp-", f".{out.name}.old-"))
+    staged = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{_writer_tag()}-"))
     usual_mode(staged)
     try:
         _write_hf(model, tokenizer, staged, extra_config)

@@ -14,7 +14,7 @@ from typing import TypeVar
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import _fsync_dir, _fsync_tree, _write_hf
+from turborlhf.engine.checkpoint import _fsync_dir, _fsync_tree, _write_hf, _writer_tag, remove_killed_exports
 from turborlhf.engine.lifecycle import RunInterrupted  # noqa: F401  (re-exported: its old home)
 
 C = TypeVar("C", bound=Cfg)
@@ -245,11 +245,14 @@ def export_model(model, tokenizer, output_dir: str | Path, extra_config: dict | 
 
     Files are staged in a temporary directory and moved in one by one with ``os.replace`` (each
     move is atomic), weights last; the run's other files (metrics, checkpoints) stay beside them,
-    so `output_dir` itself is loadable with ``from_pretrained``.
+    so `output_dir` itself is loadable with ``from_pretrained``. The staging directory is
+    ``.export-<pid>@<host>-*``; those that killed exports left in `output_dir` are removed first
+    (`turborlhf.engine.checkpoint.remove_killed_exports`), a running export's kept.
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
+    remove_killed_exports(out, (".export-",))
+    staged = Path(tempfile.mkdtemp(dir=out, prefix=f".export-{_writer_tag()}-"))
     try:
         _write_hf(model, tokenizer, staged, extra_config)
         _fsync_tree(staged)
