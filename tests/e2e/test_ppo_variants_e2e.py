@@ -139,7 +139,8 @@ def test_critic_free_estimators(estimator, tiny_model, tiny_rm, tiny_data, tmp_p
         for k in ("rollout/reward_mean", "policy/loss", "policy/entropy", "policy/clipfrac", "policy/grad_norm"):
             assert math.isfinite(r[k]), (k, r)
         assert not any(k.startswith("critic/") or k.startswith("value/") for k in r)
-    assert sorted(p.name for p in (out / "checkpoints" / "step-000002").iterdir()) == ["actor", "trainer_state.pt"]
+    assert sorted(p.name for p in (out / "checkpoints" / "step-000002").iterdir()) == ["actor", "run_id",
+                                                                                      "trainer_state.pt"]
     assert max_weight_diff(weights(tiny_model), weights(out)) > 1e-6
     assert ("policy/kl_loss" in rows[-1]) == (estimator in ("grpo", "reinforce_pp_baseline"))
     assert ("policy/kl" in rows[-1]) == (estimator != "reinforce_pp")  # kl_coef 0: no reference model

@@ -127,3 +127,45 @@ def test_each_changed_resume_keeps_the_config_before_it(tmp_path):
         "config.before-resume.2.yaml", "config.before-resume.3.yaml", "config.before-resume.yaml", "config.yaml"]
     assert [steps("config.before-resume.yaml"), steps("config.before-resume.2.yaml"),
             steps("config.before-resume.3.yaml"), steps("config.yaml")] == [3, 4, 5, 6]
+
+
+def test_a_resume_never_continues_an_earlier_runs_checkpoint(tiny_model, tmp_path, capsys):
+    """A fresh run that starts from an earlier run's checkpoint in its own output_dir keeps that
+    run's checkpoints. Killed before its own first save, its --resume continued the earlier run's
+    checkpoint with the new config: config.yaml was already the new run's, so nothing differed.
+    --resume takes the run's own checkpoints only; with none yet it starts from step 0, naming
+    the earlier run's it leaves."""
+    import shutil
+
+    from turborlhf.config import SFTConfig
+    from turborlhf.engine.checkpoint import latest_checkpoint, save_checkpoint
+    from turborlhf.engine.lifecycle import start_run, unlock_output_dir
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    out = tmp_path / "run"
+
+    def cfg(model, lr):
+        return SFTConfig(model={"name_or_path": str(model)}, data={"train_file": str(data)}, output_dir=str(out),
+                         optim={"lr": lr})
+
+    def model_dir(d):
+        shutil.copytree(tiny_model, d)
+
+    def start(model, lr, resume):
+        try:
+            return start_run(cfg(model, lr), resume, "t")[1]
+        finally:
+            unlock_output_dir(out)          # each start is a process of its own
+    start(tiny_model, 1e-3, False)                                  # run A: 4 steps
+    save_checkpoint(out, 4, {"policy": model_dir}, None, {"step": 4})
+    earlier = out / "checkpoints" / "step-000004"
+    assert start(tiny_model, 1e-3, True) == earlier                 # A's own --resume
+    start(earlier / "policy", 5e-4, False)                          # run B from A's checkpoint, killed
+    capsys.readouterr()
+    assert start(earlier / "policy", 5e-4, True) is None
+    err = capsys.readouterr().err
+    assert "starting from step 0" in err and "step-000004" in err and "earlier run" in err
+    assert latest_checkpoint(out) is None and earlier.is_dir()      # kept: B reads it
+    save_checkpoint(out, 2, {"policy": model_dir}, None, {"step": 2})
+    assert start(earlier / "policy", 5e-4, True) == out / "checkpoints" / "step-000002"

@@ -18,6 +18,9 @@ Layout of a run directory::
                                     fields the export adds (a reward model's reward_mean/reward_std)
       checkpoints/latest            text file: name of the newest complete checkpoint
       final/ (or the trainer's own name)  the exported model (HF dir)
+      run_id                        the identity of the run that started at step 0 here (`new_run_id`),
+                                    copied into each checkpoint it writes (``step-*/run_id``): a
+                                    resume continues only the run's own checkpoints
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["save_hf_dir", "save_checkpoint", "latest_checkpoint", "clear_checkpoints", "load_trainer_state",
            "plan_digest", "check_plan", "atomic_write_text", "trainer_state", "restore", "record_export_config",
-           "export_config_of", "remove_killed_exports"]
+           "export_config_of", "remove_killed_exports", "new_run_id", "earlier_run_checkpoints"]
 
 # a `.latest.*` temp file older than this is a crash's leftover (writing one takes milliseconds);
 # younger ones may belong to a live writer when `latest_checkpoint` runs beside a training run
@@ -261,6 +264,8 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
             callable ``writer(dir)`` that writes that directory itself (a model held by a remote worker).
         state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
         keep: number of complete checkpoints to keep.
+
+    The checkpoint gets a copy of ``<output_dir>/run_id`` (`new_run_id`) where there is one.
     """
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -274,6 +279,9 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
             else:
                 model(staged / mname)
         torch.save(state, staged / "trainer_state.pt")
+        run_id = _run_id(Path(output_dir))
+        if run_id is not None:
+            (staged / RUN_ID).write_text(run_id + "\n")
         _replace_dir(staged, root / name)
     except BaseException as e:
         shutil.rmtree(staged, ignore_errors=True)
@@ -387,8 +395,52 @@ def _remove_dead_leftovers(root: Path, keep: Optional[Path], min_age_s: float) -
             pass
 
 
+RUN_ID = "run_id"
+
+
+def new_run_id(output_dir: str | Path) -> str:
+    """Give the run that starts from step 0 in `output_dir` a new identity: a random hex string in
+    ``<output_dir>/run_id`` (written atomically), which `save_checkpoint` copies into every
+    checkpoint. `latest_checkpoint` then passes over checkpoints an earlier run left there (a fresh
+    run that starts from one of them keeps them): a --resume before the new run's first save
+    continued the earlier run with the new config. Returns the identity."""
+    import uuid
+
+    run_id = uuid.uuid4().hex
+    atomic_write_text(Path(output_dir) / RUN_ID, run_id + "\n")
+    return run_id
+
+
+def _run_id(d: Path) -> Optional[str]:
+    """The run identity in directory `d` (a run's output_dir or one of its checkpoints), or None."""
+    try:
+        return (d / RUN_ID).read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _complete_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The complete checkpoints (with ``trainer_state.pt``) of `output_dir` by step: (the run's own,
+    an earlier run's). With a ``run_id`` in `output_dir`, those whose own differs or is missing are
+    an earlier run's; without one (a run started by a version that recorded none) all are its own."""
+    root = output_dir / "checkpoints"
+    done = sorted((p for p in root.glob("step-*") if (p / "trainer_state.pt").exists()),
+                  key=_step_number) if root.is_dir() else []
+    mine = _run_id(output_dir)
+    own = [p for p in done if mine is None or _run_id(p) == mine]
+    return own, [p for p in done if p not in own]
+
+
+def earlier_run_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints in ``<output_dir>/checkpoints`` that an earlier run wrote (see
+    `new_run_id`), by step: `latest_checkpoint` never returns one of them."""
+    return _complete_checkpoints(Path(output_dir))[1]
+
+
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint directory (one with ``trainer_state.pt``), or None.
+    """The newest complete checkpoint directory (one with ``trainer_state.pt``) of the run in
+    `output_dir`, or None. An earlier run's checkpoints there (`earlier_run_checkpoints`: a fresh
+    run that starts from one of them keeps them) are passed over.
 
     Also removes the dead leftovers of killed saves (`_remove_dead_leftovers`: ``.step-*.old-*``
     directories, incomplete ``step-*`` directories, ``.latest.*`` temp files older than a minute);
@@ -396,14 +448,13 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     root = Path(output_dir) / "checkpoints"
     if root.is_dir():
         _remove_dead_leftovers(root, keep=None, min_age_s=_STALE_TEMP_S)
+    own = _complete_checkpoints(Path(output_dir))[0]
     marker = root / "latest"
     if marker.exists():
         p = root / marker.read_text().strip()
-        if (p / "trainer_state.pt").exists():
+        if p in own:
             return p
-    done = sorted((p for p in root.glob("step-*") if (p / "trainer_state.pt").exists()),
-                  key=_step_number) if root.exists() else []
-    return done[-1] if done else None
+    return own[-1] if own else None
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:

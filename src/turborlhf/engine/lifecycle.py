@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 from turborlhf.config import Cfg, config_to_dict
-from turborlhf.engine.checkpoint import atomic_write_text, clear_checkpoints, latest_checkpoint, protect_inputs
+from turborlhf.engine.checkpoint import (atomic_write_text, clear_checkpoints, earlier_run_checkpoints,
+                                         latest_checkpoint, new_run_id, protect_inputs)
 from turborlhf.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -149,15 +150,18 @@ def _check_resume_config(cfg: Cfg, out: Path, ckpt: Path, tag: str) -> None:
 def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     """Create ``cfg.output_dir`` and return it with the checkpoint to resume from (None: step 0).
 
-    With `resume`: the newest complete checkpoint; none there is said in one line on stderr and the
-    run starts from step 0; a config that differs from the saved one raises `ConfigChanged` (a
-    `UserError`) naming the fields, unless `allow_config_change` is active. Without `resume`,
+    With `resume`: the run's newest complete checkpoint; none there is said in one line on stderr
+    and the run starts from step 0; a config that differs from the saved one raises `ConfigChanged`
+    (a `UserError`) naming the fields, unless `allow_config_change` is active. Without `resume`,
     checkpoints an earlier run left in the directory are removed, with a warning: they would
     outrank the new run's in rotation and be what a later ``--resume`` continues (as ``config.yaml``
-    and the outputs, they belong to the run now starting there). An output_dir that is itself one
-    of the run's inputs (its model, reference...) raises `ConfigError`, as does a config without what
-    a run needs (`turborlhf.config_base.check_complete`: one built directly, ``SFTConfig()`` without a
-    data file). The resolved config is written to ``config.yaml`` only after these checks.
+    and the outputs, they belong to the run now starting there); those the new run starts from are
+    kept. A run that starts from step 0 gets a new identity (`turborlhf.engine.checkpoint.new_run_id`),
+    so a later ``--resume`` continues its own checkpoints only, never a kept one of the earlier run.
+    An output_dir that is itself one of the run's inputs (its model, reference...) raises
+    `ConfigError`, as does a config without what a run needs (`turborlhf.config_base.check_complete`:
+    one built directly, ``SFTConfig()`` without a data file). The resolved config is written to
+    ``config.yaml`` only after these checks.
     """
     from turborlhf.config_base import check_complete
     from turborlhf.engine.run import clear_export, setup_run
@@ -176,7 +180,10 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
     protect_inputs(p for _, p in _config_paths(cfg))
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None:
-        logger.warning(f"[{tag}] --resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
+        earlier = ", ".join(p.name for p in earlier_run_checkpoints(out))
+        where = (f"of this run in {out / 'checkpoints'} ({earlier}: an earlier run's, which a resume never "
+                 f"continues)" if earlier else f"in {out / 'checkpoints'}")
+        logger.warning(f"[{tag}] --resume: no checkpoint {where}; starting from step 0")
     if ckpt is not None:
         _check_resume_config(cfg, out, ckpt, tag)
     if not resume and _reads_from(cfg, out):
@@ -191,6 +198,8 @@ def start_run(cfg: Cfg, resume: bool, tag: str) -> tuple[Path, Optional[Path]]:
         if gone:
             logger.warning(f"[{tag}] a fresh run in {out}: removed the earlier run's exported model "
                            f"({', '.join(gone)})")
+    if ckpt is None:            # before config.yaml: a kill in between must not make old checkpoints the new run's
+        new_run_id(out)
     return setup_run(cfg, str(out)), ckpt
 
 
