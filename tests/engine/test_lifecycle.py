@@ -137,6 +137,7 @@ def test_a_resume_never_continues_an_earlier_runs_checkpoint(tiny_model, tmp_pat
     the earlier run's it leaves."""
     import shutil
 
+    from turborlhf.commands.export import ExportError, resolve_model_dir
     from turborlhf.config import SFTConfig
     from turborlhf.engine.checkpoint import latest_checkpoint, save_checkpoint
     from turborlhf.engine.lifecycle import start_run, unlock_output_dir
@@ -167,5 +168,7 @@ def test_a_resume_never_continues_an_earlier_runs_checkpoint(tiny_model, tmp_pat
     err = capsys.readouterr().err
     assert "starting from step 0" in err and "step-000004" in err and "earlier run" in err
     assert latest_checkpoint(out) is None and earlier.is_dir()      # kept: B reads it
+    with pytest.raises(ExportError, match=r"no complete checkpoint of its run \(step-000004: an earlier run's"):
+        resolve_model_dir(out)                                      # `turborlhf export` of the run: the same
     save_checkpoint(out, 2, {"policy": model_dir}, None, {"step": 2})
     assert start(earlier / "policy", 5e-4, True) == out / "checkpoints" / "step-000002"

@@ -4,7 +4,7 @@
     turborlhf export --checkpoint runs/ppo/checkpoints/step-000040 --model critic --output exported/critic
     turborlhf export --checkpoint runs/sft --output exported/sft --push-to-hub me/sft-model
 
-``--checkpoint`` may be a run directory (its ``checkpoints/latest``), one checkpoint
+``--checkpoint`` may be a run directory (its latest checkpoint, as ``--resume`` finds it), one checkpoint
 ``checkpoints/step-N`` (its ``policy``/``actor`` model unless ``--model`` names another), or a
 model directory itself. A LoRA model directory (peft adapters, ``adapter_config.json``) is loaded
 on its base (``base_model_name_or_path``, or ``--base``) and merged, ``W + scaling·B·A``
@@ -51,11 +51,13 @@ def resolve_model_dir(checkpoint: str | Path, model: Optional[str] = None) -> Pa
     if not d.is_dir():
         raise ExportError(f"{d}: no such directory")
     if (d / "checkpoints").is_dir():
-        from turborlhf.engine.checkpoint import latest_checkpoint
+        from turborlhf.engine.checkpoint import earlier_run_checkpoints, latest_checkpoint
 
         ckpt = latest_checkpoint(d)        # as --resume finds it (a save cut short between its renames too)
         if ckpt is None:
-            raise ExportError(f"{d}: its checkpoints/ holds no complete checkpoint")
+            earlier = ", ".join(p.name for p in earlier_run_checkpoints(d))
+            raise ExportError(f"{d}: its checkpoints/ holds no complete checkpoint" + (
+                f" of its run ({earlier}: an earlier run's; give one as checkpoints/step-N)" if earlier else ""))
         d = ckpt
     if (d / "config.json").exists() or (d / "adapter_config.json").exists():
         if model:

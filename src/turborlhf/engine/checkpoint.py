@@ -415,7 +415,7 @@ def _run_id(d: Path) -> Optional[str]:
     """The run identity in directory `d` (a run's output_dir or one of its checkpoints), or None."""
     try:
         return (d / RUN_ID).read_text().strip() or None
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
 
 
