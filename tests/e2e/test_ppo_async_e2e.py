@@ -216,12 +216,53 @@ def test_stuck_rollout_raises_the_named_timeout(tiny_model, tiny_rm, tiny_data, 
     assert "error: the rollouts of step 2" in capsys.readouterr().err
 
 
+def test_a_timed_out_generation_keeps_the_checkpoint_of_the_step_trained_meanwhile(tiny_model, tiny_rm, tiny_data,
+                                                                                   tmp_path, monkeypatch, capsys):
+    """Step 2's rollouts, generated while step 1 trains, hang past distributed.timeout_s. The
+    timeout was raised at the wait before step 1's push, so step 1's update and checkpoint were lost
+    (every step since the last checkpoint). Now step 1 is saved whatever train.save_every is (not
+    pushed: the engine may still be busy), the run stops with the timeout's one-line error and the
+    checkpoint's name, and --resume generates step 2's batch again."""
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+    from turborlhf.trainers.ppo import roles
+
+    real = roles.RolloutWorker.generate
+    release = threading.Event()
+    n = []
+
+    def second_hangs(self, prompts, params):        # step 1's batch is fine; step 2's hangs (until released)
+        n.append(1)
+        if len(n) == 2:
+            release.wait(60)
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(roles.RolloutWorker, "generate", second_hangs)
+    out = tmp_path / "run"
+    extra = ["train.max_steps=3", "train.save_every=50", "rollout.max_staleness=1", *TIS]
+    try:
+        assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra, "distributed.timeout_s=2")) == 1
+    finally:
+        release.set()
+    err = capsys.readouterr().err
+    assert ("error: the rollouts of step 2 (generated in the background, rollout.max_staleness=1) were not ready "
+            "within 2 s (distributed.timeout_s)\n") in err
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None, "the step trained while the generation hung was not saved"
+    assert f"last complete checkpoint: {ckpt}" in err
+    st = load_trainer_state(ckpt)
+    assert st["step"] == 1 and st["async_rollouts"]["batches"] == []
+    monkeypatch.setattr(roles.RolloutWorker, "generate", real)
+    rows = _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness"] == 0.0     # generated again
+
+
+@pytest.mark.parametrize("save_every", [1, 50])
 def test_a_failed_generation_keeps_the_checkpoint_of_the_step_trained_meanwhile(tiny_model, tiny_rm, tiny_data,
-                                                                                tmp_path, monkeypatch):
-    """Step 2's rollouts, generated while step 1 trains, fail. The synchronous trainer has saved
-    step 1 by then; the pipeline raised the error at the wait before step 1's push, so step 1's
-    update and checkpoint were lost (with train.save_every: 50, every step since the last one).
-    Now step 1 is pushed and saved, step 2 stops the run, and --resume generates its batch again."""
+                                                                                tmp_path, monkeypatch, save_every):
+    """Step 2's rollouts, generated while step 1 trains, fail. The pipeline raised the error at the
+    wait before step 1's push, so step 1's update and checkpoint were lost (with train.save_every:
+    50, every step since the last one). Now step 1 is pushed and saved whatever train.save_every
+    is, the run stops, and --resume generates step 2's batch again."""
     from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
     from turborlhf.trainers.ppo import roles
 
@@ -236,7 +277,7 @@ def test_a_failed_generation_keeps_the_checkpoint_of_the_step_trained_meanwhile(
 
     monkeypatch.setattr(roles.RolloutWorker, "generate", second_fails)
     out = tmp_path / "run"
-    extra = ["train.max_steps=3", "train.save_every=1", "rollout.max_staleness=1", *TIS]
+    extra = ["train.max_steps=3", f"train.save_every={save_every}", "rollout.max_staleness=1", *TIS]
     assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra)) == 1
     assert latest_checkpoint(out) is not None, "the step trained while the generation failed was not saved"
     st = load_trainer_state(latest_checkpoint(out))
@@ -246,32 +287,49 @@ def test_a_failed_generation_keeps_the_checkpoint_of_the_step_trained_meanwhile(
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness"] == 0.0     # generated again
 
 
-def test_a_generation_error_waits_for_the_next_step_but_its_own_timeout_does_not():
-    """`wait` keeps a failed generation's error for the next `take` (the engines are idle: the push
-    and the checkpoint go ahead), but raises a generation's own WorkerTimeoutError at once (an
-    engine may still be busy with it)."""
+def test_wait_keeps_a_generation_error_or_timeout_for_after_the_checkpoint():
+    """`wait` never raises for the generation: a failed one's error (the engines are idle: the push
+    and the checkpoint go ahead), a generation's own WorkerTimeoutError and the pipeline's timeout
+    (an engine may still be busy: no push, `can_push` False) are kept in ``failed``, which the
+    driver raises once the step is checkpointed (`state` works: the batch is not in it)."""
+    import time as _time
     from concurrent.futures import Future
     from types import SimpleNamespace as NS
 
     from turborlhf.distributed.group import WorkerError, WorkerTimeoutError
-    from turborlhf.trainers.ppo.async_rollout import RolloutPipeline
+    from turborlhf.trainers.ppo.async_rollout import RolloutPipeline, RolloutTimeoutError
 
-    cfg = NS(rollout=NS(max_staleness=1), algo=NS(critic_warmup_steps=0), distributed=NS(timeout_s=5.0))
-    pipe = RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0]], None, start=0)
+    def pipeline(timeout_s=5.0):
+        cfg = NS(rollout=NS(max_staleness=1), algo=NS(critic_warmup_steps=0), distributed=NS(timeout_s=timeout_s))
+        return RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0]], None, start=0)
 
-    def pending(exc):
+    def pending(pipe, exc=None):
         fut = Future()
-        fut.set_exception(exc)
+        if exc is not None:
+            fut.set_exception(exc)
         pipe.pending = (1, fut)
 
-    pending(WorkerError("rollout failed in generate: boom", "rollout", 0, "generate"))
+    pipe = pipeline()
+    pending(pipe, WorkerError("rollout failed in generate: boom", "rollout", 0, "generate"))
     pipe.wait()                                           # the push and the checkpoint may follow
-    assert pipe.pending is None and pipe.state()["batches"] == []
+    assert pipe.pending is None and pipe.can_push() and pipe.state()["batches"] == []
+    assert isinstance(pipe.failed, WorkerError)
     with pytest.raises(WorkerError, match="boom"):
         pipe.take(1)
-    pending(WorkerTimeoutError("rollout worker rank 0 did not finish a generate item", "rollout", 0, "generate"))
-    with pytest.raises(WorkerTimeoutError, match="did not finish"):
-        pipe.wait()
+
+    pipe = pipeline()
+    pending(pipe, WorkerTimeoutError("rollout worker rank 0 did not finish a generate item", "rollout", 0, "generate"))
+    pipe.wait()
+    assert isinstance(pipe.failed, WorkerTimeoutError) and not pipe.can_push() and pipe.state()["batches"] == []
+
+    pipe = pipeline(timeout_s=0.3)
+    pending(pipe)                                         # never finishes
+    t0 = _time.monotonic()
+    pipe.wait()
+    assert 0.3 <= _time.monotonic() - t0 < 5
+    assert isinstance(pipe.failed, RolloutTimeoutError) and not pipe.can_push() and pipe.state()["batches"] == []
+    assert str(pipe.failed) == ("the rollouts of step 2 (generated in the background, rollout.max_staleness=1) were "
+                                "not ready within 0.3 s (distributed.timeout_s)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,11 +25,11 @@ Guarantees kept:
   idle; engines are never put to sleep while a generation is pending: ``distributed.rollout_sleep``
   is refused with ``max_staleness > 0``);
 - every wait has a timeout: waiting for a pending batch longer than ``distributed.timeout_s``
-  raises `RolloutTimeoutError` (a `WorkerTimeoutError`) naming the step;
-- a generation that fails (an engine or a reward function raising) stops the run at the start of
-  the next step, as in the synchronous trainer: the step trained meanwhile is still pushed and
-  checkpointed (without the failed batch, which ``--resume`` generates again); a timeout stops it
-  at once (an engine may still be busy);
+  stops the run with `RolloutTimeoutError` (a `WorkerTimeoutError`) naming the step;
+- a generation that fails (an engine or a reward function raising) or times out stops the run
+  after the step trained meanwhile, which is checkpointed first, whatever ``train.save_every`` is
+  (without that batch, which ``--resume`` generates again); after a failure that step's weights
+  are pushed too, after a timeout not (an engine may still be busy with the batch);
 - a checkpoint after step n holds the generated-but-untrained batches of steps n+1 … n+k (prompts,
   responses, finished flags, engine log-probs, scores when already scored, metrics, the policy
   version that generated them, generation time), so ``--resume`` trains on exactly those instead
@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -111,8 +111,14 @@ class SyncRollouts:
         self.cluster["rollout"].run_alive("sleep")
         return RolloutBatch(step, ro, actor_version(step, self.cfg.algo.critic_warmup_steps), seconds)
 
+    failed: Optional[Exception] = None     # never: a generation's error is raised by `take` itself
+
     def wait(self) -> None:
         """Nothing is ever pending."""
+
+    def can_push(self) -> bool:
+        """The engines are idle after `take`."""
+        return True
 
     def pushed(self, step: int) -> None:
         """The engines' weights are the actor's after every push."""
@@ -158,8 +164,9 @@ class RolloutPipeline:
         start: the first step this process trains (the resumed step, or 0).
         saved: `state()` of the checkpoint resumed from, or None.
 
-    Use: ``take(step)`` at the start of each step, ``wait()`` before each weight push and each
-    checkpoint, ``pushed(step)`` after a push, ``state()`` into the checkpoint (under
+    Use: ``take(step)`` at the start of each step, ``wait()`` at the end of each (before its weight
+    push) and before each checkpoint, then push only if ``can_push()``; ``failed`` set: checkpoint
+    the step, then raise it; ``pushed(step)`` after a push, ``state()`` into the checkpoint (under
     ``STATE_KEY``), ``close()``.
     """
 
@@ -175,7 +182,8 @@ class RolloutPipeline:
         self.engine_version = actor_version(start, self.warmup)     # the engines hold the start weights
         self.ready: dict[int, RolloutBatch] = {}
         self.pending: Optional[tuple[int, Future]] = None
-        self.failed: Optional[Exception] = None     # a generation's error, raised by the next `take`
+        self.failed: Optional[Exception] = None     # a generation's error or timeout: the run stops
+        self.abandoned: Optional[int] = None        # the step of a batch left generating (engines maybe busy)
         self.waited = 0.0
         self._locked: dict[str, Any] = {}
         if cluster.backend == "local":      # the background thread calls these roles
@@ -251,41 +259,52 @@ class RolloutPipeline:
         self.pending = (step, fut)
 
     def wait(self) -> None:
-        """Wait for the pending batch (if any) and keep it. Raises `RolloutTimeoutError` after
-        ``distributed.timeout_s`` seconds, and a generation's own `WorkerTimeoutError` (an engine
-        may still be busy). Any other error of the generation (e.g. a `WorkerError`) is kept for
-        the next `take` to raise: the engines are idle, so the push and the checkpoint of the step
-        trained meanwhile still happen, as the synchronous trainer saves a step before the next
-        one's generation fails (raised here, it lost that checkpoint, and with
-        ``train.save_every`` the steps since the previous one)."""
+        """Wait for the pending batch (if any) and keep it; never raises for the generation.
+
+        The run is to stop after the step trained meanwhile, once that step is checkpointed, when
+        this sets ``failed``: the generation's error (e.g. a `WorkerError`; the engines are idle, so
+        the step's weights are still pushed), or after ``distributed.timeout_s`` seconds a
+        `RolloutTimeoutError`, or a generation's own `WorkerTimeoutError` (an engine may still be
+        busy: no push, `can_push` is False). Raised here, they lost that step's checkpoint, and with
+        ``train.save_every`` every step since the previous one."""
         if self.pending is None:
             return
         step, fut = self.pending
         t0 = time.perf_counter()
         try:
-            batch = fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise RolloutTimeoutError(
-                f"the rollouts of step {step + 1} (generated in the background, rollout.max_staleness={self.k}) "
-                f"were not ready within {self.timeout_s:g} s (distributed.timeout_s)", "rollout", None,
-                "generate") from None
-        except WorkerTimeoutError:      # an engine may still be busy (Ray's item timeout on a shared process)
-            raise
+            while not fut.done():
+                left = self.timeout_s - (time.perf_counter() - t0)
+                if left <= 0:
+                    self.pending, self.abandoned = None, step
+                    self.failed = RolloutTimeoutError(
+                        f"the rollouts of step {step + 1} (generated in the background, "
+                        f"rollout.max_staleness={self.k}) were not ready within {self.timeout_s:g} s "
+                        "(distributed.timeout_s)", "rollout", None, "generate")
+                    return
+                futures_wait([fut], timeout=left)
+            batch = fut.result()
+        except WorkerTimeoutError as e:      # an engine may still be busy (Ray's item timeout on a shared process)
+            self.pending, self.abandoned, self.failed = None, step, e
+            return
         except Exception as e:
             self.pending, self.failed = None, e
             logger.warning(f"[ppo] the rollouts of step {step + 1} (generated in the background) failed: "
-                           f"{type(e).__name__}: {e}; the run stops before the next step (this one is still "
-                           "pushed and saved)")
+                           f"{type(e).__name__}: {e}; the run stops after this step (pushed and saved first)")
             return
         finally:
             self.waited += time.perf_counter() - t0
         self.pending = None
         self.ready[step] = batch
 
+    def can_push(self) -> bool:
+        """Whether the engines may take new weights: not after `wait` abandoned a generation that
+        timed out (it may still be running on them)."""
+        return self.abandoned is None
+
     def take(self, step: int) -> RolloutBatch:
         """The rollouts of `step` (generated now only at the start, or after a resume without saved
         ones), after launching the generation of step ``step + k`` with the engines' current weights.
-        Raises the error of a generation that failed since the last step (`wait`)."""
+        Raises the error of a generation that failed or timed out since the last step (`wait`)."""
         self.waited = 0.0
         self.wait()
         if self.failed is not None:

@@ -594,6 +594,9 @@ def _run(cfg: PPOConfig, cluster, tok, prompt_ids, plan, out: Path, ckpt: Option
         for step in checkpointed_steps(start, len(plan), checkpoint, cfg.train.save_every, "ppo"):
             done, metrics = _step(cfg, cluster, tok, prompt_ids, plan, step, kl_ctl, reward_stats, gen, log,
                                   samples_f, canary, columns, pipe)
+            if pipe.failed is not None:     # a background generation failed or timed out: keep this step, stop
+                checkpoint(done)
+                raise pipe.failed
             yield done, len(plan), metrics
         cluster["actor"].run("export", str(out))      # after the last step's checkpoint (the loop's)
     except WorkerError as e:
@@ -639,11 +642,10 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
-    if train_actor:
-        pipe.wait()                 # the engines finish the pending rollouts before they take new weights
+    pipe.wait()     # the engines finish the pending rollouts before they take new weights (not after a timeout)
     t0 = time.perf_counter()
     sync_metrics = {}
-    if train_actor:  # push, then the canary check on every engine (WeightSyncError if one disagrees)
+    if train_actor and pipe.can_push():  # push, then the canary check on every engine (WeightSyncError: one disagrees)
         sync_metrics = sync_weights(cluster, canary, cfg.rollout.sync_tolerance, colocated_push(cfg))
         pipe.pushed(step)
     t_sync = time.perf_counter() - t0
