@@ -172,6 +172,56 @@ def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, t
     assert max_weight_diff(weights(tmp_path / "ref"), weights(out)) == 0.0
 
 
+_BUSY_CHILD = """
+import os, signal, sys, time
+from turborlhf.trainers.ppo import driver, roles
+real_generate, real_update, n = roles.RolloutWorker.generate, driver.ppo_update, [0]
+def busy(self, prompts, params):          # step 2's batch keeps the engine computing for a minute
+    n[0] += 1
+    t0 = time.monotonic()
+    while n[0] == 2 and time.monotonic() - t0 < 60:
+        real_generate(self, prompts, params)
+    return real_generate(self, prompts, params)
+def update(*a, **k):                      # with SIGTERM: sent while step 1 trains
+    if {signal} and n[0] <= 2 and not getattr(update, "sent", False):
+        update.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_update(*a, **k)
+roles.RolloutWorker.generate, driver.ppo_update = busy, update
+from turborlhf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("how, code, message", [
+    ("timeout", 1, "error: the rollouts of step 2 (generated in the background"),
+])
+def test_the_exit_code_survives_a_generation_left_inside_torch(how, code, message, tiny_model, tiny_rm, tiny_data,
+                                                               tmp_path):
+    """A real process whose run stops (SIGTERM, or the generation's timeout) while the background
+    generation computes inside torch: the interpreter exited with that thread in a torch operation
+    and aborted now and then ("terminate called without an active exception", exit code 134). Now
+    the run cancels the generation and exits at once with its own code."""
+    import os
+    import subprocess
+    import sys
+
+    from turborlhf.engine.checkpoint import latest_checkpoint
+
+    out = tmp_path / "run"
+    args = _args(tiny_model, tiny_rm, tiny_data, out, "train.max_steps=3", "rollout.max_staleness=1", *TIS,
+                 f"distributed.timeout_s={300 if how == 'signal' else 3}")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TURBORLHF_THREADS="1", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1")
+    t0 = time.monotonic()
+    child = subprocess.run([sys.executable, "-c", _BUSY_CHILD.format(signal=how == "signal"), *args],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert child.returncode == code, child.stderr[-2000:]
+    assert message in child.stderr and "terminate called" not in child.stderr
+    assert time.monotonic() - t0 < 55               # the generation would have run for 60 s
+    assert latest_checkpoint(out).name == "step-000001"
+
+
 # ----------------------------------------------------------------------------------------------
 # A stuck rollout: a named error after distributed.timeout_s, not a hang
 # ----------------------------------------------------------------------------------------------
@@ -232,8 +282,9 @@ def test_a_timed_out_generation_keeps_the_checkpoint_of_the_step_trained_meanwhi
 
     def second_hangs(self, prompts, params):        # step 1's batch is fine; step 2's hangs (until released)
         n.append(1)
-        if len(n) == 2:
-            release.wait(60)
+        t0 = time.monotonic()
+        while len(n) == 2 and not release.wait(0.05) and time.monotonic() - t0 < 60:
+            pass
         return real(self, prompts, params)
 
     monkeypatch.setattr(roles.RolloutWorker, "generate", second_hangs)
@@ -330,6 +381,32 @@ def test_wait_keeps_a_generation_error_or_timeout_for_after_the_checkpoint():
     assert isinstance(pipe.failed, RolloutTimeoutError) and not pipe.can_push() and pipe.state()["batches"] == []
     assert str(pipe.failed) == ("the rollouts of step 2 (generated in the background, rollout.max_staleness=1) were "
                                 "not ready within 0.3 s (distributed.timeout_s)")
+
+
+def test_close_cancels_a_generation_still_running():
+    """`close` raises `GenerationCancelled` in a generation's thread that is still running (pending,
+    or abandoned by a timed-out `wait`) and waits for it: the roles are not shut down under it and
+    the process does not exit with it inside torch (an abort)."""
+    from types import SimpleNamespace as NS
+
+    from turborlhf.trainers.ppo.async_rollout import GenerationCancelled, RolloutPipeline
+
+    cfg = NS(rollout=NS(max_staleness=1), algo=NS(critic_warmup_steps=0), distributed=NS(timeout_s=0.2))
+    pipe = RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0], [0]], None, start=0)
+
+    def forever(step, version):             # a generation that never ends by itself
+        while True:
+            time.sleep(0.01)
+
+    pipe._generate = forever
+    pipe._launch(1)
+    fut = pipe.pending[1]
+    pipe.wait()                             # times out: abandoned, still running
+    assert not pipe.can_push() and [t.is_alive() for t in pipe._threads] == [True]
+    t0 = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - t0 < 5 and pipe._threads == []
+    assert isinstance(fut.exception(timeout=1), GenerationCancelled)
 
 
 # ----------------------------------------------------------------------------------------------

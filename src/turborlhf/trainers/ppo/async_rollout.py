@@ -72,6 +72,21 @@ class RolloutTimeoutError(WorkerTimeoutError):
     """The trainer waited longer than ``distributed.timeout_s`` for a pending rollout batch."""
 
 
+class GenerationCancelled(BaseException):
+    """Raised inside a background generation's thread to stop it (`RolloutPipeline.close`). A
+    BaseException, so that no ``except Exception`` on its way (a role group's error wrapping) keeps
+    the thread going."""
+
+
+def _raise_in_thread(thread: threading.Thread, exc: type) -> None:
+    """Raise `exc` in `thread` at its next Python instruction (CPython's asynchronous exception;
+    a call in C code under way, a torch operation, finishes first)."""
+    import ctypes
+
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+
+
 def actor_version(step: int, critic_warmup_steps: int) -> int:
     """Actor updates done before step `step` (0-based): the policy version the actor holds then
     (no actor update during the critic warm-up)."""
@@ -171,6 +186,7 @@ class RolloutPipeline:
     """
 
     STATE_KEY = "async_rollouts"      # the key of the pipeline's state in trainer_state.pt
+    CANCEL_WAIT_S = 10.0              # how long `close` waits for a cancelled generation to stop (seconds)
 
     def __init__(self, cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
                  columns: Optional[list[dict]], start: int, saved: Optional[dict] = None) -> None:
@@ -185,6 +201,7 @@ class RolloutPipeline:
         self.failed: Optional[Exception] = None     # a generation's error or timeout: the run stops
         self.abandoned: Optional[int] = None        # the step of a batch left generating (engines maybe busy)
         self.waited = 0.0
+        self._threads: list[threading.Thread] = []     # the background generations' threads
         self._locked: dict[str, Any] = {}
         if cluster.backend == "local":      # the background thread calls these roles
             for role in ("rollout", "reward"):
@@ -251,11 +268,15 @@ class RolloutPipeline:
 
         def work() -> None:
             try:
-                fut.set_result(self._generate(step, version))
+                batch = self._generate(step, version)
             except BaseException as e:      # handed to the trainer by wait()
                 fut.set_exception(e)
+                return
+            fut.set_result(batch)
 
-        threading.Thread(target=work, name=f"rollouts-step-{step + 1}", daemon=True).start()
+        thread = threading.Thread(target=work, name=f"rollouts-step-{step + 1}", daemon=True)
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         self.pending = (step, fut)
 
     def wait(self) -> None:
@@ -329,8 +350,20 @@ class RolloutPipeline:
                 "timing/rollout_wait": self.waited}
 
     def close(self) -> None:
-        """Give the roles back their unlocked groups. A generation still running is abandoned (its
-        thread is a daemon; on Ray its calls end with their own timeouts)."""
+        """Stop a generation still running (pending, or abandoned by `wait`), then give the roles back
+        their unlocked groups. `GenerationCancelled` is raised in its thread at its next Python
+        instruction (after the torch operation under way) and the thread is waited for up to
+        `CANCEL_WAIT_S` seconds, so the roles are not shut down under it and the interpreter does not
+        exit while it runs inside torch (an abort, exit code 134, instead of the run's own code). A
+        thread blocked longer in one call is left to run (a daemon); on Ray its calls end with their
+        own timeouts or the cluster's shutdown."""
+        live = [t for t in self._threads if t.is_alive()]
+        for t in live:
+            _raise_in_thread(t, GenerationCancelled)
+        deadline = time.monotonic() + self.CANCEL_WAIT_S
+        for t in live:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in live if t.is_alive()]
         for role, group in self._locked.items():
             self.cluster.groups[role] = group
         self._locked.clear()
