@@ -402,7 +402,7 @@ def test_close_cancels_a_generation_still_running():
     pipe._launch(1)
     fut = pipe.pending[1]
     pipe.wait()                             # times out: abandoned, still running
-    assert not pipe.can_push() and [t.is_alive() for t in pipe._threads] == [True]
+    assert not pipe.can_push() and [t.is_alive() for t, _ in pipe._threads] == [True]
     t0 = time.monotonic()
     pipe.close()
     assert time.monotonic() - t0 < 5 and pipe._threads == []

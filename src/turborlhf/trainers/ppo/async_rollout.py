@@ -64,8 +64,8 @@ import turborlhf.trainers.ppo.rlvr as rlvr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutBatch", "SyncRollouts", "RolloutPipeline", "RolloutTimeoutError", "actor_version",
-           "rollout_pipeline"]
+__all__ = ["RolloutBatch", "SyncRollouts", "RolloutPipeline", "RolloutTimeoutError", "GenerationCancelled",
+           "actor_version", "rollout_pipeline"]
 
 
 class RolloutTimeoutError(WorkerTimeoutError):
@@ -201,7 +201,7 @@ class RolloutPipeline:
         self.failed: Optional[Exception] = None     # a generation's error or timeout: the run stops
         self.abandoned: Optional[int] = None        # the step of a batch left generating (engines maybe busy)
         self.waited = 0.0
-        self._threads: list[threading.Thread] = []     # the background generations' threads
+        self._threads: list[tuple[threading.Thread, Future]] = []     # the background generations
         self._locked: dict[str, Any] = {}
         if cluster.backend == "local":      # the background thread calls these roles
             for role in ("rollout", "reward"):
@@ -276,7 +276,7 @@ class RolloutPipeline:
 
         thread = threading.Thread(target=work, name=f"rollouts-step-{step + 1}", daemon=True)
         thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        self._threads = [(t, f) for t, f in self._threads if t.is_alive()] + [(thread, fut)]
         self.pending = (step, fut)
 
     def wait(self) -> None:
@@ -357,13 +357,14 @@ class RolloutPipeline:
         exit while it runs inside torch (an abort, exit code 134, instead of the run's own code). A
         thread blocked longer in one call is left to run (a daemon); on Ray its calls end with their
         own timeouts or the cluster's shutdown."""
-        live = [t for t in self._threads if t.is_alive()]
-        for t in live:
-            _raise_in_thread(t, GenerationCancelled)
+        live = [(t, f) for t, f in self._threads if t.is_alive()]
+        for t, f in live:
+            if not f.done():            # a thread whose generation has ended is left to return
+                _raise_in_thread(t, GenerationCancelled)
         deadline = time.monotonic() + self.CANCEL_WAIT_S
-        for t in live:
+        for t, _ in live:
             t.join(max(0.0, deadline - time.monotonic()))
-        self._threads = [t for t in live if t.is_alive()]
+        self._threads = [(t, f) for t, f in live if t.is_alive()]
         for role, group in self._locked.items():
             self.cluster.groups[role] = group
         self._locked.clear()
