@@ -139,24 +139,38 @@ def test_resume_keeps_the_pending_rollouts(tiny_model, tiny_rm, tiny_data, tmp_p
         assert len(calls) == 2
 
 
-def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, tiny_data, tmp_path):
-    """A signal during a step (with the next step's rollouts being generated) saves them with the
-    checkpoint; the resumed run ends with the uninterrupted run's weights."""
+def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, tiny_data, tmp_path, monkeypatch):
+    """A signal during a step, with the next step's rollouts generated in the background by the
+    end of it, saves them with the checkpoint; the resumed run ends with the uninterrupted run's
+    weights. (A generation still running then is not waited for: the test below.)"""
     import os
     import signal
+    from concurrent.futures import wait as futures_wait
+
+    from turborlhf.trainers.ppo.async_rollout import RolloutPipeline
 
     extra = ["train.max_steps=3", "rollout.max_staleness=1", *TIS]
     _run(tiny_model, tiny_rm, tiny_data, tmp_path / "ref", *extra)
     from turborlhf.trainers.ppo import driver
 
     real = driver.ppo_update
-    n = []
+    real_launch = RolloutPipeline._launch
+    launched, n = [], []
+
+    def launch(self, step):
+        real_launch(self, step)
+        launched.append(self.pending[1])
 
     def update_then_signal(*a, **k):           # SIGTERM while step 1 trains (step 2's rollouts pending)
         n.append(1)
         if len(n) == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
+        out = real(*a, **k)
+        if len(n) == 1:
+            futures_wait(launched, timeout=120)     # step 2's rollouts are ready by the end of step 1
+        return out
+
+    monkeypatch.setattr(RolloutPipeline, "_launch", launch)
 
     out = tmp_path / "term"
     driver.ppo_update = update_then_signal
@@ -170,6 +184,58 @@ def test_sigterm_mid_run_then_resume_equals_uninterrupted(tiny_model, tiny_rm, t
     assert st["step"] == 1 and [b["step"] for b in st["async_rollouts"]["batches"]] == [1]
     _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
     assert max_weight_diff(weights(tmp_path / "ref"), weights(out)) == 0.0
+
+
+def test_sigterm_does_not_wait_for_a_generation_still_running(tiny_model, tiny_rm, tiny_data, tmp_path,
+                                                              monkeypatch):
+    """SIGTERM while step 1 trains and step 2's rollouts are still being generated: the run waited
+    for them (up to distributed.timeout_s) before saving, past a scheduler's grace period
+    (Kubernetes: 30 s, then SIGKILL). Now the generation is abandoned: step 1 is saved without that
+    batch (not pushed: the engine is busy; the generation is cancelled), exit 143, and --resume
+    generates it again."""
+    import os
+    import signal
+
+    from turborlhf.engine.checkpoint import latest_checkpoint, load_trainer_state
+    from turborlhf.trainers.ppo import driver, roles
+
+    real_generate, real_update = roles.RolloutWorker.generate, driver.ppo_update
+    release, returned, n, signalled, hung = threading.Event(), [], [], [], []
+
+    def second_hangs(self, prompts, params):        # step 2's batch (in the background) hangs until released
+        n.append(1)
+        if len(n) == 2:
+            hung.append(threading.current_thread())
+            t0 = time.monotonic()
+            while not release.wait(0.05) and time.monotonic() - t0 < 45:
+                pass
+            returned.append(time.monotonic())
+        return real_generate(self, prompts, params)
+
+    def update_then_signal(*a, **k):                # SIGTERM while step 1 trains
+        if not signalled:
+            signalled.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(*a, **k)
+
+    monkeypatch.setattr(roles.RolloutWorker, "generate", second_hangs)
+    monkeypatch.setattr(driver, "ppo_update", update_then_signal)
+    out = tmp_path / "run"
+    extra = ["train.max_steps=3", "train.save_every=50", "rollout.max_staleness=1", *TIS]
+    try:
+        assert main(_args(tiny_model, tiny_rm, tiny_data, out, *extra, "distributed.timeout_s=300")) == 143
+        stopped = time.monotonic()
+        assert not returned, "the save waited for the generation still running"
+    finally:
+        release.set()
+    assert stopped - signalled[0] < 30
+    assert not hung[0].is_alive(), "the abandoned generation was not cancelled"
+    st = load_trainer_state(latest_checkpoint(out))
+    assert st["step"] == 1 and st["async_rollouts"]["batches"] == []      # the abandoned batch is not saved
+    monkeypatch.setattr(roles.RolloutWorker, "generate", real_generate)
+    monkeypatch.setattr(driver, "ppo_update", real_update)
+    rows = _run(tiny_model, tiny_rm, tiny_data, out, *extra, "--resume")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness"] == 0.0     # generated again
 
 
 _BUSY_CHILD = """
@@ -194,6 +260,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("how, code, message", [
+    ("signal", 143, "stopped: SIGTERM at step 1/3: kept checkpoint"),
     ("timeout", 1, "error: the rollouts of step 2 (generated in the background"),
 ])
 def test_the_exit_code_survives_a_generation_left_inside_torch(how, code, message, tiny_model, tiny_rm, tiny_data,
@@ -381,6 +448,36 @@ def test_wait_keeps_a_generation_error_or_timeout_for_after_the_checkpoint():
     assert isinstance(pipe.failed, RolloutTimeoutError) and not pipe.can_push() and pipe.state()["batches"] == []
     assert str(pipe.failed) == ("the rollouts of step 2 (generated in the background, rollout.max_staleness=1) were "
                                 "not ready within 0.3 s (distributed.timeout_s)")
+
+
+def test_wait_on_a_stop_signal_keeps_a_ready_batch_and_abandons_a_running_one(monkeypatch):
+    """With a stop signal received (`stop_requested`), `wait` returns at once: a batch already
+    generated is kept (it goes into the checkpoint), one still running is abandoned (no error, no
+    push: `can_push` False; not in `state`, so --resume generates it again)."""
+    import time as _time
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+
+    from turborlhf.trainers.ppo import async_rollout
+    from turborlhf.trainers.ppo.async_rollout import RolloutBatch, RolloutPipeline
+
+    monkeypatch.setattr(async_rollout, "stop_requested", lambda: 15)
+    cfg = NS(rollout=NS(max_staleness=1), algo=NS(critic_warmup_steps=0), distributed=NS(timeout_s=60.0))
+
+    pipe = RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0]], None, start=0)
+    ready = Future()
+    ready.set_result(RolloutBatch(1, None, 0, 0.1))
+    pipe.pending = (1, ready)
+    pipe.wait()
+    assert pipe.pending is None and list(pipe.ready) == [1] and pipe.can_push() and pipe.failed is None
+
+    pipe = RolloutPipeline(cfg, NS(backend="ray"), None, [[1]], [[0], [0]], None, start=0)
+    pipe.pending = (1, Future())                          # never finishes
+    t0 = _time.monotonic()
+    pipe.wait()
+    assert _time.monotonic() - t0 < 5
+    assert pipe.pending is None and pipe.failed is None and not pipe.can_push()
+    assert pipe.state()["batches"] == []
 
 
 def test_close_cancels_a_generation_still_running():

@@ -30,10 +30,14 @@ Guarantees kept:
   after the step trained meanwhile, which is checkpointed first, whatever ``train.save_every`` is
   (without that batch, which ``--resume`` generates again); after a failure that step's weights
   are pushed too, after a timeout not (an engine may still be busy with the batch);
+- a stop signal (SIGINT/SIGTERM) does not wait for a pending generation: a batch already
+  generated goes into the checkpoint, one still running is abandoned (no push; ``--resume``
+  generates it again, with the checkpoint's weights), so the save fits a scheduler's grace period;
 - a checkpoint after step n holds the generated-but-untrained batches of steps n+1 … n+k (prompts,
   responses, finished flags, engine log-probs, scores when already scored, metrics, the policy
   version that generated them, generation time), so ``--resume`` trains on exactly those instead
-  of regenerating them with newer weights: a stopped and resumed run equals an uninterrupted one.
+  of regenerating them with newer weights: a stopped and resumed run equals an uninterrupted one
+  (unless a signal abandoned a generation, above).
   A batch that cannot be used (a resume with another ``max_staleness``) is named when dropped.
 
 Threads: on the local backend the background generation runs in a thread of this process (torch
@@ -51,6 +55,7 @@ there is one pending batch at a time, so k > 1 adds staleness but no further ove
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -60,6 +65,7 @@ from typing import Any, Optional
 
 from turborlhf.config import config_to_dict
 from turborlhf.distributed.group import LocalGroup, WorkerTimeoutError
+from turborlhf.engine.lifecycle import stop_requested
 import turborlhf.trainers.ppo.rlvr as rlvr
 
 logger = logging.getLogger(__name__)
@@ -186,6 +192,7 @@ class RolloutPipeline:
     """
 
     STATE_KEY = "async_rollouts"      # the key of the pipeline's state in trainer_state.pt
+    POLL_S = 0.2                      # how often a wait looks for a stop signal (seconds)
     CANCEL_WAIT_S = 10.0              # how long `close` waits for a cancelled generation to stop (seconds)
 
     def __init__(self, cfg, cluster, tok, prompt_ids: list[list[int]], plan: list[list[int]],
@@ -287,7 +294,10 @@ class RolloutPipeline:
         the step's weights are still pushed), or after ``distributed.timeout_s`` seconds a
         `RolloutTimeoutError`, or a generation's own `WorkerTimeoutError` (an engine may still be
         busy: no push, `can_push` is False). Raised here, they lost that step's checkpoint, and with
-        ``train.save_every`` every step since the previous one."""
+        ``train.save_every`` every step since the previous one. On a stop signal (SIGINT/SIGTERM,
+        looked for every `POLL_S` seconds) a batch not generated yet is abandoned, not waited for:
+        the signal's checkpoint goes without it (``--resume`` generates it again) and `can_push` is
+        False."""
         if self.pending is None:
             return
         step, fut = self.pending
@@ -295,6 +305,13 @@ class RolloutPipeline:
         try:
             while not fut.done():
                 left = self.timeout_s - (time.perf_counter() - t0)
+                signum = stop_requested()
+                if signum is not None:
+                    self.pending, self.abandoned = None, step
+                    logger.warning(f"[ppo] {signal.Signals(signum).name}: not waiting for the rollouts of step "
+                                   f"{step + 1} (generated in the background); the checkpoint goes without them, "
+                                   "--resume generates them again")
+                    return
                 if left <= 0:
                     self.pending, self.abandoned = None, step
                     self.failed = RolloutTimeoutError(
@@ -302,7 +319,7 @@ class RolloutPipeline:
                         f"rollout.max_staleness={self.k}) were not ready within {self.timeout_s:g} s "
                         "(distributed.timeout_s)", "rollout", None, "generate")
                     return
-                futures_wait([fut], timeout=left)
+                futures_wait([fut], timeout=min(left, self.POLL_S))
             batch = fut.result()
         except WorkerTimeoutError as e:      # an engine may still be busy (Ray's item timeout on a shared process)
             self.pending, self.abandoned, self.failed = None, step, e
@@ -318,19 +335,23 @@ class RolloutPipeline:
         self.ready[step] = batch
 
     def can_push(self) -> bool:
-        """Whether the engines may take new weights: not after `wait` abandoned a generation that
-        timed out (it may still be running on them)."""
+        """Whether the engines may take new weights: not after `wait` abandoned a generation (timed
+        out, or a stop signal) that may still be running on them."""
         return self.abandoned is None
 
     def take(self, step: int) -> RolloutBatch:
         """The rollouts of `step` (generated now only at the start, or after a resume without saved
         ones), after launching the generation of step ``step + k`` with the engines' current weights.
-        Raises the error of a generation that failed or timed out since the last step (`wait`)."""
+        Raises the error of a generation that failed or timed out since the last step (`wait`), and
+        RuntimeError after an abandoned one (the engines may be busy)."""
         self.waited = 0.0
         self.wait()
         if self.failed is not None:
             failed, self.failed = self.failed, None
             raise failed
+        if self.abandoned is not None:
+            raise RuntimeError(f"RolloutPipeline.take: the generation of step {self.abandoned + 1} was abandoned "
+                               "(a stop signal); stop the run")
         for s in range(step, min(step + self.k, len(self.plan))):
             if s not in self.ready:
                 self.ready[s] = self._generate(s, self.engine_version)

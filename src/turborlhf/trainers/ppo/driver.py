@@ -642,7 +642,7 @@ def _step(cfg: PPOConfig, cluster, tok, prompt_ids, plan, step: int, kl_ctl, rew
     stats = ppo_update(cluster, cfg, exp, train_actor, gen, kl_ctl.value, kept)
     t_train = time.perf_counter() - t0
     # 6. weight sync, KL controller, metrics
-    pipe.wait()     # the engines finish the pending rollouts before they take new weights (not after a timeout)
+    pipe.wait()     # the engines finish the pending rollouts before they take new weights (see can_push)
     t0 = time.perf_counter()
     sync_metrics = {}
     if train_actor and pipe.can_push():  # push, then the canary check on every engine (WeightSyncError: one disagrees)
