@@ -240,6 +240,21 @@ def test_keep_counts_by_step_number_and_never_prunes_the_checkpoint_just_written
     assert latest_checkpoint(tmp_path / "long").name == "step-1000001"
 
 
+def test_keep_counts_only_the_runs_own_checkpoints(tmp_path):
+    """A fresh run that starts from an earlier run's checkpoint in its own directory keeps it (a new
+    run identity, `new_run_id`); that checkpoint took one of the new run's `keep` slots, so with
+    ``keep=2`` the new run had a single checkpoint of its own."""
+    C.new_run_id(tmp_path)
+    save_checkpoint(tmp_path, 4, {"actor": _writer("earlier run")}, None, {"step": 4})
+    C.new_run_id(tmp_path)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"actor": _writer(str(step))}, None, {"step": step}, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert names == ["step-000002", "step-000003", "step-000004"]
+    assert _contents(latest_checkpoint(tmp_path)) == (3, "3")
+    assert [p.name for p in C.earlier_run_checkpoints(tmp_path)] == ["step-000004"]
+
+
 def test_a_fresh_run_in_a_used_directory_drops_the_earlier_checkpoints(tiny_model, tiny_data, tmp_path, capfd):
     """Run A (4 steps) then run B (2 steps, no --resume) in one directory: B's checkpoint used to
     be rotated away in favour of A's step 4, and B's --resume continued A."""

@@ -263,7 +263,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
             the base named in ``adapter_config.json``; the final export is merged); or name → a
             callable ``writer(dir)`` that writes that directory itself (a model held by a remote worker).
         state: picklable trainer state (optimizer/scheduler state dicts, RNG, step, data position).
-        keep: number of complete checkpoints to keep.
+        keep: number of complete checkpoints of this run to keep (an earlier run's are not counted).
 
     The checkpoint gets a copy of ``<output_dir>/run_id`` (`new_run_id`) where there is one.
     """
@@ -292,9 +292,9 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, Any], t
                                         "intact)", str(root / name)) from e
         raise
     atomic_write_text(root / "latest", name)
-    # the `keep` newest by step number, the one just written always among them
-    others = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name != name
-                     and (p / "trainer_state.pt").exists()), key=_step_number)
+    # the run's own `keep` newest by step number, the one just written always among them; an earlier
+    # run's kept checkpoint (one this run started from) takes no slot and is not rotated away
+    others = [p for p in _complete_checkpoints(Path(output_dir))[0] if p.name != name]
     for old in others[:max(0, len(others) - (keep - 1))]:
         if not any(p == old.resolve() or old.resolve() in p.parents for p in _PROTECTED):
             _remove_dir(old)
