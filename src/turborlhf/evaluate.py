@@ -120,12 +120,12 @@ def generate_responses(policy, tok, prompts: list[str], max_new_tokens: int, tem
     from transformers import AutoConfig
 
     from turborlhf.data.chat import stop_ids
-    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.data.tokenize import encode_prompts
     from turborlhf.errors import UserError
     from turborlhf.rollout import make_engine
     from turborlhf.rollout.base import SamplingParams
 
-    ids = [encode_prompt(tok, p, max_prompt_len) for p in prompts]
+    ids = encode_prompts(tok, prompts, max_prompt_len)
     check_context(policy.config if hasattr(policy, "config") else AutoConfig.from_pretrained(str(policy)), ids,
                   max_new_tokens)
     eng = make_engine(engine, policy, dtype=dtype, device=device, device_field=device_field, max_batch_size=batch_size)
@@ -191,7 +191,7 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     cuts them."""
     from turborlhf.data.conditioning import TAG_FILE, condition_prompt, load_tag_info
     from turborlhf.data.loaders import load_prompts
-    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.data.tokenize import encode_prompts
     from turborlhf.engine.hardware import compute_dtype
     from turborlhf.errors import UserError
     from turborlhf.models.load import load_causal_lm, load_tokenizer
@@ -228,7 +228,7 @@ def sample_policy(policy_dir: str, prompts_file: str, n: int, max_new_tokens: in
     p_ids, r_ids, fin, r_logps = generate_responses(policy, tok, gen_prompts, max_new_tokens, temperature, top_p, seed,
                                                     engine, max_prompt_len, dtype=gen_dtype, device=device,
                                                     raw_logprobs=engine_logps, used=used)
-    plain = p_ids if tag is None else [encode_prompt(tok, p, max_prompt_len) for p in prompts]
+    plain = p_ids if tag is None else encode_prompts(tok, prompts, max_prompt_len)
     texts = [tok.decode(r, skip_special_tokens=True) for r in r_ids]
     keep = kl_wanted and r_logps is None
     if keep:        # loaded on the CPU for vLLM: the attention for where it computes now

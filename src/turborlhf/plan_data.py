@@ -85,11 +85,11 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
         unit = "pair rows"
     elif command in ("ppo", "grpo", "rloo"):
         from turborlhf.data.loaders import load_prompts
-        from turborlhf.data.tokenize import encode_prompt
+        from turborlhf.data.tokenize import encode_prompts
 
         prompts = load_prompts(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())
         prompts = prompts[:cfg.data.max_samples] if cfg.data.max_samples else prompts
-        ids = [encode_prompt(tok, p, cfg.rollout.max_prompt_len) for p in prompts]
+        ids = encode_prompts(tok, prompts, cfg.rollout.max_prompt_len)
         plan = plan_steps([len(p) for p in ids], cfg.algo.prompts_per_step, loop.epochs, loop.max_steps, loop.seed)
         P = max(max(len(ids[i]) for i in step) for step in plan)
         return {"prompt_len": P, "note": f"from the data: longest prompt of the {len(plan)} planned steps {P} tokens"}

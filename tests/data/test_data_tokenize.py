@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from turborlhf.data import encode_prompt, encode_prompt_response, length_grouped_batches, pad_batch, pad_masks
+from turborlhf.data.tokenize import encode_conversation
 
 PROMPT = "<|im_start|>user\nTell me a long story about a dog and a cat<|im_end|>\n<|im_start|>assistant\n"
 RESP = "Once upon a time there was a dog who liked a cat very much."
@@ -305,3 +306,67 @@ def test_cut_responses_are_counted_in_one_warning(tok, caplog):
     caplog.clear()
     report_truncation("sft", encode_examples(tok, rows[1:], 16), 16)
     assert caplog.text == ""
+
+
+def _bos_tokenizer():
+    from tokenizers import processors
+
+    from turborlhf.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.bos_token = "<|im_start|>"
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                   special_tokens=[("<|im_start|>", tok.bos_token_id)])
+    return tok
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and counts its encode calls (a list of texts counts once)."""
+
+    def __init__(self, tok):
+        self._tok, self.calls = tok, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._tok(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_data_sets_are_encoded_in_batched_tokenizer_calls_with_the_same_ids(tok, bos):
+    """The trainers' data sets (SFT examples, multi-turn conversations, preference pairs, KTO rows,
+    prompts) are tokenized in a few batched calls instead of one or more per text, and give the
+    ids the text-by-text encoding gives, BOS-adding tokenizers included."""
+    from turborlhf.data.tokenize import encode_examples, encode_pair, encode_prompts
+    from turborlhf.rewards.model import encode_pairs
+    from turborlhf.trainers.kto import _encode
+
+    base = _bos_tokenizer() if bos else tok
+    n = 12
+    rows = [{"prompt": f"{PROMPT} number {i}" * (1 + i % 3), "response": f"{RESP} {i}" * (1 + i % 4)}
+            for i in range(n)]
+    rows.append({"turns": [("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "hello<|im_end|>"),
+                           ("\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", "four")],
+                 "prompt": "unused", "response": "unused"})
+    pairs = [{"prompt": r["prompt"], "chosen": r["response"], "rejected": f"no {i}" * (1 + i % 5)}
+             for i, r in enumerate(rows[:n])]
+    kto_rows = [{"prompt": p["prompt"], "completion": p["chosen"], "label": i % 2 == 0} for i, p in enumerate(pairs)]
+
+    # text by text, as before: the reference
+    want_sft = [encode_conversation(base, r["turns"], 40) if r.get("turns")
+                else encode_prompt_response(base, r["prompt"], r["response"], 40) for r in rows]
+    want_pairs = [encode_pair(base, p["prompt"], p["chosen"], p["rejected"], 40) for p in pairs]
+    want_kto = [encode_prompt_response(base, r["prompt"], r["completion"], 40) for r in kto_rows]
+    want_prompts = [encode_prompt(base, r["prompt"], 24) for r in rows[:n]]
+
+    counting = _CountingTokenizer(base)
+    assert encode_examples(counting, rows, 40) == want_sft
+    got_pairs = encode_pairs(counting, pairs, 40)
+    assert [(e["chosen"], e["rejected"]) for e in got_pairs] == [(w["chosen"]["input_ids"], w["rejected"]["input_ids"])
+                                                               for w in want_pairs]
+    assert [{k: v for k, v in e.items() if k != "label"} for e in _encode(counting, kto_rows, 40)] == want_kto
+    assert encode_prompts(counting, [r["prompt"] for r in rows[:n]], 24) == want_prompts
+    # a batched call and a BOS probe per data set, however many rows (text by text: 3 to 5 calls per row)
+    assert counting.calls <= 4 * 3, counting.calls

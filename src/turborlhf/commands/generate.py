@@ -83,7 +83,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     from turborlhf.data.chat import stop_ids
     from turborlhf.data.jsonl import write_jsonl
     from turborlhf.data.loaders import load_prompts
-    from turborlhf.data.tokenize import encode_prompt
+    from turborlhf.data.tokenize import encode_prompts
     from turborlhf.evaluate import check_context, prompt_budget
     from turborlhf.models.load import load_tokenizer
     from turborlhf.models.zoo import resolve_model_path
@@ -94,7 +94,7 @@ def generate_file(model: str, prompts_file: str, output: str, params, engine: st
     prompts = load_prompts(prompts_file, tok, keys=keys, chat_template=chat_template)
     prompts = prompts[:limit] if limit else list(prompts)
     config = AutoConfig.from_pretrained(path)
-    ids = [encode_prompt(tok, p, prompt_budget(config, max_prompt_len, params.max_new_tokens)) for p in prompts]
+    ids = encode_prompts(tok, prompts, prompt_budget(config, max_prompt_len, params.max_new_tokens))
     check_context(config, ids, params.max_new_tokens)
     if not params.stop_token_ids:
         params = replace(params, stop_token_ids=stop_ids(tok))

@@ -28,16 +28,52 @@ TRL's trainers give it (plain-text prompts and the ``plain`` template render non
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+# within `batch_tokenized`: id(tokenizer) → {text: ids} from one batched call, plus its `_bos` under _BOS_KEY
+_BATCHED: dict[int, dict] = {}
+_BOS_KEY = object()
+
+
+@contextlib.contextmanager
+def batch_tokenized(tokenizer, texts: Iterable[str]):
+    """Within the block, this module's encoders read the ids of `texts` (``add_special_tokens=False``)
+    from one batched call of `tokenizer` instead of one call per text, and `tokenizer`'s BOS from
+    one probe: the ids are the same (a tokenizer encodes a batch text by text, a fast one in
+    parallel), the encoding of a data set is not. The 1610 pairs of the demo's HH-RLHF sample
+    (4830 texts with the SFT responses): 1.96 → 0.8 s of tokenizer calls on 2 cores; a data set
+    of 160k pairs spends minutes there. Texts not in `texts` are encoded one by one as outside the
+    block. Blocks nest (the inner one's texts are read there, the outer's again after it)."""
+    key = id(tokenizer)
+    uniq = list(dict.fromkeys(t for t in texts if isinstance(t, str)))
+    ids = tokenizer(uniq, add_special_tokens=False)["input_ids"] if uniq else []
+    outer = _BATCHED.get(key)
+    cache = dict(zip(uniq, ids))
+    cache[_BOS_KEY] = _probe_bos(tokenizer)
+    _BATCHED[key] = cache
+    try:
+        yield
+    finally:
+        if outer is None:
+            _BATCHED.pop(key, None)
+        else:
+            _BATCHED[key] = outer
 
 
 def _ids(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    cached = _BATCHED.get(id(tokenizer), {}).get(text)
+    return list(cached if cached is not None else tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _bos(tokenizer) -> int | None:
     """The BOS id where `tokenizer` puts one before what it encodes by default, else None."""
+    cache = _BATCHED.get(id(tokenizer))
+    return cache[_BOS_KEY] if cache is not None else _probe_bos(tokenizer)
+
+
+def _probe_bos(tokenizer) -> int | None:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return None
@@ -202,6 +238,17 @@ def encode_prompt(tokenizer, prompt: str, max_prompt_len: int) -> list[int]:
     return _keep_last(ids, max_prompt_len, bos)
 
 
+def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
+    """`encode_prompt` of each of `prompts`, in one batched tokenizer call (`batch_tokenized`)."""
+    with batch_tokenized(tokenizer, prompts):
+        return [encode_prompt(tokenizer, p, max_prompt_len) for p in prompts]
+
+
+def pair_texts(pairs: Sequence[dict]) -> list[str]:
+    """The prompt, chosen and rejected texts of preference `pairs`, for `batch_tokenized`."""
+    return [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]
+
+
 def _pad(seqs: Sequence[Sequence[int]], value: int, side: str, pad_to_multiple_of: int | None):
     import torch
 
@@ -293,9 +340,13 @@ def encode_examples(tokenizer, rows: Sequence[dict], max_len: int) -> list[dict]
     ``turns`` (multi-turn SFT). A row with ``finished: False`` (a
     sampled response cut at max_new_tokens) gets no appended EOS: the policy must not learn to
     stop where the text was merely truncated."""
-    return [encode_conversation(tokenizer, r["turns"], max_len, add_eos=r.get("finished", True)) if r.get("turns")
-            else encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
-            for r in rows]
+    texts = [t for r in rows for t in ([x for turn in r["turns"] for x in turn] if r.get("turns")
+                                       else [r["prompt"], r["response"]])]
+    with batch_tokenized(tokenizer, texts):
+        return [encode_conversation(tokenizer, r["turns"], max_len, add_eos=r.get("finished", True))
+                if r.get("turns") else
+                encode_prompt_response(tokenizer, r["prompt"], r["response"], max_len, add_eos=r.get("finished", True))
+                for r in rows]
 
 
 def length_grouped_batches(

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from turborlhf.data.tokenize import encode_pair, encode_prompt_response, pad_batch, report_truncation
+from turborlhf.data.tokenize import (batch_tokenized, encode_pair, encode_prompt_response, pad_batch, pair_texts,
+                                     report_truncation)
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
 from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
@@ -91,11 +92,12 @@ def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int, tag: Optional[s
     the packed forward (`pair_scores`) still computes that prompt once. With `tag`, the sides cut
     at `max_len` are counted in a warning (`report_truncation`)."""
     out, sides = [], []
-    for p in pairs:
-        e = encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len)
-        out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
-                    "margin": float(p.get("margin") or 0.0)})
-        sides += [e["chosen"], e["rejected"]]
+    with batch_tokenized(tokenizer, pair_texts(pairs)):
+        for p in pairs:
+            e = encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len)
+            out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
+                        "margin": float(p.get("margin") or 0.0)})
+            sides += [e["chosen"], e["rejected"]]
     if tag is not None:
         report_truncation(tag, sides, max_len)
     return out
@@ -148,6 +150,7 @@ def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[st
     response keeps at least `min_response_tokens`, default half of `max_len`; the prompt loses
     its start)."""
     eos = [True] * len(prompts) if add_eos is None else list(add_eos)
-    seqs = [encode_prompt_response(tokenizer, p, r, max_len, add_eos=e, min_response_tokens=min_response_tokens)
-            ["input_ids"] for p, r, e in zip(prompts, responses, eos)]
+    with batch_tokenized(tokenizer, [*prompts, *responses]):
+        seqs = [encode_prompt_response(tokenizer, p, r, max_len, add_eos=e, min_response_tokens=min_response_tokens)
+                ["input_ids"] for p, r, e in zip(prompts, responses, eos)]
     return score_token_ids(model, tokenizer.pad_token_id, seqs, dtype, batch_size)

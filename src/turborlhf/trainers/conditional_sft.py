@@ -39,7 +39,7 @@ from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.chat import set_chat_template, stop_ids
 from turborlhf.data.loaders import load_pairs, load_sft
 from turborlhf.data.sources import open_rows
-from turborlhf.data.tokenize import encode_examples, encode_prompt
+from turborlhf.data.tokenize import encode_examples, encode_prompts
 from turborlhf.engine.checkpoint import atomic_write_text, check_plan, plan_digest
 from turborlhf.engine.lifecycle import start_run
 from turborlhf.engine.run import plan_steps, print_batch_table, resolve_hardware
@@ -171,7 +171,7 @@ def sample_policy_examples(model, tok, prompts: list[str], cfg: ConditionalSFTCo
                             temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                             stop_token_ids=stop_ids(tok), n=n, seed=cfg.train.seed)
     try:
-        outs = engine.generate([encode_prompt(tok, p, roll.max_prompt_len) for p in prompts], params)
+        outs = engine.generate(encode_prompts(tok, prompts, roll.max_prompt_len), params)
     finally:
         if hasattr(engine, "close"):     # vLLM keeps its share of the GPU until closed: scoring and SFT need it
             engine.close()

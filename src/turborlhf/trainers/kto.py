@@ -38,7 +38,7 @@ import torch
 from turborlhf.algo import kto_kl_estimate, kto_loss, reduce_seq_loss
 from turborlhf.config import KTOConfig
 from turborlhf.data.loaders import load_kto
-from turborlhf.data.tokenize import encode_prompt_response, report_truncation
+from turborlhf.data.tokenize import batch_tokenized, encode_prompt_response, report_truncation
 from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -88,14 +88,17 @@ def check_weights(n_desirable: int, n_undesirable: int, desirable_weight: float,
 
 
 def _encode(tok, rows: Sequence[dict], max_len: int) -> list[dict]:
-    return [{**encode_prompt_response(tok, r["prompt"], r["completion"], max_len), "label": r["label"]} for r in rows]
+    with batch_tokenized(tok, [t for r in rows for t in (r["prompt"], r["completion"])]):
+        return [{**encode_prompt_response(tok, r["prompt"], r["completion"], max_len), "label": r["label"]}
+                for r in rows]
 
 
 def _kl_pairs(tok, rows: Sequence[dict], idx: Sequence[int], max_len: int) -> list[dict]:
     """Mismatched sequences for the examples `idx`: prompt of idx[j] + completion of its source."""
     src = mismatch_sources([rows[i]["prompt"] for i in idx])
-    return [encode_prompt_response(tok, rows[i]["prompt"], rows[idx[s]]["completion"], max_len)
-            for i, s in zip(idx, src)]
+    with batch_tokenized(tok, [t for i, s in zip(idx, src) for t in (rows[i]["prompt"], rows[idx[s]]["completion"])]):
+        return [encode_prompt_response(tok, rows[i]["prompt"], rows[idx[s]]["completion"], max_len)
+                for i, s in zip(idx, src)]
 
 
 def kto_batch_loss(model, tok, enc: Sequence[dict], ref_B: torch.Tensor, z0: torch.Tensor, cfg: KTOConfig,

@@ -41,7 +41,7 @@ from turborlhf.config import RejectionSamplingConfig
 from turborlhf.data.chat import stop_ids
 from turborlhf.data.jsonl import read_jsonl, write_jsonl
 from turborlhf.data.loaders import load_prompts
-from turborlhf.data.tokenize import encode_examples, encode_prompt, response_end_id
+from turborlhf.data.tokenize import encode_examples, encode_prompts, response_end_id
 from turborlhf.engine.checkpoint import (atomic_write_text, check_plan, load_trainer_state, plan_digest,
                                          save_checkpoint)
 from turborlhf.engine.lifecycle import RunInterrupted, checkpointed_steps, start_run, stop_requested
@@ -303,7 +303,7 @@ def train(cfg: RejectionSamplingConfig, resume: bool = False) -> Path:
     # 3. prompts → token ids (cut from the left like every rollout)
     if cfg.data.max_samples:
         prompts = prompts[:cfg.data.max_samples]
-    prompt_ids = [encode_prompt(tok, p, roll.max_prompt_len) for p in prompts]
+    prompt_ids = encode_prompts(tok, prompts, roll.max_prompt_len)
     per_round = min(A.prompts_per_round, len(prompts))
     print_batch_table("rs", [("prompts", len(prompts)), ("rounds", A.rounds), ("prompts_per_round", per_round),
                              ("n_samples_per_prompt", A.n_samples_per_prompt),

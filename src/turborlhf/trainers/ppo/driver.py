@@ -59,7 +59,7 @@ from turborlhf.algo import (AdaptiveKLController, FixedKLController, discounted_
                             leave_one_out_advantages, masked_mean, masked_whiten)
 from turborlhf.config import ConfigError, PPOAlgoCfg, PPOConfig
 from turborlhf.data.loaders import load_prompt_records
-from turborlhf.data.tokenize import encode_prompt
+from turborlhf.data.tokenize import encode_prompts
 from turborlhf.distributed.group import Sibling, WorkerError
 from turborlhf.distributed.roles import check_fsdp_batches
 from turborlhf.distributed.placement import RoleSpec, launch
@@ -457,7 +457,7 @@ def train_steps(cfg: PPOConfig, resume: bool = False, reward_callables=None) -> 
     records = load_prompt_records(cfg.data.prompts_file, tok, **cfg.data.loader_kwargs())  # + columns for rewards
     if cfg.data.max_samples:
         records = records[:cfg.data.max_samples]
-    prompt_ids = [encode_prompt(tok, r["prompt"], cfg.rollout.max_prompt_len) for r in records]
+    prompt_ids = encode_prompts(tok, [r["prompt"] for r in records], cfg.rollout.max_prompt_len)
     _check_context(cfg, max(map(len, prompt_ids)))
     plan = plan_steps([len(p) for p in prompt_ids], A.prompts_per_step, cfg.train.epochs, cfg.train.max_steps,
                       cfg.train.seed)
