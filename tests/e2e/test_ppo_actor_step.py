@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from turborlhf.config import PPOConfig
-from turborlhf.trainers.ppo.actor import actor_micro_step
+from turborlhf.trainers.ppo.actor import actor_micro_step, policy_mask
 from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches
 
 B, P, R = 8, 3, 6
@@ -37,7 +37,7 @@ def _step(model, exp, micro, **algo):
                     rollout={"max_new_tokens": R})
     m = copy.deepcopy(model)
     mini = torch.arange(B)
-    counts, stats = minibatch_counts(exp.mask_BR[mini], cfg), {}
+    counts, stats = minibatch_counts(policy_mask(exp)[mini], cfg), {}     # as ActorWorker.train
     for sub in rank_micro_batches(exp, mini, micro):
         for k, v in actor_micro_step(m, cfg, sub, counts, 0.05).items():
             stats[k] = stats.get(k, 0.0) + v
@@ -160,3 +160,25 @@ def test_critic_clipfrac_is_the_share_where_the_clipped_value_term_is_active():
     stats = critic_micro_step(None, cfg, sub, {"num_tokens": 4}, kept=kept)
     want = float(value_clipfrac(v.detach(), old, returns, mask, 0.2))
     assert stats["critic/clipfrac"] == pytest.approx(want) == 0.25      # the first token's only
+
+
+@pytest.mark.parametrize("algo", [
+    {"policy_loss": "gspo", "loss_reduction": "seq_mean_token_mean"},
+    {"policy_loss": "cispo", "loss_reduction": "token_mean"},
+    {"policy_loss": "cispo", "loss_reduction": "token_sum_norm"},
+    {"policy_loss": "ppo", "eps_clip_high": 0.28, "kl_use_loss": True, "kl_estimator": "k3", "entropy_coef": 0.01,
+     "loss_reduction": "seq_mean_token_mean"}])
+def test_every_policy_loss_accumulates_with_is_weights_and_the_overlong_filter(setup, algo):
+    """GSPO, CISPO and clip-higher PPO with a KL loss and an entropy bonus, the policy loss weighted by
+    TIS weights and two rows masked out by the overlong filter: any micro-batch size gives the
+    mini-batch's gradient and the same logged statistics."""
+    model, base = setup
+    exp = copy.copy(base)
+    exp.is_weight_BR = torch.rand(B, R, generator=torch.Generator().manual_seed(1)) * base.mask_BR
+    exp.loss_mask_BR = base.mask_BR * torch.tensor([1, 0, 1, 1, 0, 1, 1, 1.0])[:, None]
+    whole, stats = _step(model, exp, 8, **algo)
+    for micro in (1, 3):
+        g, s = _step(model, exp, micro, **algo)
+        assert torch.allclose(g, whole, atol=1e-6, rtol=1e-5)
+        for k, v in stats.items():
+            assert s[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
