@@ -48,7 +48,8 @@ def batch_tokenized(tokenizer, texts: Iterable[str]):
     block. Blocks nest (the inner one's texts are read there, the outer's again after it)."""
     key = id(tokenizer)
     uniq = list(dict.fromkeys(t for t in texts if isinstance(t, str)))
-    ids = tokenizer(uniq, add_special_tokens=False)["input_ids"] if uniq else []
+    ids = [x for s in range(0, len(uniq), 8192)      # in chunks: no attention masks for the whole set at once
+           for x in tokenizer(uniq[s:s + 8192], add_special_tokens=False, return_attention_mask=False)["input_ids"]]
     outer = _BATCHED.get(key)
     cache = dict(zip(uniq, ids))
     cache[_BOS_KEY] = _probe_bos(tokenizer)
