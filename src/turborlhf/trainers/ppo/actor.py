@@ -40,7 +40,8 @@ from turborlhf.rollout.sync import trainer_logprobs
 from turborlhf.trainers.common import sft_loss_on_batch
 from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches, shares_prompts
 from turborlhf.trainers.ppo.roles import (STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, plain_copy,
-                                          sampling_temperature, setup_worker, worker_device)
+                                          sampling_temperature, setup_worker, stat_dtype, stats_as_floats,
+                                          worker_device)
 
 __all__ = ["ActorWorker", "POLICY_LOSSES", "policy_mask", "actor_forward", "actor_micro_step", "ptx_step", "EmaModel",
            "PtxStream"]
@@ -91,16 +92,21 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
                      device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
     """Backward of the actor's loss on one micro-batch, reduced with the mini-batch's global
     `counts` (so accumulated micro-batches, on one rank or several, give the mini-batch's gradient).
-    Returned stats are already weighted by the micro-batch's share. With `kept` (fused update) the
-    loss is taken through the experience forward's graph instead of a new forward."""
+    With `kept` (fused update) the loss is taken through the experience forward's graph instead of
+    a new forward. `sub`: the micro-batch on the CPU (moved to `device` here).
+
+    Returns the stats, already weighted by the micro-batch's share, as detached 0-d tensors on
+    `device` (`roles.stat_dtype`): nothing here waits for the device; `roles.add_stats` sums them
+    there and `roles.stats_as_floats` reads them once per update."""
     A, P = cfg.algo, sub.P
-    sub = sub.to(device)
+    host, sub = sub, sub.to(device)
     mask = policy_mask(sub)     # response tokens, less the overlong filter's rows
-    w = float(mask.sum()) / counts["num_tokens"]
+    sdt = stat_dtype(device)
+    w = mask.sum().to(sdt) / counts["num_tokens"]      # the micro-batch's share of the mini-batch's tokens
     B = mask.shape[0]
     stats = {}
     if kept is not None:
-        logp, ent = kept.take(sub)
+        logp, ent = kept.take(host)
     else:
         target = torch.cat([torch.zeros(B, P, device=device), sub.mask_BR], dim=1)
         logp, ent = actor_forward(actor, cfg, sub.ids_BS, sub.attn_BS, target, P)
@@ -112,22 +118,24 @@ def actor_micro_step(actor: torch.nn.Module, cfg: PPOConfig, sub: Experience, co
     if A.kl_use_loss and sub.ref_logp_BR is not None:
         kl_term = reduce_loss(kl_estimate(logp, sub.ref_logp_BR, A.kl_estimator), mask, A.loss_reduction, **counts)
         loss = loss + kl_coef * kl_term
-        stats[M.KL_LOSS] = float(kl_term.detach())
+        stats[M.KL_LOSS] = kl_term.detach().to(sdt)
     loss.backward()
     # the metric is the mean entropy per response token whatever the loss's reduction (Dr. GRPO's
     # constant normaliser would scale it by mean length / max_new_tokens)
-    ent_mean = float((ent.detach() * mask).sum()) / counts["num_tokens"]
-    stats.update({M.POLICY_LOSS: float(pg.detach()), M.ENTROPY: ent_mean,
-                  M.CLIPFRAC: float(pg_stats["clipfrac"]) * w, M.APPROX_KL: float(pg_stats["approx_kl"]) * w})
+    ent_mean = (ent.detach() * mask).sum().to(sdt) / counts["num_tokens"]
+    stats.update({M.POLICY_LOSS: pg.detach().to(sdt), M.ENTROPY: ent_mean,
+                  M.CLIPFRAC: pg_stats["clipfrac"].detach().to(sdt) * w,
+                  M.APPROX_KL: pg_stats["approx_kl"].detach().to(sdt) * w})
     return stats
 
 
 def ptx_step(actor: torch.nn.Module, tok, cfg: PPOConfig, batch: list[dict], n_tok: int) -> dict:
     """PPO-ptx (Ouyang et al. 2022 Eq. 2): backward of ptx_coef · SFT NLL summed over `batch` and
-    divided by `n_tok` (the token count of the whole micro-batch, when ranks split it)."""
+    divided by `n_tok` (the token count of the whole micro-batch, when ranks split it). Returns
+    ``{ptx loss: detached 0-d tensor}``."""
     loss, _ = root_forward(actor, sft_loss_on_batch, tok, batch, n_tok, cfg.actor.dtype)
     (cfg.algo.ptx_coef * loss).backward()
-    return {M.PTX_LOSS: float(loss.detach())}
+    return {M.PTX_LOSS: loss.detach()}      # a 0-d tensor, as `actor_micro_step`'s stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,9 +270,9 @@ class ActorWorker(Trainable):
         backpropagated with the mini-batch's global counts, then PPO-ptx, the optimizer step (the
         gradients summed over the ranks) and the EMA. `kept`: the name the experience's
         ``logprobs(keep_as=...)`` kept its forwards under (fused update), else None. Returns (stats
-        summed over the steps, number of optimizer steps)."""
+        summed over the steps as Python floats, number of optimizer steps)."""
         forwards = self._take_kept(kept)
-        sums: dict[str, float] = {}
+        sums: dict = {}           # on the device until the end (`add_stats`)
         for mini in schedule:
             counts = minibatch_counts(policy_mask(exp)[mini], self.cfg)   # less the overlong filter's rows
             for sub in rank_micro_batches(exp, mini, self.cfg.train.micro_batch_size):
@@ -275,7 +283,7 @@ class ActorWorker(Trainable):
             if self.ema is not None:
                 self.ema.update()
             add_stats(sums, stats)
-        return sums, len(schedule)
+        return stats_as_floats(sums), len(schedule)
 
     def _ptx(self) -> dict:
         """PPO-ptx on one micro-batch of SFT data, split over the ranks with the global token count."""

@@ -27,7 +27,8 @@ from turborlhf.metrics import M
 from turborlhf.models.forward import token_values
 from turborlhf.models.load import load_tokenizer, load_trainable
 from turborlhf.trainers.ppo.experience import Experience, minibatch_counts, rank_micro_batches
-from turborlhf.trainers.ppo.roles import STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, setup_worker, worker_device
+from turborlhf.trainers.ppo.roles import (STATE_FILE, KeptForward, Trainable, add_stats, in_chunks, setup_worker,
+                                          stat_dtype, stats_as_floats, worker_device)
 
 __all__ = ["CriticWorker", "critic_forward", "critic_micro_step"]
 
@@ -42,24 +43,27 @@ def critic_forward(critic: torch.nn.Module, cfg: PPOConfig, ids_BS, attn_BS, P: 
 def critic_micro_step(critic: torch.nn.Module, cfg: PPOConfig, sub: Experience, counts: dict,
                       device: torch.device = torch.device("cpu"), kept: Optional[KeptForward] = None) -> dict:
     """Backward of the clipped value loss (token mean over the mini-batch) on one micro-batch
-    (through the experience forward's graph with `kept`)."""
+    (through the experience forward's graph with `kept`). `sub`: the micro-batch on the CPU (moved
+    to `device` here). Returns the stats, weighted by the micro-batch's share, as detached 0-d
+    tensors on `device`, as `actor.actor_micro_step` does (nothing here waits for the device)."""
     A, P = cfg.algo, sub.P
-    sub = sub.to(device)
+    host, sub = sub, sub.to(device)
     mask = sub.mask_BR
-    w = float(mask.sum()) / counts["num_tokens"]
+    sdt = stat_dtype(device)
     R = mask.shape[1]
     stats = {}
     if kept is not None:
-        v, _ = kept.take(sub)
+        v, _ = kept.take(host)
     else:
         v, _ = critic_forward(critic, cfg, sub.ids_BS, sub.attn_BS, P, R)
     v_BR = value_loss(v, sub.values_BR, sub.returns_BR, mask, A.value_clip)
     vl = reduce_loss(v_BR, mask, "token_mean", num_tokens=counts["num_tokens"])
     vl.backward()
-    stats[M.VALUE_LOSS] = float(vl.detach())
+    stats[M.VALUE_LOSS] = vl.detach().to(sdt)
     if A.value_clip is not None:     # TRL's vf_clipfrac: where the clipped term is the active one
-        stats[M.VALUE_CLIPFRAC] = float(value_clipfrac(v.detach(), sub.values_BR, sub.returns_BR, mask,
-                                                       A.value_clip)) * w
+        w = mask.sum().to(sdt) / counts["num_tokens"]      # the micro-batch's share of the mini-batch's tokens
+        clipfrac = value_clipfrac(v.detach(), sub.values_BR, sub.returns_BR, mask, A.value_clip)
+        stats[M.VALUE_CLIPFRAC] = clipfrac.to(sdt) * w
     return stats
 
 
@@ -98,16 +102,16 @@ class CriticWorker(Trainable):
         """Clipped value-loss updates over `schedule`: for each mini-batch, this rank's
         micro-batches (`experience.rank_micro_batches`), then the optimizer step (the gradients
         summed over the ranks). `kept`: as `ActorWorker.train`. Returns (stats summed over the
-        steps, number of optimizer steps)."""
+        steps as Python floats, number of optimizer steps)."""
         forwards = self._take_kept(kept)
-        sums: dict[str, float] = {}
+        sums: dict = {}           # on the device until the end (`add_stats`)
         for mini in schedule:
             counts = minibatch_counts(exp.mask_BR[mini], self.cfg)
             for sub in rank_micro_batches(exp, mini, self.cfg.train.micro_batch_size):
                 add_stats(sums, critic_micro_step(self.model, self.cfg, sub, counts, self.device,
                                                   forwards.next() if forwards is not None else None))
             add_stats(sums, {M.VALUE_GRAD_NORM: self._step(self.opt, self.sched)})
-        return sums, len(schedule)
+        return stats_as_floats(sums), len(schedule)
 
     def save(self, out_dir: str) -> None:
         """Write ``out_dir`` (HF dir + worker_state.pt) from rank 0; collective for FSDP."""

@@ -3,7 +3,8 @@ holds its model(s) and answers the driver's calls; the same classes run in this 
 (``distributed.backend: local``) or inside Ray workers, one object per rank (``backend: ray``);
 `turborlhf.distributed` places them and knows nothing of what they do.
 
-- plumbing: `worker_device`, `setup_worker`, `in_chunks`, `sampling_temperature`, `add_stats`;
+- plumbing: `worker_device`, `setup_worker`, `in_chunks`, `sampling_temperature`, `add_stats` /
+  `stats_as_floats` (stats summed on the device, read once per update);
 - `Trainable`: the base of the trained roles (`actor.ActorWorker`, `critic.CriticWorker`):
   placement (DDP/FSDP), the optimizer step with the data-parallel gradient sum, saving, and the
   fused update's kept forwards (`KeptForward`, kept under the name the driver gives);
@@ -50,7 +51,7 @@ from turborlhf.trainers.ppo.experience import Experience, logprobs_mode, shares_
 
 __all__ = ["Trainable", "KeptForward", "KeptForwards", "ReferenceWorker", "RewardWorker", "RolloutWorker",
            "worker_device", "has_model_rewards", "setup_worker", "gpu_worker_threads", "in_chunks",
-           "sampling_temperature", "add_stats", "role_models"]
+           "sampling_temperature", "add_stats", "stat_dtype", "stats_as_floats", "role_models"]
 
 STATE_FILE = "worker_state.pt"
 
@@ -119,10 +120,30 @@ def sampling_temperature(cfg: PPOConfig) -> float:
     return t if t > 0 else 1.0
 
 
-def add_stats(sums: dict[str, float], stats: dict[str, float]) -> None:
-    """``sums[k] += stats[k]`` for every stat (a worker's stats summed over micro-batches and steps)."""
+def stat_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a worker's stats are summed in on `device`: float64 (as Python floats sum), float32
+    on MPS, which has no float64."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def add_stats(sums: dict, stats: dict) -> None:
+    """``sums[k] += stats[k]`` for every stat (a worker's stats summed over micro-batches and steps).
+
+    A stat is a Python number or a 0-d tensor; a tensor's sum stays a tensor on its device (in
+    `stat_dtype`), so summing never waits for the device (a ``float()`` per stat and micro-batch
+    waited for the GPU's queue to drain). `stats_as_floats` reads the sums once at the end."""
     for k, v in stats.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().to(stat_dtype(v.device))
         sums[k] = sums.get(k, 0.0) + v
+
+
+def stats_as_floats(sums: dict) -> dict[str, float]:
+    """`add_stats`' sums as Python floats (what a worker's ``train`` returns, through Ray too), the
+    tensors read with one copy from their device rather than one per stat."""
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    read = dict(zip(keys, torch.stack([sums[k].to(sums[keys[0]]) for k in keys]).tolist())) if keys else {}
+    return {k: read[k] if k in read else float(v) for k, v in sums.items()}
 
 
 def plain_copy(model: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -170,9 +191,11 @@ class KeptForward:
     ent_BR: Optional[torch.Tensor] = None
 
     def take(self, sub: Experience) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The outputs trimmed to `sub`'s response width; RuntimeError if `sub` has other rows."""
+        """The outputs trimmed to `sub`'s response width; RuntimeError if `sub` has other rows.
+        `sub`: the micro-batch on the CPU, as the worker received it (its device copy would have
+        to come back to the CPU for the check, a copy that waits for the device)."""
         S = sub.ids_BS.shape[1]
-        if self.ids_BS.shape[0] != sub.ids_BS.shape[0] or not torch.equal(self.ids_BS[:, :S], sub.ids_BS.cpu()):
+        if self.ids_BS.shape[0] != sub.ids_BS.shape[0] or not torch.equal(self.ids_BS[:, :S], sub.ids_BS):
             raise RuntimeError("fused update: the micro-batch differs from the experience forward's rows "
                                "(set algo.fused_update=never and report this)")
         r = sub.mask_BR.shape[1]
