@@ -69,10 +69,13 @@ class Experience:
         return Experience(**sub)
 
     def to(self, device: torch.device) -> "Experience":
-        """The same experience with its tensors on `device` (itself on the CPU)."""
+        """The same experience with its tensors on `device` (itself on the CPU). The copies are
+        queued without waiting for the device (a blocking copy to a GPU first waits, tensor by
+        tensor, for all the work queued before it); their CPU sources are not written afterwards."""
         if torch.device(device).type == "cpu":
             return self
-        return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        return Experience(**{k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                             for k, v in self.__dict__.items()})
 
 
 def logprobs_mode(cfg: PPOConfig) -> str:
