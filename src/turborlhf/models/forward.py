@@ -281,9 +281,13 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
                                              prompt_end(target_mask_BT, attention_mask_BT))
     if hidden is None:
         hidden = hidden_states(model, input_ids_BT, attention_mask_BT)      # B×T×H
-    sel = target_mask_BT[:, 1:].bool()                                       # B×(T-1)
-    h_NH = hidden[:, :-1][sel]                                               # N×H
-    labels_N = input_ids_BT[:, 1:][sel]                                      # N
+    B, T = input_ids_BT.shape
+    # flat indices into B×T of the positions that score a target (position t scores token t + 1): the
+    # one read of the data this forward waits for on a GPU, since their count sizes the head's work
+    # (a boolean-mask index per tensor would wait once for each: hidden states, labels, outputs)
+    idx_N = nn.functional.pad(target_mask_BT[:, 1:].bool(), (0, 1)).reshape(-1).nonzero().squeeze(1)
+    h_NH = hidden.reshape(B * T, -1).index_select(0, idx_N)                # N×H
+    labels_N = input_ids_BT.reshape(-1).index_select(0, idx_N + 1)          # N
     head = model.get_output_embeddings()
     scale, softcap = final_logit_transform(model)
     logps, ents = [], []
@@ -304,14 +308,11 @@ def response_logprobs(model: nn.Module, input_ids_BT: torch.Tensor, attention_ma
             logps.append(lp)
             if with_entropy:
                 ents.append(ent)
-    B, T = input_ids_BT.shape
-    logp_BT = hidden.new_zeros((B, T), dtype=torch.float32)
-    ent_BT = hidden.new_zeros((B, T), dtype=torch.float32) if with_entropy else None
-    if logps:
-        logp_BT[:, 1:][sel] = torch.cat(logps)
-        if with_entropy:
-            ent_BT[:, 1:][sel] = torch.cat(ents)
-    return logp_BT, ent_BT
+    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:        # N → B×T, zeros elsewhere
+        out = hidden.new_zeros(B * T, dtype=torch.float32)
+        return (out.index_copy(0, idx_N + 1, torch.cat(parts)) if parts else out).view(B, T)
+
+    return scatter(logps), (scatter(ents) if with_entropy else None)
 
 
 # ----------------------------------------------------------------------------------------------
