@@ -188,6 +188,22 @@ def keeps_logits(positions: int, vocab: int, itemsize: int) -> bool:
     return positions * vocab * itemsize <= MAX_KEPT_LOGITS_BYTES
 
 
+def _check_labels(labels_N: torch.Tensor, V: int) -> None:
+    """ValueError where a label is outside ``[0, V)``, checked on the host for CPU labels (the C
+    kernel indexes the logits with them unchecked). On CUDA the check is queued on the device
+    (``torch._assert_async``: a bad label fails the device's next synchronisation, as torch's own
+    gather and scatter would) instead of waiting for the device's queue on every call; other
+    devices are checked on the host."""
+    if not labels_N.numel():
+        return
+    if labels_N.device.type == "cuda":
+        torch._assert_async(((labels_N >= 0) & (labels_N < V)).all(), f"head_logprobs: token ids must be in [0, {V})")
+        return
+    lo, hi = torch.stack(labels_N.aminmax()).tolist()
+    if not 0 <= lo <= hi < V:
+        raise ValueError(f"head_logprobs: token ids must be in [0, {V}), got {lo}..{hi}")
+
+
 def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Tensor, temperature: float = 1.0,
                   with_entropy: bool = False, rows: int = 1024,
                   keep_logits: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -216,8 +232,7 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, labels_N: torch.Ten
         ValueError: a label outside ``[0, V)`` (the C passes index the logits with it).
     """
     V = head.weight.shape[0]
-    if labels_N.numel() and not 0 <= int(labels_N.min()) <= int(labels_N.max()) < V:
-        raise ValueError(f"head_logprobs: token ids must be in [0, {V}), got {int(labels_N.min())}..{int(labels_N.max())}")
+    _check_labels(labels_N, V)
     dev = h_NH.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
     args = (labels_N.long().contiguous(), float(temperature), bool(with_entropy), int(rows))
