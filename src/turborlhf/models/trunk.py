@@ -198,6 +198,11 @@ def unshare(model: nn.Module) -> None:
         del backbone._turborlhf_trunk
 
 
+def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-made index on `device`, copied without waiting for the device's queue."""
+    return index if device.type == "cpu" else index.to(device, non_blocking=True)
+
+
 def trunk_hidden_states(backbone: nn.Module, cache: TrunkCache, input_ids_BT: torch.Tensor,
                         attention_mask_BT: torch.Tensor, position_ids_BT: torch.Tensor, stack) -> torch.Tensor:
     """Final hidden states ``B×T×H`` of `backbone` for a 2-D padding mask, with the first
@@ -210,21 +215,27 @@ def trunk_hidden_states(backbone: nn.Module, cache: TrunkCache, input_ids_BT: to
     valid_BT = attention_mask_BT.bool()
     on = torch.is_autocast_enabled(dev.type)
     ctx = (str(dev), on, torch.get_autocast_dtype(dev.type) if on else None)
-    ids_cpu, valid_cpu = input_ids_BT.cpu(), valid_BT.cpu()     # one copy from a GPU, not one sync per row
+    # the keys need the tokens on the host: one copy from a GPU; every index below is then made on
+    # the host and sent without waiting (a boolean-mask index of a device tensor per row waited for
+    # the device each time)
+    ids_cpu, valid_cpu = input_ids_BT.cpu(), valid_BT.cpu()
     keys = [(ctx, tuple(ids_cpu[b][valid_cpu[b]].tolist())) for b in range(B)]
     rows = [cache.get(k) for k in keys]
     miss = [b for b, h in enumerate(rows) if h is None]
     cache.hits += B - len(miss)
     cache.misses += len(miss)
+    lens = valid_cpu.sum(-1).tolist()
     if miss:
-        m = torch.tensor(miss, device=dev)
+        m = torch.tensor(miss)
         with torch.no_grad(), running_layers(backbone, 0, cache.n_layers):
-            low = stack(backbone, input_ids_BT[m], attention_mask_BT[m], position_ids_BT[m])
-        for j, b in enumerate(miss):
-            rows[b] = low[j][valid_BT[b]]
+            m_dev = _to(m, dev)
+            low = stack(backbone, input_ids_BT[m_dev], attention_mask_BT[m_dev], position_ids_BT[m_dev])
+        real = _to(valid_cpu[m].reshape(-1).nonzero().squeeze(1), dev)     # the missed rows' real tokens
+        got = low.reshape(len(miss) * T, -1).index_select(0, real).split([lens[b] for b in miss])
+        for b, h in zip(miss, got):
+            rows[b] = h.clone()             # its own storage: the cache counts and drops rows one by one
             cache.put(keys[b], rows[b])
-    embeds = rows[0].new_zeros(B, T, rows[0].shape[-1])
-    for b in range(B):
-        embeds[b, valid_BT[b]] = rows[b]
+    flat = _to(valid_cpu.reshape(-1).nonzero().squeeze(1), dev)             # b·T + t of each real token
+    embeds = rows[0].new_zeros(B * T, rows[0].shape[-1]).index_copy_(0, flat, torch.cat(rows)).view(B, T, -1)
     with running_layers(backbone, cache.n_layers, len(backbone.layers)):
         return stack(backbone, input_ids_BT, attention_mask_BT, position_ids_BT, embeds)
