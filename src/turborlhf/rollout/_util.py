@@ -63,3 +63,19 @@ def cut_at_stop(ids: Sequence[int], stop_ids: set[int], min_new_tokens: int = 0)
         if j >= min_new_tokens and t in stop_ids:
             return ids[: j + 1], True
     return ids, False
+
+
+def response_token_logprobs(logits_BSV: torch.Tensor, ids_BS: torch.Tensor, prompt_lens: Sequence[int],
+                            response_lens: Sequence[int]) -> list[list[float]]:
+    """Each row's log-probs (fp32 log-softmax of `logits_BSV`, temperature 1) of its response tokens
+    ``ids_BS[b, p:p + r]``, for rows laid out as a prompt of p then a response of r tokens. The
+    labels are read from `ids_BS` on its device and the whole batch comes back in one copy (a copy
+    per row and a label tensor sent per row each waited for a GPU). Returns B lists of r floats."""
+    parts = [logits_BSV[b, p - 1: p + r - 1].float().log_softmax(-1).gather(-1, ids_BS[b, p: p + r, None]).squeeze(-1)
+             for b, (p, r) in enumerate(zip(prompt_lens, response_lens)) if r]
+    flat = torch.cat(parts).tolist() if parts else []
+    out, i = [], 0
+    for r in response_lens:
+        out.append(flat[i: i + r])
+        i += r
+    return out

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ._util import check_prompts, cut_at_stop, resolve_dtype, strip_wrapper_prefixes
+from ._util import check_prompts, cut_at_stop, resolve_dtype, response_token_logprobs, strip_wrapper_prefixes
 from .base import RolloutOutput, SamplingParams
 from .tools import ToolCalls
 
@@ -158,12 +158,7 @@ class HFEngine:
                 ids = torch.tensor([x + [self.pad_id] * (L - len(x)) for x in seqs], device=self.device)
                 mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs], device=self.device)
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
-                for i, (p, r) in enumerate(zip(ps, rs)):
-                    if len(r) == 0:
-                        out.append([])
-                        continue
-                    lg = logits[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
-                    out.append(lg.gather(-1, torch.tensor(list(r), device=self.device)[:, None]).squeeze(-1).tolist())
+                out += response_token_logprobs(logits, ids, [len(p) for p in ps], [len(r) for r in rs])
         return out
 
 

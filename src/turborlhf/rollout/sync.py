@@ -197,7 +197,7 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
     trainer's 2-D parameters rounded to bf16 (each module's while it runs, `_rounded_matrices`;
     LoRA adapters merged first, as the engine receives them), so both sides compute the same
     policy in fp32."""
-    from ._util import resolve_dtype
+    from ._util import resolve_dtype, response_token_logprobs
 
     from turborlhf.engine.train import compute_device
 
@@ -226,9 +226,8 @@ def trainer_logprobs(model: torch.nn.Module, canary: Canary, compute_dtype=None)
                 if missed:     # a matrix whose module never ran may have been read unrounded: round a copy
                     params = {n: _round_bf16(p) if _is_matrix(p) else p for n, p in model.named_parameters()}
                     logits_BSV = torch.func.functional_call(model, params, (), kw).logits
-            for i, (p, r) in enumerate(zip(canary.prompts, canary.responses)):
-                lp = logits_BSV[i, len(p) - 1: len(p) + len(r) - 1].float().log_softmax(-1)
-                out.append(lp.gather(-1, torch.tensor(r, device=dev)[:, None]).squeeze(-1).cpu().tolist())
+            out = response_token_logprobs(logits_BSV, ids, [len(p) for p in canary.prompts],
+                                          [len(r) for r in canary.responses])
     finally:
         model.train(was_training)
     return out
