@@ -24,8 +24,8 @@ B, P, R, V = 4, 3, 6, 64
 _CONVERSIONS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.__float__: "float",
                 torch.Tensor.__int__: "int", torch.Tensor.__bool__: "bool", torch.Tensor.__index__: "index"}
 _WAITS = {torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero", torch.Tensor.masked_select: "masked_select",
-               torch.masked_select: "masked_select", torch.argwhere: "argwhere", torch.Tensor.argwhere: "argwhere",
-               torch.Tensor.cpu: "cpu"}
+          torch.masked_select: "masked_select", torch.argwhere: "argwhere", torch.Tensor.argwhere: "argwhere",
+          torch.Tensor.cpu: "cpu"}
 
 
 def _bool_index(args) -> bool:
