@@ -43,7 +43,10 @@ def _fingerprint(reference: str, dtype: str, seq_sets: dict[str, Sequence[dict]]
     h = hashlib.sha256()
     path = Path(resolve_model_path(reference))
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) if path.is_dir() else []
-    ident = [str(path.resolve()), dtype] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    # "training-kernels": log-probs computed with the training forward's attention kernels
+    # (`sequence_logps`); a cache of the earlier SDPA ones differs from the policy's forward under bf16
+    ident = [str(path.resolve()), dtype, "training-kernels"] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                               for p in files]
     h.update(json.dumps(ident).encode())
     for name in sorted(seq_sets):
         h.update(f"|{name}:{len(seq_sets[name])}".encode())

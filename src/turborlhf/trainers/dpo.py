@@ -21,8 +21,8 @@ Implementation details (docs/algorithms/dpo.md has the equations and the peer co
    resumed run with the same fingerprint loads them and never builds the reference model.
    The reference runs like the policy (fp32 weights under the configured autocast): on
    SmolLM2-135M/HH in bf16 a bf16-weight copy sat 0.29-0.40 nats (mean per sequence) from the
-   policy's training forward, the same-weights reference 0.19 (what remains is bf16 noise from
-   different padding/batch shapes); in fp32 the step-1 loss is ln 2 to 1e-7. When the reference
+   policy's training forward; the same weights with the training forward's attention kernels
+   (`sequence_logps`) give the same log-probs, so the step-1 loss is ln 2 also in bf16. When the reference
    is the initial policy, the freshly loaded policy itself computes them (no second copy).
 3. Chosen and rejected sequences of a micro-batch go through ONE forward pass ([chosen;
    rejected] rows); log-probs are gathered only at response positions (no B×T×V logits).
