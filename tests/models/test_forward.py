@@ -401,3 +401,25 @@ def test_reference_logps_equal_the_training_forward_under_bf16(tiny_model, tiny_
         trained = torch.cat([summed_logps(m, tok.pad_token_id, seqs[s:s + 4], "bf16")[0].detach()
                              for s in range(0, len(seqs), 4)])
     assert m.training and torch.equal(cached, trained), float((cached - trained).abs().max())
+
+
+def test_a_4bit_policys_reference_cache_is_not_read_by_a_full_precision_run(tiny_model, tiny_data, tmp_path,
+                                                                             monkeypatch):
+    """A QLoRA policy (4-bit base) computes its own reference log-probs; a run reusing the directory
+    without load_in_4bit (or the converse) must compute its own, not read the other's."""
+    from turborlhf.data.loaders import load_pairs
+    from turborlhf.data.tokenize import encode_pair
+    from turborlhf.models import reference as R
+    from turborlhf.models.load import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model))
+    pairs = load_pairs(tiny_data / "train_pairs.jsonl", tok)[:2]
+    sets = {"train": [s for p in pairs for s in encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], 64).values()]}
+    m = load_causal_lm(str(tiny_model), tok)
+    computed = []
+    real = R.compute_reference_logps
+    monkeypatch.setattr(R, "compute_reference_logps", lambda *a, **k: computed.append(1) or real(*a, **k))
+    for in_4bit in (True, False, False, True):
+        m.is_loaded_in_4bit = in_4bit             # what transformers sets on a bitsandbytes 4-bit model
+        R.reference_logps(tmp_path, str(tiny_model), tok, sets, "fp32", 4, initial_policy=m)
+    assert len(computed) == 3        # the second full-precision call reads the first's cache

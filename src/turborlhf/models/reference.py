@@ -38,8 +38,9 @@ __all__ = ["REF_CACHE", "reference_logps", "compute_reference_logps", "LoraRefer
 REF_CACHE = "ref_logps.pt"
 
 
-def _fingerprint(reference: str, dtype: str, seq_sets: dict[str, Sequence[dict]]) -> str:
-    """sha256 over the reference weights' identity, the compute dtype and every token id/mask."""
+def _fingerprint(reference: str, dtype: str, seq_sets: dict[str, Sequence[dict]], in_4bit: bool = False) -> str:
+    """sha256 over the reference weights' identity, the compute dtype, whether they were read
+    quantized to 4 bits (a QLoRA policy's base computes the log-probs) and every token id/mask."""
     h = hashlib.sha256()
     path = Path(resolve_model_path(reference))
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) if path.is_dir() else []
@@ -47,6 +48,8 @@ def _fingerprint(reference: str, dtype: str, seq_sets: dict[str, Sequence[dict]]
     # (`sequence_logps`); a cache of the earlier SDPA ones differs from the policy's forward under bf16
     ident = [str(path.resolve()), dtype, "training-kernels"] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                                                for p in files]
+    if in_4bit:         # (the same ident as before otherwise: existing caches stay valid)
+        ident.append("4bit")
     h.update(json.dumps(ident).encode())
     for name in sorted(seq_sets):
         h.update(f"|{name}:{len(seq_sets[name])}".encode())
@@ -112,7 +115,9 @@ def reference_logps(out: Path, reference: str, tokenizer, seq_sets: dict[str, Se
     t0 = time.perf_counter()
     if initial_policy is None:
         check_reference_vocabulary(reference, tokenizer)     # also before a cache made with it is reused
-    key = _fingerprint(reference, dtype, seq_sets)
+    # a QLoRA policy's 4-bit base differs from the same weights read in full: a run directory reused
+    # with the other setting must not read the other's log-probs
+    key = _fingerprint(reference, dtype, seq_sets, bool(getattr(initial_policy, "is_loaded_in_4bit", False)))
     path = out / REF_CACHE
     if path.exists():
         try:     # tensors and plain types only: never unpickle code from a file found in the run directory
