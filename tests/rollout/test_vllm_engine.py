@@ -313,7 +313,7 @@ def test_evaluation_closes_its_engine(monkeypatch, model, prompts):
 
     monkeypatch.setattr(R, "make_engine", lambda *a, **k: Engine())
     tok = types.SimpleNamespace(eos_token_id=2)
-    monkeypatch.setattr("turborlhf.data.tokenize.encode_prompt", lambda tok, p, n: [5, 6])
+    monkeypatch.setattr("turborlhf.data.tokenize.encode_prompts", lambda tok, ps, n: [[5, 6] for _ in ps])
     E.generate_responses(model, tok, ["a", "b"], 4, 1.0, 1.0, 0)
     assert closed == [1]
 
