@@ -44,11 +44,11 @@ def batches_from_data(command: str, cfg, tokenizer_path: str) -> Optional[dict]:
     elif command in ("dpo", "kto"):
         if command == "dpo":
             from turborlhf.data.loaders import load_pairs
-            from turborlhf.data.tokenize import encode_pair
+            from turborlhf.data.tokenize import encode_pair_list
 
             items = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
             items = items[:cfg.data.max_samples] if cfg.data.max_samples else items
-            enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in items]
+            enc = encode_pair_list(tok, items, cfg.data.max_len)
             seqs = lambda i: [enc[i]["chosen"], enc[i]["rejected"]]
             per_step = loop.pairs_per_step
         else:

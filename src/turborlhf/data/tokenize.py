@@ -245,9 +245,11 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> li
         return [encode_prompt(tokenizer, p, max_prompt_len) for p in prompts]
 
 
-def pair_texts(pairs: Sequence[dict]) -> list[str]:
-    """The prompt, chosen and rejected texts of preference `pairs`, for `batch_tokenized`."""
-    return [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]
+def encode_pair_list(tokenizer, pairs: Sequence[dict], max_len: int) -> list[dict]:
+    """`encode_pair` of each ``{prompt, chosen, rejected}`` of `pairs`, in batched tokenizer calls
+    (`batch_tokenized`)."""
+    with batch_tokenized(tokenizer, [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]):
+        return [encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len) for p in pairs]
 
 
 def _pad(seqs: Sequence[Sequence[int]], value: int, side: str, pad_to_multiple_of: int | None):

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from turborlhf.data.tokenize import (batch_tokenized, encode_pair, encode_prompt_response, pad_batch, pair_texts,
+from turborlhf.data.tokenize import (batch_tokenized, encode_pair_list, encode_prompt_response, pad_batch,
                                      report_truncation)
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
@@ -92,12 +92,10 @@ def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int, tag: Optional[s
     the packed forward (`pair_scores`) still computes that prompt once. With `tag`, the sides cut
     at `max_len` are counted in a warning (`report_truncation`)."""
     out, sides = [], []
-    with batch_tokenized(tokenizer, pair_texts(pairs)):
-        for p in pairs:
-            e = encode_pair(tokenizer, p["prompt"], p["chosen"], p["rejected"], max_len)
-            out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
-                        "margin": float(p.get("margin") or 0.0)})
-            sides += [e["chosen"], e["rejected"]]
+    for p, e in zip(pairs, encode_pair_list(tokenizer, pairs, max_len)):
+        out.append({"chosen": e["chosen"]["input_ids"], "rejected": e["rejected"]["input_ids"],
+                    "margin": float(p.get("margin") or 0.0)})
+        sides += [e["chosen"], e["rejected"]]
     if tag is not None:
         report_truncation(tag, sides, max_len)
     return out

@@ -50,7 +50,7 @@ import torch
 from turborlhf.algo import dpo_loss, reduce_loss, reduce_seq_loss, sft_nll_loss
 from turborlhf.config import DPOConfig
 from turborlhf.data.loaders import load_pairs
-from turborlhf.data.tokenize import batch_tokenized, encode_pair, pair_texts, report_truncation
+from turborlhf.data.tokenize import encode_pair, encode_pair_list, report_truncation
 from turborlhf.engine.checkpoint import PlanDigest, restore, save_checkpoint, trainer_state
 from turborlhf.engine.lifecycle import checkpointed_steps, eval_due, log_due, run_to_end, start_run
 from turborlhf.engine.run import export_model, plan_steps, print_batch_table, resolve_hardware
@@ -170,15 +170,13 @@ def train_steps(cfg: DPOConfig, resume: bool = False) -> Iterator[tuple[int, int
     pairs = load_pairs(cfg.data.train_file, tok, **cfg.data.loader_kwargs())
     if cfg.data.max_samples:
         pairs = pairs[:cfg.data.max_samples]
-    with batch_tokenized(tok, pair_texts(pairs)):
-        train_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in pairs]
+    train_enc = encode_pair_list(tok, pairs, cfg.data.max_len)
     report_truncation("dpo", [e[side] for e in train_enc for side in ("chosen", "rejected")], cfg.data.max_len)
     test_enc = []
     if cfg.data.test_file:
         test_pairs = load_pairs(cfg.data.test_file, tok, **cfg.data.loader_kwargs())
         test_pairs = test_pairs[:cfg.data.max_test_samples] if cfg.data.max_test_samples else test_pairs
-        with batch_tokenized(tok, pair_texts(test_pairs)):
-            test_enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], cfg.data.max_len) for p in test_pairs]
+        test_enc = encode_pair_list(tok, test_pairs, cfg.data.max_len)
     plan = plan_steps([max(len(e["chosen"]["input_ids"]), len(e["rejected"]["input_ids"])) for e in train_enc],
                       loop.pairs_per_step, loop.epochs, loop.max_steps, loop.seed)
 
@@ -286,8 +284,7 @@ def eval_dpo(policy: str, reference: str, data: str, beta: float = 0.1, max_len:
     tok = load_tokenizer(policy)
     pairs = load_pairs(data, tok)
     pairs = pairs[:limit] if limit else pairs
-    with batch_tokenized(tok, pair_texts(pairs)):
-        enc = [encode_pair(tok, p["prompt"], p["chosen"], p["rejected"], max_len) for p in pairs]
+    enc = encode_pair_list(tok, pairs, max_len)
     seqs = [e["chosen"] for e in enc] + [e["rejected"] for e in enc]
     n = len(enc)
     logps = {}
