@@ -1,5 +1,7 @@
 """Shared frozen trunks (`turborlhf.models.trunk`): which models share, that sharing changes no
 result or gradient, that the lower layers run once per sequence, and the cache's bounds."""
+import gc
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from turborlhf.models.forward import last_token_scores, response_logprobs, token
 from turborlhf.models.load import decoder_layers, load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.tiny import save_tiny_causal_lm
 from turborlhf.models.trunk import (TrunkCache, clear_trunk_caches, share_frozen_trunk, trunk_layers, unshare)
+from turborlhf.engine.train import trainable_parameters
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,41 @@ def test_sharing_changes_no_result_and_runs_the_trunk_once(model4):
     assert len(calls) == 2
     hook.remove()
     for m in (ref, rm, critic):
+        unshare(m)
+
+
+def _mappings(path) -> int:
+    """How many times this process maps `path`'s weights file (transformers maps it per load)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if line.rstrip().endswith(str(path / "model.safetensors")))
+    except OSError:
+        return 0
+
+
+def test_shared_layers_are_held_once(model4):
+    gc.collect()                     # earlier tests' models, and their mappings, go first
+    base = _mappings(model4)
+    ref, rm, critic = _roles(model4)
+    ref2 = load_causal_lm(str(model4), load_tokenizer(str(model4))).requires_grad_(False)   # tied LM head
+    trained = trainable_parameters(critic)
+    own = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    mapped = _mappings(model4) - base
+    assert share_frozen_trunk([ref, rm, critic, ref2]) == [([0, 1, 2, 3], 2)]
+    for m in (rm, critic, ref2):
+        assert m.model.embed_tokens.weight is ref.model.embed_tokens.weight
+        for i in range(2):
+            for (n, p), q in zip(decoder_layers(m)[i].named_parameters(), decoder_layers(ref)[i].parameters()):
+                assert p is q, (i, n)
+        assert all(p is not q for p, q in zip(decoder_layers(m)[2].parameters(), decoder_layers(ref)[2].parameters()))
+    assert ref2.lm_head.weight is ref.model.embed_tokens.weight                   # the tie follows its embeddings
+    assert all(p is q for p, q in zip(trainable_parameters(critic), trained))          # the optimizer's objects stay
+    for n, p in critic.named_parameters():                                          # and every value
+        assert torch.equal(p, own[n]), n
+    if mapped:   # the followers' checkpoint mappings are gone, their pages with them
+        gc.collect()
+        assert mapped == 4 and _mappings(model4) - base == 1
+    for m in (ref, rm, critic, ref2):
         unshare(m)
 
 
