@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from turborlhf.config import ModelCfg
+from turborlhf.engine.train import trainable_parameters
 from turborlhf.models.forward import last_token_scores, response_logprobs, token_values
 from turborlhf.models.load import decoder_layers, load_causal_lm, load_tokenizer, load_trainable
 from turborlhf.models.tiny import save_tiny_causal_lm
 from turborlhf.models.trunk import (TrunkCache, clear_trunk_caches, share_frozen_trunk, trunk_layers, unshare)
-from turborlhf.engine.train import trainable_parameters
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,9 @@ def test_shared_layers_are_held_once(model4):
             for (n, p), q in zip(decoder_layers(m)[i].named_parameters(), decoder_layers(ref)[i].parameters()):
                 assert p is q, (i, n)
         assert all(p is not q for p, q in zip(decoder_layers(m)[2].parameters(), decoder_layers(ref)[2].parameters()))
-    assert ref2.lm_head.weight is ref.model.embed_tokens.weight                   # the tie follows its embeddings
-    assert all(p is q for p, q in zip(trainable_parameters(critic), trained))          # the optimizer's objects stay
-    for n, p in critic.named_parameters():                                          # and every value
+    assert ref2.lm_head.weight is ref.model.embed_tokens.weight               # the tie follows its embeddings
+    assert all(p is q for p, q in zip(trainable_parameters(critic), trained))    # the optimizer's objects stay
+    for n, p in critic.named_parameters():                                       # and every value
         assert torch.equal(p, own[n]), n
     if mapped:   # the followers' checkpoint mappings are gone, their pages with them
         gc.collect()

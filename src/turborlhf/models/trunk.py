@@ -196,19 +196,18 @@ def share_frozen_trunk(models: Sequence[nn.Module], max_bytes: int = 1 << 30) ->
     return out
 
 
-def share_frozen_weights(leader: nn.Module, follower: nn.Module, n_layers: int) -> int:
+def share_frozen_weights(leader: nn.Module, follower: nn.Module, n_layers: int) -> None:
     """Make `follower` hold `leader`'s parameter tensors for the input embeddings and the first
     `n_layers` decoder layers, which `trunk_layers` found frozen and equal bit for bit: the values
-    are those it had, held once. Peak RSS in fp32 (2-core AVX2-only EPYC): the PPO bench (reference
-    and reward model from one base, 29 layers) 6.61 → 6.12 GiB; the demo's PPO stage (actor,
-    reference, reward model and critic freeze-tuned from one SFT model, 15 of 30 layers) 3.86 →
-    2.97 GiB. Every owner in
-    `follower` is re-pointed (a tied LM head with its embeddings). On the CPU the follower's
+    are those it had, held once. Every owner in `follower` is re-pointed (a tied LM head with its
+    embeddings); only plain `nn.Parameter`s are (not quantized ones). On the CPU the follower's
     other parameters then get their own copy (`.data` replaced; the `Parameter` objects, which an
     optimizer holds, stay): transformers maps the checkpoint file into memory and each tensor is a
     view of that mapping, so the mapping and its resident pages (the shared layers' included) are
-    released only once none is left. Only plain `nn.Parameter`s are re-pointed (not quantized
-    ones). Returns the bytes no longer held twice."""
+    released only once none is left. Peak RSS in fp32 (2-core AVX2-only EPYC): the PPO bench
+    (reference and reward model from one base, 29 layers) 6.61 → 6.12 GiB; the demo's PPO stage
+    (actor, reference, reward model and critic freeze-tuned from one SFT model, 15 of 30 layers)
+    3.86 → 2.97 GiB."""
     pairs = [(backbone_of(leader).get_input_embeddings(), backbone_of(follower).get_input_embeddings())]
     pairs += list(zip(decoder_layers(leader)[:n_layers], decoder_layers(follower)[:n_layers]))
     swap: dict[int, nn.Parameter] = {}
@@ -218,7 +217,6 @@ def share_frozen_weights(leader: nn.Module, follower: nn.Module, n_layers: int) 
                     and not (pa.requires_grad or pb.requires_grad) and pa.dtype == pb.dtype
                     and pa.device == pb.device and pa.shape == pb.shape):
                 swap[id(pb)] = pa
-    freed = sum(p.numel() * p.element_size() for p in {id(p): p for p in swap.values()}.values())
     for module in follower.modules():
         for name, p in module._parameters.items():
             if p is not None and id(p) in swap:
@@ -228,7 +226,6 @@ def share_frozen_weights(leader: nn.Module, follower: nn.Module, n_layers: int) 
         for p in follower.parameters():
             if id(p) not in held and p.device.type == "cpu":
                 p.data = p.data.clone()
-    return freed
 
 
 def unshare(model: nn.Module) -> None:
