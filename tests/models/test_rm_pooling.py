@@ -3,6 +3,7 @@ architecture: with a tokenizer that pads with its EOS (Llama-3 style, no spare t
 through the packed chosen+rejected path the RM trainer and eval-rm use (Gemma2: eager attention
 with logit soft-capping, sliding-window layers, scaled embeddings)."""
 import json
+import random
 
 import pytest
 import torch
@@ -210,6 +211,37 @@ def test_encode_pairs_cuts_one_shared_prompt_and_the_rm_plan_groups_packed_lengt
     plan = plan_pair_steps(encoded, SimpleNamespace(pairs_per_step=4, epochs=1.0, max_steps=0, seed=3))
     assert sorted(i for step in plan for i in step) == list(range(24))
     assert all([lens[i] for i in step] == sorted(lens[i] for i in step) for step in plan)
+
+
+def test_score_pairs_batches_the_rows_it_builds_by_their_length(monkeypatch):
+    """The evaluation's batches hold pairs of similar row length: packed length (prompt once) for
+    a model that packs pairs, the longer sequence for one that does not. Sorted by the summed
+    lengths instead, long prompts with short replies and short prompts with long replies shared
+    batches and padded each other. Scores come back in the pairs' order."""
+    from turborlhf.models.forward import packed_pair_len
+    from turborlhf.trainers import reward_model
+
+    rng = random.Random(0)
+    pairs = []
+    for i in range(40):
+        p = [5 + rng.randrange(3)] * rng.randrange(1, 60)
+        pairs.append({"chosen": p + [1] * rng.randrange(1, 60), "rejected": p + [2] * rng.randrange(1, 60), "i": i})
+    batches = []
+
+    def fake_pair_scores(model, tok, batch, dtype):
+        batches.append(batch)
+        return torch.tensor([float(e["i"]) for e in batch]), -torch.tensor([float(e["i"]) for e in batch])
+
+    monkeypatch.setattr(reward_model, "pair_scores", fake_pair_scores)
+    for packs, row_len in ((True, lambda e: packed_pair_len(e["chosen"], e["rejected"])),
+                           (False, lambda e: max(len(e["chosen"]), len(e["rejected"])))):
+        model = torch.nn.Linear(1, 1)
+        model._turborlhf_shares_prefixes = packs
+        batches.clear()
+        ch, rj = reward_model.score_pairs(model, None, pairs, "fp32", 8)
+        assert ch.tolist() == [float(i) for i in range(40)] and rj.tolist() == [-float(i) for i in range(40)]
+        spans = [(min(map(row_len, b)), max(map(row_len, b))) for b in batches]
+        assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans   # no two batches overlap
 
 
 def test_a_bf16_score_head_scores_in_fp32():
