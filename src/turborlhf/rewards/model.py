@@ -16,10 +16,10 @@ from turborlhf.data.tokenize import (batch_tokenized, encode_pair_list, encode_p
                                      report_truncation)
 from turborlhf.engine.train import autocast
 from turborlhf.errors import UserError
-from turborlhf.models.forward import last_token_scores, pack_shared_prefix, shared_prefix_scores
+from turborlhf.models.forward import last_token_scores, pack_shared_prefix, packed_pair_len, shared_prefix_scores
 from turborlhf.models.probe import shares_prefixes
 
-__all__ = ["encode_pairs", "pair_scores", "score_token_ids", "score_texts", "load_reward_model",
+__all__ = ["encode_pairs", "pair_row_len", "pair_scores", "score_token_ids", "score_texts", "load_reward_model",
            "check_reward_model", "NotARewardModelError", "warn_if_other_format"]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,14 @@ def encode_pairs(tokenizer, pairs: Sequence[dict], max_len: int, tag: Optional[s
     if tag is not None:
         report_truncation(tag, sides, max_len)
     return out
+
+
+def pair_row_len(model, pair: dict, shared_prefix: bool = True) -> int:
+    """Length of the row `pair_scores` builds for an encoded pair: its packed row (prompt once)
+    where it packs pairs, else its longer sequence (both are padded to the batch's longest)."""
+    if shared_prefix and shares_prefixes(model):
+        return packed_pair_len(pair["chosen"], pair["rejected"])
+    return max(len(pair["chosen"]), len(pair["rejected"]))
 
 
 def pair_scores(model, tokenizer, encoded: Sequence[dict], dtype: str = "auto",

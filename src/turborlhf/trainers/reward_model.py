@@ -30,8 +30,7 @@ from turborlhf.engine.train import (clip_and_step, count_parameters, make_optimi
 from turborlhf.metrics import M, MetricsLogger, tracker_kwargs
 from turborlhf.models.forward import packed_pair_len
 from turborlhf.models.load import backbone_of, load_tokenizer, load_trainable
-from turborlhf.models.probe import shares_prefixes
-from turborlhf.rewards.model import encode_pairs, pair_scores
+from turborlhf.rewards.model import encode_pairs, pair_row_len, pair_scores
 
 __all__ = ["phases", "plan_pair_steps", "train", "train_steps", "evaluate_pairs", "score_pairs", "summarize_scores"]
 
@@ -46,17 +45,11 @@ def phases(cfg: RMConfig) -> tuple[str, ...]:
 @torch.no_grad()
 def score_pairs(model, tokenizer, encoded: list[dict], dtype: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen_N, rejected_N) fp32 scores of N encoded pairs, in their order, batched by the length
-    of the rows `pair_scores` builds: a pair's packed row (its prompt once) where the model shares
-    prefixes, else its longer sequence. (Sorted by the pairs' summed lengths, the demo's 184 held-out
-    pairs were padded by 18% instead of 4%.)"""
+    of the rows `pair_scores` builds (`pair_row_len`). (Sorted by the pairs' summed lengths, the
+    demo's 184 held-out pairs were padded by 18% instead of 4%.)"""
     was_training = model.training
     model.eval()
-    packed = shares_prefixes(model)
-
-    def row_len(e: dict) -> int:
-        return packed_pair_len(e["chosen"], e["rejected"]) if packed else max(len(e["chosen"]), len(e["rejected"]))
-
-    order = sorted(range(len(encoded)), key=lambda i: row_len(encoded[i]))
+    order = sorted(range(len(encoded)), key=lambda i: pair_row_len(model, encoded[i]))
     ch, rj = torch.empty(len(encoded)), torch.empty(len(encoded))
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
