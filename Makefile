@@ -9,15 +9,16 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install model demo demo-math full test test-fast clean
 
-# What `make demo` runs on: torch and the package's own dependencies. The extras below (LoRA, Ray,
-# trackers, verifiers, pytest) took 89 of 192 s of a fresh install on a 2-core AVX2-only EPYC.
 # pip byte-compiles what it installs one file at a time; compiling the environment afterwards on
-# every core, this step took 130 instead of 163 s on a 2-core AVX2-only EPYC (warm pip cache). Not
+# every core, $(CORE) below took 130 instead of 163 s on a 2-core AVX2-only EPYC (warm pip cache). Not
 # compiling at all is slower: with PYTHONDONTWRITEBYTECODE set, every process would compile the
 # modules it imports again (~12 s more per training process there). compileall's exit status is
 # ignored as pip ignores its own: some wheels ship files that are not Python 3 (templates, tests).
 COMPILE := $(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
            > /dev/null || true
+
+# What `make demo` runs on: torch and the package's own dependencies. The extras below (LoRA, Ray,
+# trackers, verifiers, pytest) took 89 of 192 s of a fresh install on a 2-core AVX2-only EPYC.
 $(CORE): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --no-compile torch==2.13.0
